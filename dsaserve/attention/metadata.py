@@ -1,0 +1,93 @@
+"""BatchMetadata: the addressing contract between the runner and the model.
+
+One forward runs a flattened mixed batch: request i contributes tokens
+`query_start_loc[i]:query_start_loc[i+1]`, which are its positions
+`seq_lens[i] - query_len .. seq_lens[i] - 1` on top of `seq_lens[i] - query_len` cached tokens.
+Prefill, chunked prefill and decode are the same code path. Attention never infers request
+boundaries from tensor shapes; it reads them from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchMetadata:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, logical position of each new token inside its request
+    query_start_loc: torch.Tensor  # [B + 1] int64, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int64, cached context + new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int64 physical block ids, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64 physical slot (block * block_size + offset) of each new token
+    logits_indices: torch.Tensor  # [N] int64 rows of the flattened batch that need logits
+    block_size: int
+    # Host copies of the boundaries, made once per batch, so per-layer loops never sync with the device.
+    query_start_loc_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_host[-1]
+
+    def query_range(self, i: int) -> tuple[int, int]:
+        return self.query_start_loc_host[i], self.query_start_loc_host[i + 1]
+
+    def context_len(self, i: int) -> int:
+        start, end = self.query_range(i)
+        return self.seq_lens_host[i] - (end - start)
+
+    def slots(self, i: int, positions: torch.Tensor) -> torch.Tensor:
+        """Physical cache slots of request i's logical `positions` (any shape, all valid)."""
+        table = self.block_tables[i]
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: list[list[int]],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        logits_indices: list[int],
+        device: torch.device | str = "cpu",
+    ) -> "BatchMetadata":
+        """token_ids[i] are request i's new tokens, placed after context_lens[i] cached ones."""
+        if not (len(token_ids) == len(context_lens) == len(block_tables)):
+            raise ValueError("token_ids, context_lens and block_tables need one entry per request")
+        flat_ids, positions, starts, seq_lens = [], [], [0], []
+        for ids, ctx in zip(token_ids, context_lens):
+            flat_ids.extend(ids)
+            positions.extend(range(ctx, ctx + len(ids)))
+            starts.append(starts[-1] + len(ids))
+            seq_lens.append(ctx + len(ids))
+        for i, (table, n) in enumerate(zip(block_tables, seq_lens)):
+            if len(table) * block_size < n:
+                raise ValueError(f"request {i} has {n} tokens but its block table covers {len(table) * block_size}")
+        width = max((len(t) for t in block_tables), default=0)
+        tables = torch.zeros(len(block_tables), max(width, 1), dtype=torch.int64)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        req_of_token = torch.repeat_interleave(
+            torch.arange(len(token_ids)), torch.tensor([len(t) for t in token_ids], dtype=torch.int64)
+        )
+        slot_mapping = tables[req_of_token, pos // block_size] * block_size + pos % block_size
+        return cls(
+            input_ids=torch.tensor(flat_ids, dtype=torch.int64, device=device),
+            positions=pos.to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            block_tables=tables.to(device),
+            slot_mapping=slot_mapping.to(device),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            block_size=block_size,
+            query_start_loc_host=tuple(starts),
+            seq_lens_host=tuple(seq_lens),
+        )

@@ -1,0 +1,195 @@
+"""Write random-weight glm_moe_dsa checkpoints in the real layout (demo model and test fixtures).
+
+The tensors come from `checkpoint_layout`, so what is written is exactly what the loader expects and
+what the transformers reference loads: per-expert tensors, indexer tensors only on full layers,
+optional MTP layer, optional sharding and optional FP8 block quantization.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from dsaserve.config import ModelConfig
+from dsaserve.demo_tokenizer import build_tokenizer, save_tokenizer, stop_token_ids
+from dsaserve.model.checkpoint_layout import checkpoint_shapes
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def small_config(**overrides) -> dict:
+    """A small GLM-MoE-DSA config.json (mixed F/S schedule, dense prefix, MoE) to build on."""
+    cfg = {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa",
+        "vocab_size": 1024,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "head_dim": 8,
+        "qk_head_dim": 24,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "index_topk": 16,
+        "index_head_dim": 32,
+        "index_n_heads": 8,
+        "indexer_rope_interleave": True,
+        "rope_interleave": True,
+        "indexer_types": ["full", "full", "shared", "shared"],
+        "index_topk_pattern": None,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "max_position_embeddings": 4096,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "num_nextn_predict_layers": 0,
+        "dtype": "float32",
+        "use_cache": True,
+    }
+    cfg.update(overrides)
+    for key in ("indexer_types", "mlp_layer_types"):
+        if key in cfg and cfg[key] is not None and len(cfg[key]) != cfg["num_hidden_layers"]:
+            raise ValueError(f"{key} has {len(cfg[key])} entries for {cfg['num_hidden_layers']} layers")
+    return cfg
+
+
+def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, std: float) -> torch.Tensor:
+    """Weights with enough spread that every component visibly matters (norm gains are not all ones)."""
+    if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+        return 1.0 + 0.2 * torch.randn(shape, generator=gen)
+    if name.endswith("k_norm.bias"):
+        return 0.2 * torch.randn(shape, generator=gen)
+    if name.endswith("e_score_correction_bias"):
+        return 0.05 * torch.randn(shape, generator=gen)
+    if name.endswith("embed_tokens.weight"):
+        return torch.randn(shape, generator=gen)
+    fan_in = shape[-1] if len(shape) > 1 else 1
+    return torch.randn(shape, generator=gen) * (std if std > 0 else fan_in**-0.5)
+
+
+SEPARATION_CHANNEL = 0  # hidden channel kept large and positive so indexer head weights stay positive
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.0, include_mtp: bool = False) -> dict[str, torch.Tensor]:
+    """std 0 means fan-in scaling (activations keep unit size through every layer).
+
+    Indexer scores are made well separated: every embedding carries a large positive value on one
+    channel and `weights_proj` reads mostly that channel, so each head's weight w_h(t) is positive and
+    a score is zero only when every head's relu is. Ties at the top-k boundary would otherwise let two
+    correct implementations pick different tokens.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shapes = checkpoint_shapes(cfg, include_mtp=include_mtp)
+    weights = {name: random_tensor(name, shape, gen, std) for name, shape in shapes.items()}
+    weights["model.embed_tokens.weight"][:, SEPARATION_CHANNEL] = 8.0
+    for name, w in weights.items():
+        if name.endswith("indexer.weights_proj.weight"):
+            w.mul_(0.05)
+            w[:, SEPARATION_CHANNEL] = 1.0
+        elif name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wk.weight")):
+            w[:, SEPARATION_CHANNEL] = 0.0  # else every query and key would point the same way
+    return weights
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise FP8: returns (float8_e4m3fn weight, float32 weight_scale_inv [ceil(r/b), ceil(c/b)])."""
+    rows, cols = weight.shape
+    grid_r, grid_c = math.ceil(rows / block[0]), math.ceil(cols / block[1])
+    padded = torch.zeros(grid_r * block[0], grid_c * block[1])
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.view(grid_r, block[0], grid_c, block[1])
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).view(grid_r * block[0], grid_c * block[1])[:rows, :cols]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def is_fp8_quantizable(name: str) -> bool:
+    """Linear projections go to FP8; embeddings, lm_head, norms, router and the indexer's weights_proj stay."""
+    if not name.endswith(".weight") or "norm" in name or "embed_tokens" in name or name.startswith("lm_head"):
+        return False
+    if name.endswith("mlp.gate.weight") or "weights_proj" in name or "shared_head" in name:
+        return False
+    return True
+
+
+def save_checkpoint(model_dir: str, config: dict, weights: dict[str, torch.Tensor], shards: int = 1,
+                    dtype: torch.dtype = torch.float32, fp8: bool = False) -> None:
+    os.makedirs(model_dir, exist_ok=True)
+    config = dict(config)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if fp8 and is_fp8_quantizable(name):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(w)
+        elif name.endswith("e_score_correction_bias") or name.endswith("mlp.gate.weight"):
+            tensors[name] = w.float().contiguous()
+        else:
+            tensors[name] = w.to(dtype).contiguous()
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    if fp8:
+        config["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["lm_head", "model.embed_tokens", "mlp.gate", "indexer.weights_proj"],
+        }
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    names = list(tensors)
+    if shards <= 1:
+        save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+        return
+    per_shard = math.ceil(len(names) / shards)
+    weight_map = {}
+    for s in range(shards):
+        part = names[s * per_shard : (s + 1) * per_shard]
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in part}, os.path.join(model_dir, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(model_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def build_checkpoint(model_dir: str, seed: int = 0, std: float = 0.0, shards: int = 1,
+                     dtype: torch.dtype = torch.float32, fp8: bool = False, include_mtp: bool = False,
+                     tokenizer_vocab: int = 1024, **config_overrides) -> str:
+    """Write config.json, weights, tokenizer and generation_config.json; returns model_dir."""
+    os.makedirs(model_dir, exist_ok=True)
+    tok = build_tokenizer(tokenizer_vocab)
+    eos = stop_token_ids(tok)
+    config_overrides.setdefault("vocab_size", max(64 * math.ceil(tok.get_vocab_size() / 64), 64))
+    config_overrides.setdefault("eos_token_id", eos)
+    config_overrides.setdefault("pad_token_id", eos[0])
+    if include_mtp:
+        config_overrides.setdefault("num_nextn_predict_layers", 1)
+    raw = small_config(**config_overrides)
+    cfg = ModelConfig.from_dict(raw)
+    weights = random_weights(cfg, seed=seed, std=std, include_mtp=include_mtp)
+    save_checkpoint(model_dir, raw, weights, shards=shards, dtype=dtype, fp8=fp8)
+    save_tokenizer(tok, model_dir)
+    with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos, "pad_token_id": eos[0]}, f, indent=2)
+    return model_dir

@@ -1,0 +1,110 @@
+"""The `dsaserve` command line: generate, doctor, build-demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from dsaserve.attention import ATTENTION_BACKENDS
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--attention-backend", default="sparse", choices=ATTENTION_BACKENDS)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: what max-model-len needs, up to 1 GiB)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--hf-overrides", default=None, help="JSON object patched into config.json, e.g. '{\"index_topk_pattern\": \"FFSS\"}'")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        hf_overrides=args.hf_overrides,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dsaserve import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or ["Hello, my name is"]
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        if len(prompts) > 1:
+            print(f"--- prompt: {out.prompt!r}")
+        print(out.outputs[0].text)
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dsaserve.doctor import report
+
+    text, ok = report(args.model, hf_overrides=args.hf_overrides, max_model_len=args.max_model_len)
+    print(text)
+    return 0 if ok else 1
+
+
+def cmd_build_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from dsaserve.checkpoint_builder import build_checkpoint
+    from dsaserve.demo import DEMO_CONFIG
+
+    build_checkpoint(args.path, seed=args.seed, dtype=getattr(torch, args.dtype), include_mtp=True, **DEMO_CONFIG)
+    print(f"demo checkpoint written to {args.path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsaserve", description="Serve GLM-5.x sparse-attention models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion offline")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+
+    doc = sub.add_parser("doctor", help="check a checkpoint directory before loading it")
+    doc.add_argument("model", help="checkpoint directory (config.json is enough)")
+    doc.add_argument("--hf-overrides", default=None)
+    doc.add_argument("--max-model-len", type=int, default=None)
+    doc.set_defaults(func=cmd_doctor)
+
+    demo = sub.add_parser("build-demo", help="write the built-in demo checkpoint to a directory")
+    demo.add_argument("path")
+    demo.add_argument("--seed", type=int, default=1234)
+    demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    demo.set_defaults(func=cmd_build_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""A small byte-level BPE tokenizer with GLM's special tokens and a GLM-style chat template.
+
+Used by the built-in demo model and by test fixtures: it exercises the same files a real GLM
+checkpoint ships (tokenizer.json, tokenizer_config.json with a jinja chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+GLM_SPECIAL_TOKENS = (
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
+    "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+    "<think>", "</think>", "<tool_call>", "</tool_call>",
+    "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+    "<tool_response>", "</tool_response>", "/nothink",
+)
+# Generation stops at these (GLM's eos ids point at the same three tokens).
+GLM_STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
+
+_CORPUS = """\
+dsaserve serves GLM models with sparse attention. The lightning indexer scores the past tokens and
+each query attends only to the best ones. Shared layers reuse the top-k of the last full layer.
+The quick brown fox jumps over the lazy dog. Paris is the capital of France. Berlin is the capital
+of Germany. Hello, world! How are you today? I am fine, thank you. What is the weather like?
+def main():\n    print("hello")\n    return 0\nfor i in range(10):\n    total += i * i
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828. Questions? Answers! Tools, calls, results.
+Mixture of experts routes each token to a few experts. Latent attention caches a compressed key.
+"""
+
+CHAT_TEMPLATE = """[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>...</tool_call>
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}
+<|system|>
+{{ m.content }}
+{%- elif m.role == 'user' -%}
+<|user|>
+{{ m.content }}
+{%- elif m.role == 'assistant' -%}
+<|assistant|>
+{%- if m.reasoning_content -%}
+<think>{{ m.reasoning_content }}</think>
+{%- else -%}
+</think>
+{%- endif -%}
+{%- if m.content %}
+{{ m.content }}
+{%- endif -%}
+{%- for tc in (m.tool_calls or []) -%}
+{%- set f = tc.function if tc.function is defined else tc -%}
+<tool_call>{{ f.name }}
+{%- set args = f.arguments -%}
+{%- if args is string -%}{%- set args = {} -%}{%- endif -%}
+{%- for k, v in args.items() -%}
+<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else v | tojson(ensure_ascii=False) }}</arg_value>
+{%- endfor -%}
+</tool_call>
+{%- endfor -%}
+{%- elif m.role == 'tool' -%}
+<|observation|>
+<tool_response>{{ m.content }}</tool_response>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|assistant|>
+{%- if enable_thinking is defined and not enable_thinking -%}</think>{%- endif -%}
+{%- endif -%}"""
+
+
+def build_tokenizer(vocab_size: int = 1024) -> Tokenizer:
+    """Train a byte-level BPE on a fixed built-in corpus (deterministic), specials first."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(GLM_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, model_dir: str) -> None:
+    tok.save(os.path.join(model_dir, "tokenizer.json"))
+    added = {
+        str(tok.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                  "normalized": False, "single_word": False}
+        for t in GLM_SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+        "added_tokens_decoder": added,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+def stop_token_ids(tok: Tokenizer) -> list[int]:
+    return [tok.token_to_id(t) for t in GLM_STOP_TOKENS]

@@ -1,0 +1,129 @@
+"""`dsaserve doctor MODEL_DIR`: what an operator should know before a multi-hour load.
+
+Works on a directory holding only config.json; reads safetensors headers (never tensor data) when
+weights are present.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+
+from dsaserve.config import ModelConfig
+from dsaserve.engine.kv_cache import KVCacheLayout
+from dsaserve.loader import CheckpointError, check_tensors, checkpoint_files, read_tensor_infos
+from dsaserve.model.checkpoint_layout import checkpoint_shapes, component_of, is_mtp_tensor
+
+_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "U8": 1, "I8": 1}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
+        if abs(n) < 1024 or prefix == "Ti":
+            return f"{n:.1f} {prefix}{unit}" if prefix else f"{int(n)} {unit}"
+        n /= 1024
+    return f"{n} {unit}"
+
+
+def count(n: int) -> str:
+    for suffix, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{suffix}"
+    return str(n)
+
+
+def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None) -> tuple[str, bool]:
+    """Returns (text, ok). ok is False when the checkpoint's tensors do not match its config."""
+    cfg = ModelConfig.from_pretrained(model_dir, hf_overrides=hf_overrides)
+    sched = cfg.indexer_schedule
+    lines = [f"dsaserve doctor: {os.path.abspath(model_dir)}"]
+    lines.append(
+        f"model: {cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads} heads, {cfg.n_routed_experts} experts ({cfg.num_experts_per_tok} per token, "
+        f"{cfg.n_shared_experts} shared), vocab {cfg.vocab_size}"
+    )
+    lines.append(f"indexer schedule: {sched.pattern}")
+    lines.append(f"  {sched.num_full} full / {sched.num_shared} shared, from {sched.source}")
+    lines.append(f"  index_topk {cfg.index_topk}, indexer {cfg.index_n_heads} heads × {cfg.index_head_dim}")
+    for warning in sched.warnings:
+        lines.append(f"  WARNING: {warning}")
+    lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
+    dense = sum(t == "dense" for t in cfg.mlp_layer_types)
+    lines.append(f"mlp layers: {dense} dense + {cfg.num_hidden_layers - dense} MoE")
+    rope = cfg.rope
+    lines.append(f"rope: {rope.rope_type}, theta {rope.theta:g}" + (f", factor {rope.factor:g}" if rope.rope_type == "yarn" else ""))
+    lines.append(f"eos token ids: {list(cfg.eos_token_ids)}")
+    if cfg.quantization_config:
+        qc = cfg.quantization_config
+        lines.append(f"quantization: {qc.get('quant_method')} blocks {qc.get('weight_block_size')} (dequantized at load)")
+
+    ok = True
+    files = checkpoint_files(model_dir)
+    if files:
+        infos = read_tensor_infos(files)
+        lines.append(f"weights: {len(files)} safetensors file(s), {len(infos)} tensors")
+        lines += _schedule_check(cfg, infos)
+        try:
+            check_tensors(cfg, infos)
+            lines.append("  every tensor matches the layout config.json describes")
+        except CheckpointError as e:
+            ok = False
+            lines.append(f"  MISMATCH: {e}")
+        sizes = {n: (i.shape, _BYTES.get(i.dtype, 2)) for n, i in infos.items() if not is_mtp_tensor(cfg, n)}
+        source = "checkpoint headers"
+    else:
+        lines.append("weights: none in this directory (sizes below are computed from config.json)")
+        item = _DTYPE_BYTES.get(cfg.checkpoint_dtype, 2)
+        sizes = {n: (s, item) for n, s in checkpoint_shapes(cfg).items()}
+        source = f"config.json at {cfg.checkpoint_dtype}"
+    lines += _component_table(sizes, source)
+    lines += _kv_lines(cfg, max_model_len)
+    return "\n".join(lines), ok
+
+
+def _schedule_check(cfg: ModelConfig, infos) -> list[str]:
+    with_indexer = {int(n.split(".")[2]) for n in infos if ".self_attn.indexer." in n and not is_mtp_tensor(cfg, n)}
+    full = set(cfg.full_layers)
+    missing = sorted(full - with_indexer)
+    extra = sorted(with_indexer - full)
+    if not missing and not extra:
+        return [f"  indexer weights on all {len(full)} full layers and on none of the {cfg.num_hidden_layers - len(full)} shared layers"]
+    out = []
+    if missing:
+        out.append(f"  MISMATCH: full layers without indexer weights: {missing}")
+    if extra:
+        out.append(f"  MISMATCH: shared layers carrying indexer weights: {extra} (the checkpoint expects a different schedule)")
+    return out
+
+
+def _component_table(sizes: dict, source: str) -> list[str]:
+    params, nbytes = defaultdict(int), defaultdict(int)
+    for name, (shape, item) in sizes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        key = "fp8 scales" if name.endswith("_scale_inv") else component_of(name)
+        if not name.endswith("_scale_inv"):
+            params[key] += n
+        nbytes[key] += n * item
+    lines = [f"parameters by component ({source}):"]
+    for key in sorted(nbytes, key=lambda k: -nbytes[k]):
+        lines.append(f"  {key:<16} {count(params[key]):>10} params  {human(nbytes[key]):>12}")
+    lines.append(f"  {'total':<16} {count(sum(params.values())):>10} params  {human(sum(nbytes.values())):>12}")
+    return lines
+
+
+def _kv_lines(cfg: ModelConfig, max_model_len: int | None) -> list[str]:
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.checkpoint_dtype, torch.bfloat16)
+    layout = KVCacheLayout.of(cfg, dtype)
+    item = torch.empty((), dtype=dtype).element_size()
+    length = max_model_len or cfg.max_position_embeddings
+    return [
+        f"KV cache per token ({str(dtype).removeprefix('torch.')}): {human(layout.bytes_per_token)}",
+        f"  latent: {cfg.num_hidden_layers} layers × {cfg.kv_cache_dim} × {item} B = {human(layout.latent_bytes_per_token)}",
+        f"  indexer keys: {len(cfg.full_layers)} full layers × {cfg.index_head_dim} × {item} B = {human(layout.indexer_bytes_per_token)}",
+        f"  one sequence of {length} tokens: {human(layout.bytes_per_token * length)}",
+    ]

@@ -1,0 +1,80 @@
+"""The paged KV cache: per-layer latent pages, indexer key pages on full layers only, and a block pool.
+
+Layout (see DESIGN.md): latent cache `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` on every
+layer; indexer key cache `[num_blocks, block_size, index_head_dim]` only on full layers. Block ids are
+physical and shared by all layers: block b of a request holds its tokens b*block_size … in every layer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from dsaserve.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Bytes one token occupies in the cache, split by part."""
+
+    latent_bytes_per_token: int  # all layers
+    indexer_bytes_per_token: int  # full layers only
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.latent_bytes_per_token + self.indexer_bytes_per_token
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, dtype: torch.dtype) -> "KVCacheLayout":
+        item = torch.empty((), dtype=dtype).element_size()
+        return cls(
+            latent_bytes_per_token=cfg.num_hidden_layers * cfg.kv_cache_dim * item,
+            indexer_bytes_per_token=len(cfg.full_layers) * cfg.index_head_dim * item,
+        )
+
+
+class KVCache:
+    """The cache tensors. Allocated once at load time; written at `slot_mapping`, read via block tables."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, with_indexer: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.latent = [
+            torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.indexer = {
+            layer: torch.zeros(num_blocks, block_size, cfg.index_head_dim, dtype=dtype, device=device)
+            for layer in (cfg.full_layers if with_indexer else ())
+        }
+
+    def nbytes(self) -> int:
+        tensors = self.latent + list(self.indexer.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class BlockPool:
+    """Free-list of physical block ids."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks, only {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)

@@ -1,0 +1,57 @@
+"""Turns a scheduled batch into BatchMetadata, runs the model, and returns the logits rows asked for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.engine.kv_cache import KVCache
+from dsaserve.engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class RunnerOutput:
+    sample_logits: torch.Tensor  # [len(sample_requests), V] fp32, one row per request that samples now
+    sample_requests: list[int]  # batch positions of those requests
+    prompt_logits: dict[int, torch.Tensor]  # batch position → [k, V] rows predicting prompt tokens
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache: KVCache, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        token_ids, context_lens, tables, logits_rows = [], [], [], []
+        sample_requests, sample_rows, prompt_rows = [], [], {}
+        offset = 0
+        for b, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            start = request.num_computed_tokens
+            token_ids.append(request.token_ids(start, start + n))
+            context_lens.append(start)
+            tables.append(request.block_table)
+            if request.params.prompt_logprobs is not None:
+                # Row at position p predicts prompt token p + 1.
+                last = min(start + n, request.num_prompt_tokens - 1)
+                if last > start:
+                    prompt_rows[b] = list(range(len(logits_rows), len(logits_rows) + last - start))
+                    logits_rows.extend(range(offset, offset + last - start))
+            if start + n == request.num_tokens:
+                sample_requests.append(b)
+                sample_rows.append(len(logits_rows))
+                logits_rows.append(offset + n - 1)
+            offset += n
+        meta = BatchMetadata.build(
+            token_ids, context_lens, tables, self.kv_cache.block_size, logits_rows, device=self.device
+        )
+        hidden = self.model(meta, self.kv_cache.latent, self.kv_cache.indexer)
+        logits = self.model.compute_logits(hidden)
+        return RunnerOutput(
+            sample_logits=logits[sample_rows],
+            sample_requests=sample_requests,
+            prompt_logits={b: logits[rows] for b, rows in prompt_rows.items()},
+        )
+

@@ -1,0 +1,89 @@
+"""Offline API: `LLM(model).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from dsaserve.engine.engine import LLMEngine
+from dsaserve.outputs import RequestOutput
+from dsaserve.sampling_params import SamplingParams
+
+PromptType = str | dict | list[int]
+
+
+class LLM:
+    """Load a glm_moe_dsa checkpoint directory (or the built-in demo model when `model` is None)."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        if model is None:
+            from dsaserve.demo import demo_model_dir
+
+            model = demo_model_dir()
+        self.engine = LLMEngine(model, **engine_args)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Returns one RequestOutput per prompt, in order. A prompt is a string, {"prompt": str},
+        {"prompt_token_ids": [...]}, or (with `prompt_token_ids=`) a list of token ids."""
+        items = _normalize_prompts(prompts, prompt_token_ids)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(items)
+        if len(params_list) != len(items):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(items)} prompts; give one or one each")
+        ids = []
+        try:
+            for item, p in zip(items, params_list):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, item, p)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in ids]
+
+
+def _normalize_prompts(prompts, prompt_token_ids) -> list[str | list[int]]:
+    if prompt_token_ids is not None:
+        if prompts is not None:
+            raise ValueError("pass either prompts or prompt_token_ids, not both")
+        if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            return [list(prompt_token_ids)]
+        return [list(p) for p in prompt_token_ids]
+    if prompts is None:
+        raise ValueError("no prompts given")
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, dict) and "prompt_token_ids" in p:
+            out.append(list(p["prompt_token_ids"]))
+        elif isinstance(p, dict) and "prompt" in p:
+            out.append(p["prompt"])
+        else:
+            raise ValueError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got {p!r}")
+    return out

@@ -1,0 +1,186 @@
+"""Load safetensors checkpoints (single file or sharded) strictly, in parallel, with FP8 dequantization.
+
+Strict means: the set of tensors must equal the layout derived from the config (indexer weights on
+every full layer and on no shared layer, per-expert MoE tensors, MTP layers ignored unless asked for),
+shapes must match, and a truncated or corrupt file is reported by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from dsaserve.config import ModelConfig
+from dsaserve.model.checkpoint_layout import checkpoint_shapes, is_mtp_tensor
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` holds the block scales of an FP8 `X.weight`
+FP8_DTYPES = ("F8_E4M3",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's files or tensors do not match what the config describes."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str
+    dtype: str  # safetensors dtype string, e.g. "BF16", "F8_E4M3"
+    shape: tuple[int, ...]
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The safetensors files of a checkpoint: those named by the index, else every *.safetensors."""
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+        if missing:
+            raise CheckpointError(f"{INDEX_FILE} names shard files that do not exist in {model_dir}: {missing}")
+        return [os.path.join(model_dir, f) for f in files]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def read_tensor_infos(files: list[str]) -> dict[str, TensorInfo]:
+    """Names, dtypes and shapes from the file headers, without reading tensor data."""
+    infos: dict[str, TensorInfo] = {}
+    for path in files:
+        try:
+            with safe_open(path, "pt") as f:
+                for name in f.keys():
+                    if name in infos:
+                        raise CheckpointError(f"tensor {name!r} is stored twice: in {infos[name].file} and {path}")
+                    piece = f.get_slice(name)
+                    infos[name] = TensorInfo(path, piece.get_dtype(), tuple(piece.get_shape()))
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-download this file") from e
+    return infos
+
+
+def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo], include_mtp: bool = False) -> None:
+    """Raise CheckpointError listing missing, unexpected and mis-shaped tensors."""
+    expected = checkpoint_shapes(cfg, include_mtp=include_mtp)
+    present = {}
+    unexpected = []
+    for name, info in infos.items():
+        if name.endswith(SCALE_SUFFIX):
+            weight = infos.get(name[: -len(SCALE_SUFFIX)])
+            if weight is None or weight.dtype not in FP8_DTYPES:
+                unexpected.append(name)
+            continue
+        if not include_mtp and is_mtp_tensor(cfg, name):
+            continue
+        present[name] = info
+    missing = sorted(set(expected) - set(present))
+    unexpected += sorted(set(present) - set(expected))
+    unscaled = sorted(n for n, i in present.items() if i.dtype in FP8_DTYPES and n + SCALE_SUFFIX not in infos)
+    misshaped = [
+        f"{n}: {present[n].shape} (expected {tuple(expected[n])})"
+        for n in sorted(set(expected) & set(present))
+        if tuple(present[n].shape) != tuple(expected[n])
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
+    if unscaled:
+        problems.append(f"FP8 tensors without {SCALE_SUFFIX.lstrip('_')} ({len(unscaled)}): {_listing(unscaled)}")
+    if misshaped:
+        problems.append(f"tensors with the wrong shape ({len(misshaped)}): {_listing(misshaped)}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint does not match config.json (indexer schedule {cfg.indexer_schedule.pattern} from "
+            f"{cfg.indexer_schedule.source}): " + "; ".join(problems)
+        )
+
+
+def _listing(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", … and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """weight (float8_e4m3fn) × its per-block scale. The tile is derived from the tensor's own scale grid."""
+    rows, cols = weight.shape
+    grid_r, grid_c = scale_inv.shape if scale_inv.dim() == 2 else (1, 1)
+    tile_r = _tile(rows, grid_r, block[0], name)
+    tile_c = _tile(cols, grid_c, block[1], name)
+    scale = scale_inv.float().reshape(grid_r, grid_c)
+    scale = scale.repeat_interleave(tile_r, 0)[:rows].repeat_interleave(tile_c, 1)[:, :cols]
+    return weight.float() * scale
+
+
+def _tile(size: int, grid: int, block: int, name: str) -> int:
+    if math.ceil(size / block) == grid:
+        return block
+    tile = math.ceil(size / grid)
+    if grid < 1 or math.ceil(size / tile) != grid:
+        raise CheckpointError(f"{name}: a scale grid of {grid} blocks cannot cover {size} rows/columns")
+    return tile
+
+
+def _fp8_block(cfg: ModelConfig) -> tuple[int, int]:
+    qc = cfg.quantization_config or {}
+    block = qc.get("weight_block_size") or [128, 128]
+    return int(block[0]), int(block[1])
+
+
+def load_checkpoint(model, cfg: ModelConfig, model_dir: str, include_mtp: bool = False,
+                    progress: bool = True, max_workers: int | None = None) -> dict[str, torch.Tensor]:
+    """Load every tensor of `model_dir` into `model` (via `model.weight_loader()`). Returns MTP tensors if asked."""
+    files = checkpoint_files(model_dir)
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir!r}")
+    infos = read_tensor_infos(files)
+    check_tensors(cfg, infos, include_mtp=False)
+    block = _fp8_block(cfg)
+    by_file: dict[str, list[str]] = {}
+    for name, info in infos.items():
+        if not name.endswith(SCALE_SUFFIX):
+            by_file.setdefault(info.file, []).append(name)
+    mtp: dict[str, torch.Tensor] = {}
+    load_tensor = model.weight_loader()
+    total = sum(len(v) for v in by_file.values())
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
+
+    def load_file(path: str) -> None:
+        try:
+            with safe_open(path, "pt") as f:
+                for name in by_file[path]:
+                    tensor = f.get_tensor(name)
+                    if infos[name].dtype in FP8_DTYPES:
+                        scale_name = name + SCALE_SUFFIX
+                        with safe_open(infos[scale_name].file, "pt") as sf:
+                            tensor = dequantize_fp8(tensor, sf.get_tensor(scale_name), block, name)
+                    if is_mtp_tensor(cfg, name):
+                        if include_mtp:
+                            mtp[name] = tensor
+                    else:
+                        load_tensor(name, tensor)
+                    bar.update(1)
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-download this file") from e
+
+    workers = max_workers or min(len(files), os.cpu_count() or 1, 8)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for future in [pool.submit(load_file, path) for path in files]:
+            future.result()
+    bar.close()
+    return mtp

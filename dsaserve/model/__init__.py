@@ -1,0 +1,25 @@
+"""The GLM-MoE-DSA model and how to build it from a checkpoint directory."""
+
+from __future__ import annotations
+
+import torch
+
+from dsaserve.config import ModelConfig
+from dsaserve.loader import load_checkpoint
+from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
+
+
+def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
+               attention_backend: str = "sparse", progress: bool = True) -> GlmMoeDsaForCausalLM:
+    """Build the model without initializing weights, then fill every parameter from the checkpoint."""
+    with torch.device("meta"):
+        model = GlmMoeDsaForCausalLM(cfg, attention_backend)
+    model.to_empty(device=device)
+    model.tie_weights()
+    for name, param in model.named_parameters():
+        param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+    load_checkpoint(model, cfg, model_dir, progress=progress)
+    return model.eval()
+
+
+__all__ = ["GlmMoeDsaForCausalLM", "load_model"]

@@ -1,0 +1,140 @@
+"""The GLM-MoE-DSA decoder: embed → [RMSNorm → MLA → RMSNorm → MLP|MoE] × L → norm → lm_head.
+
+Module names mirror the checkpoint's, so most tensors load by name; the few that are fused or split
+at load time are routed in `load_tensor`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dsaserve.attention import make_attention_backend
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.config import FULL, ModelConfig
+from dsaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from dsaserve.model.mla import MLAAttention
+from dsaserve.model.moe import MoE
+
+# Parameters computed in fp32 whatever the model dtype (as in the reference implementation).
+FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_GATE_UP = re.compile(r"^(.*)\.(gate|up)_proj\.weight$")
+_KV_B = re.compile(r"^(.*\.self_attn)\.kv_b_proj\.weight$")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAAttention(cfg, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.mlp_layer_types[layer_idx] == "sparse":
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk):
+        attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, indexer_cache, prev_topk)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), topk
+
+
+class GlmMoeDsaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class GlmMoeDsaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "sparse"):
+        super().__init__()
+        check_shared_layers_have_producer(cfg.indexer_types)
+        self.config = cfg
+        self.backend = make_attention_backend(attention_backend, cfg.index_topk)
+        self.model = GlmMoeDsaModel(cfg, self.backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+        # Test hook: called as observer(layer_idx, topk) for every layer that produces top-k.
+        self.topk_observer: Callable[[int, torch.Tensor], None] | None = None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head with the embedding when the config says so (again after moving devices)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, meta: BatchMetadata, kv_caches: list[torch.Tensor], indexer_caches: dict[int, torch.Tensor]):
+        """Runs the flattened batch; returns final hidden states of the `meta.logits_indices` rows."""
+        x = self.model.embed_tokens(meta.input_ids)
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        topk = None
+        for i, layer in enumerate(self.model.layers):
+            x, produced = layer(x, cos, sin, meta, kv_caches[i], indexer_caches.get(i), topk)
+            if produced is not topk and produced is not None:
+                topk = produced
+                if self.topk_observer is not None:
+                    self.topk_observer(i, topk)
+        return self.model.norm(x[meta.logits_indices])
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weight loading -------------------------------------------------------------------------
+
+    def weight_loader(self) -> Callable[[str, torch.Tensor], None]:
+        """A function copying one checkpoint tensor (already dequantized) into its parameter.
+
+        Made once the parameters are on their device; safe to call from several threads.
+        """
+        params = dict(self.named_parameters())
+        return lambda name, tensor: _load_tensor(params, name, tensor)
+
+
+def _load_tensor(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
+    if m := _EXPERT.match(name):
+        moe, expert, kind = m.group(1), int(m.group(2)), m.group(3)
+        if kind == "down":
+            _copy(params[f"{moe}.experts_down"][expert], tensor, name)
+        else:
+            inter = tensor.shape[0]
+            offset = 0 if kind == "gate" else inter
+            _copy(params[f"{moe}.experts_gate_up"][expert, offset : offset + inter], tensor, name)
+    elif (m := _GATE_UP.match(name)) and f"{m.group(1)}.gate_up_proj" in params:
+        fused = params[f"{m.group(1)}.gate_up_proj"]
+        inter = fused.shape[0] // 2
+        offset = 0 if m.group(2) == "gate" else inter
+        _copy(fused[offset : offset + inter], tensor, name)
+    elif m := _KV_B.match(name):
+        w_uk, w_uv = params[f"{m.group(1)}.w_uk"], params[f"{m.group(1)}.w_uv"]
+        heads, nope, rank = w_uk.shape
+        per_head = tensor.view(heads, nope + w_uv.shape[1], rank)
+        _copy(w_uk, per_head[:, :nope], name)
+        _copy(w_uv, per_head[:, nope:], name)
+    elif name in params:
+        _copy(params[name], tensor, name)
+    else:
+        raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def check_shared_layers_have_producer(indexer_types) -> None:
+    if indexer_types and indexer_types[0] != FULL:
+        raise ValueError(
+            f"layer 0 is {indexer_types[0]!r}: a shared layer reuses the top-k of the last full layer before it, "
+            "and there is none; make layer 0 'full'"
+        )

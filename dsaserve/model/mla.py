@@ -1,0 +1,66 @@
+"""Multi-head Latent Attention in absorbed form over the paged latent cache.
+
+The cache row of a token is `[kv_a_layernorm(latent) | rope(k_rope)]`. W_UK (from kv_b_proj) is folded
+into the query so scores are taken against cached rows directly, and W_UV is applied after the
+weighted sum of latents: the cache is never re-expanded into per-head keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.config import ModelConfig
+from dsaserve.model.indexer import Indexer
+from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.v_dim = cfg.v_head_dim
+        self.rope_interleave = cfg.rope_interleave
+        self.scale = attention_scale(cfg.qk_head_dim, cfg.rope)
+        self.backend = backend
+        bias = cfg.attention_bias
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
+        # kv_b_proj split per head at load time: W_UK [H, nope, rank] and W_UV [H, v, rank].
+        self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope_dim, cfg.kv_lora_rank))
+        self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.v_dim, cfg.kv_lora_rank))
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=bias)
+        self.indexer = Indexer(cfg) if cfg.is_full(layer_idx) else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
+        kv_cache: torch.Tensor, indexer_cache: torch.Tensor | None, prev_topk: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (attention output [T, hidden], top-k produced or reused here)."""
+        tokens = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(tokens, self.num_heads, -1)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin, self.rope_interleave)
+        k_rope = apply_rope(k_rope, cos, sin, self.rope_interleave)
+        row = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
+        kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row.to(kv_cache.dtype))
+
+        topk = prev_topk
+        if self.backend.uses_indexer and self.indexer is not None:
+            topk = self.indexer(x, q_resid, cos, sin, meta, indexer_cache)
+
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, rank]
+        query = torch.cat([q_latent, q_rope], dim=-1)
+        out_latent = self.backend.forward(query, kv_cache, meta, self.scale, self.kv_lora_rank, topk)
+        out = torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return self.o_proj(out.reshape(tokens, -1)), topk

@@ -1,0 +1,62 @@
+"""SamplingParams: how to pick each next token and when to stop, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None  # None: the checkpoint's eos ids
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n log-probabilities per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None  # same, per prompt token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._check(isinstance(self.n, int) and self.n == 1, "n", f"n={self.n!r}: only n=1 is supported so far")
+        if self.max_tokens is not None:
+            self._check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+                        f"max_tokens={self.max_tokens!r} must be an integer ≥ 1 (or None for up to max_model_len)")
+        self._check(_number(self.temperature) and self.temperature >= 0, "temperature",
+                    f"temperature={self.temperature!r} must be ≥ 0 (0 means greedy)")
+        self._check(_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p={self.top_p!r} must be in (0, 1]")
+        self._check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+                    f"top_k={self.top_k!r} must be ≥ 1, or 0/-1 to disable")
+        self._check(_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p={self.min_p!r} must be in [0, 1]")
+        self._check(self.seed is None or isinstance(self.seed, int), "seed", f"seed={self.seed!r} must be an integer")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            self._check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), name,
+                        f"{name}={value!r} must be between 0 and {MAX_LOGPROBS}")
+        if self.stop_token_ids is not None:
+            self._check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                        f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
+
+    @staticmethod
+    def _check(ok: bool, param: str, message: str) -> None:
+        if not ok:
+            raise SamplingParamsError(param, message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -1,0 +1,50 @@
+"""The checkpoint's tokenizer (tokenizer.json via the `tokenizers` library) and its chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer as FastTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str):
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir!r}; dsaserve needs the checkpoint's fast tokenizer")
+        self._tok = FastTokenizer.from_file(path)
+        config = {}
+        config_path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                config = json.load(f)
+        self.chat_template: str | None = config.get("chat_template")
+        template_path = os.path.join(model_dir, "chat_template.jinja")
+        if self.chat_template is None and os.path.isfile(template_path):
+            with open(template_path) as f:
+                self.chat_template = f.read()
+        self.special_tokens = {
+            key: _token_text(config.get(key)) for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+        added = self._tok.get_added_tokens_decoder()
+        self.all_special_ids = frozenset(i for i, t in added.items() if t.special)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value

@@ -1,0 +1,31 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+REFERENCE_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "glm-5.2-config.json")
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory):
+    """make_checkpoint(name, **kwargs) builds (once per session) a tiny checkpoint and returns its dir."""
+    from dsaserve.checkpoint_builder import build_checkpoint
+
+    built = {}
+
+    def make(name: str, **kwargs) -> str:
+        if name not in built:
+            built[name] = build_checkpoint(str(tmp_path_factory.mktemp(name)), **kwargs)
+        return built[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(make_checkpoint):
+    return make_checkpoint("tiny", seed=0)

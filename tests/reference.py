@@ -1,0 +1,118 @@
+"""Helpers that run the transformers reference (the numerical oracle) and dsaserve side by side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.config import ModelConfig
+from dsaserve.engine.kv_cache import KVCache
+from dsaserve.model import load_model
+
+
+def load_reference(model_dir: str, **config_overrides):
+    from transformers import GlmMoeDsaForCausalLM
+
+    return GlmMoeDsaForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", **config_overrides
+    ).eval()
+
+
+@dataclass
+class ForwardResult:
+    logprobs: torch.Tensor  # [L, V]
+    topk: dict[int, list[set[int]]]  # full layer → per position, the selected visible positions
+
+
+def reference_forward(ref, ids: list[int]) -> ForwardResult:
+    captured = {}
+    hooks = [
+        layer.self_attn.indexer.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0]))
+        for i, layer in enumerate(ref.model.layers)
+        if layer.self_attn.indexer is not None
+    ]
+    try:
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids])).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    topk = {i: [{p for p in row.tolist() if p <= t} for t, row in enumerate(idx)] for i, idx in captured.items()}
+    return ForwardResult(logits.log_softmax(-1), topk)
+
+
+def reference_greedy(ref, ids: list[int], steps: int) -> list[int]:
+    """Greedy continuation by full recomputation: the plainest possible oracle."""
+    ids = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            token = int(ref(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(token)
+            ids.append(token)
+    return out
+
+
+def indexer_margin(ref, ids: list[int]) -> float:
+    """Smallest relative gap, over full layers and queries with more visible tokens than index_topk,
+    between the k-th and (k+1)-th indexer score. Tiny margins make top-k comparisons meaningless."""
+    margins = []
+
+    def hook(module, args, kwargs, out):
+        hidden, q_resid, (cos, sin), mask = args[0], args[1], args[2], args[3]
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+        b, s, _ = hidden.shape
+        q = module.wq_b(q_resid).view(b, s, module.n_heads, module.head_dim)
+        k = module.k_norm(module.wk(hidden)).unsqueeze(2)
+        r = module.qk_rope_head_dim
+        q_rot, k_rot = apply_rotary_pos_emb_interleave(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q[..., r:]], -1)
+        k = torch.cat([k_rot, k[..., r:]], -1).squeeze(2)
+        scores = torch.relu(q.float() @ k.transpose(-1, -2).float().unsqueeze(1)) * module.softmax_scale
+        w = module.weights_proj(hidden.float()).float() * module.n_heads**-0.5
+        index = (w.unsqueeze(-2) @ scores).squeeze(-2)[0]  # [S, T]
+        for t in range(module.index_topk, s):
+            top = index[t, : t + 1].topk(module.index_topk + 1).values
+            margins.append(float((top[-2] - top[-1]) / (top.abs().max() + 1e-12)))
+
+    hooks = [
+        layer.self_attn.indexer.register_forward_hook(hook, with_kwargs=True)
+        for layer in ref.model.layers
+        if layer.self_attn.indexer is not None
+    ]
+    try:
+        with torch.no_grad():
+            ref(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return min(margins) if margins else float("inf")
+
+
+def dsaserve_forward(model_dir: str, ids: list[int], attention_backend: str = "sparse", block_size: int = 16,
+                     hf_overrides=None) -> ForwardResult:
+    """One prefill through dsaserve's paged path, with a scrambled block table."""
+    cfg = ModelConfig.from_pretrained(model_dir, hf_overrides=hf_overrides)
+    model = load_model(cfg, model_dir, torch.float32, torch.device("cpu"), attention_backend, progress=False)
+    nblocks = -(-len(ids) // block_size)
+    cache = KVCache(cfg, 2 * nblocks + 1, block_size, torch.float32, torch.device("cpu"))
+    table = list(range(2 * nblocks, 0, -2))  # physical order unrelated to logical order
+    captured = {}
+    model.topk_observer = lambda i, t: captured.__setitem__(i, t.clone())
+    meta = BatchMetadata.build([ids], [0], [table], block_size, list(range(len(ids))))
+    logits = model.compute_logits(model(meta, cache.latent, cache.indexer))
+    topk = {i: [{p for p in row.tolist() if p >= 0} for row in t] for i, t in captured.items()}
+    return ForwardResult(logits.log_softmax(-1), topk)
+
+
+def first_topk_mismatch(ours: ForwardResult, ref: ForwardResult) -> str | None:
+    if set(ours.topk) != set(ref.topk):
+        return f"full layers differ: dsaserve {sorted(ours.topk)} vs reference {sorted(ref.topk)}"
+    for layer in sorted(ref.topk):
+        for t, (a, b) in enumerate(zip(ours.topk[layer], ref.topk[layer])):
+            if a != b:
+                return f"layer {layer} position {t}: only dsaserve {sorted(a - b)[:5]}, only reference {sorted(b - a)[:5]}"
+    return None
