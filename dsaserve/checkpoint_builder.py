@@ -71,9 +71,6 @@ def small_config(**overrides) -> dict:
         "use_cache": True,
     }
     cfg.update(overrides)
-    for key in ("indexer_types", "mlp_layer_types"):
-        if key in cfg and cfg[key] is not None and len(cfg[key]) != cfg["num_hidden_layers"]:
-            raise ValueError(f"{key} has {len(cfg[key])} entries for {cfg['num_hidden_layers']} layers")
     return cfg
 
 

@@ -144,6 +144,7 @@ class LLMEngine:
 
     # ---- stepping --------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns the state of every request that took part in it."""
         batch = self.scheduler.schedule()

@@ -1,0 +1,86 @@
+"""The command line: doctor on a config-only directory and on checkpoints, generate, the demo model."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from conftest import REFERENCE_CONFIG
+from dsaserve import LLM, SamplingParams
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "dsaserve", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_doctor_on_config_only_glm52(tmp_path):
+    shutil.copy(REFERENCE_CONFIG, tmp_path / "config.json")
+    result = run("doctor", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "FFFSSSFSSSF" in out and "21 full / 57 shared, from indexer_types" in out
+    assert "WARNING: index_topk_pattern is null" in out
+    assert '--hf-overrides \'{"index_topk_pattern": "FFFSSS' in out
+    assert "weights: none in this directory" in out
+    assert "743.38B params" in out  # GLM-5.2 without its MTP layer
+    # latent 78 × 576 × 2 B + indexer keys on 21 full layers × 128 × 2 B
+    assert "latent: 78 layers × 576 × 2 B = 87.8 KiB" in out
+    assert "indexer keys: 21 full layers × 128 × 2 B = 5.2 KiB" in out
+    assert "KV cache per token (bfloat16): 93.0 KiB" in out
+
+
+def test_doctor_checks_tensors_against_schedule(tiny_checkpoint, tmp_path):
+    good = run("doctor", tiny_checkpoint)
+    assert good.returncode == 0
+    assert "indexer weights on all 2 full layers and on none of the 2 shared layers" in good.stdout
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint, bad)
+    file = bad / "model.safetensors"
+    tensors = load_file(str(file))
+    for name in [n for n in tensors if n.startswith("model.layers.1.self_attn.indexer.")]:
+        tensors[name.replace("layers.1.", "layers.2.")] = tensors.pop(name)
+    save_file(tensors, str(file))
+    result = run("doctor", str(bad))
+    assert result.returncode == 1
+    assert "full layers without indexer weights: [1]" in result.stdout
+    assert "shared layers carrying indexer weights: [2]" in result.stdout
+
+
+def test_generate_prints_the_completion(tiny_checkpoint):
+    result = run("generate", tiny_checkpoint, "--prompt", "hello there", "--max-tokens", "6", "--dtype", "float32",
+                 "--ignore-eos", "--block-size", "16", "--max-model-len", "256")
+    assert result.returncode == 0, result.stderr
+    llm = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=256, progress=False)
+    expected = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert result.stdout.rstrip("\n") == expected[0].outputs[0].text
+
+
+def test_generate_reports_bad_arguments(tiny_checkpoint):
+    result = run("generate", tiny_checkpoint, "--hf-overrides", "{not json", "--prompt", "x")
+    assert result.returncode == 2 and "--hf-overrides" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_model_generates_without_a_checkpoint(tmp_path):
+    env = dict(os.environ, DSASERVE_CACHE=str(tmp_path))
+    result = run("generate", "--prompt", "Hello", "--max-tokens", "4", env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("\n")
+    assert os.path.isfile(tmp_path / "demo-v1" / "tokenizer.json")
+    assert "indexer schedule from indexer_types: FFSSFS" in result.stderr
+
+
+def test_demo_checkpoint_loads_unchanged_in_the_reference(tmp_path):
+    import torch
+
+    from reference import dsaserve_forward, load_reference, reference_forward
+
+    path = str(tmp_path / "demo")
+    assert run("build-demo", path).returncode == 0
+    ref = load_reference(path)
+    ids = LLM(path, progress=False).tokenizer.encode("[gMASK]<sop><|user|>\nHello<|assistant|>")
+    assert ids[0] == 2  # GLM special tokens are single tokens
+    ours, expected = dsaserve_forward(path, ids), reference_forward(ref, ids)
+    assert torch.allclose(ours.logprobs, expected.logprobs, atol=1e-4)

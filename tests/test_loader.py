@@ -1,0 +1,207 @@
+"""Strict checkpoint loading: sharded, FP8 block-scaled, and the errors for broken checkpoints."""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsaserve.checkpoint_builder import build_checkpoint, quantize_fp8, random_weights
+from dsaserve.config import ModelConfig
+from dsaserve.device import resolve_dtype
+from dsaserve.loader import CheckpointError, dequantize_fp8
+from dsaserve.model import load_model
+from dsaserve.model.checkpoint_layout import checkpoint_shapes
+
+CPU = torch.device("cpu")
+
+
+def model_tensor(model, name: str) -> torch.Tensor:
+    """The loaded value of checkpoint tensor `name`, undoing the load-time fusing and splitting."""
+    params = dict(model.named_parameters())
+    if m := re.match(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name):
+        moe, e, kind = m.group(1), int(m.group(2)), m.group(3)
+        if kind == "down":
+            return params[f"{moe}.experts_down"][e]
+        gate_up = params[f"{moe}.experts_gate_up"][e]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if kind == "gate" else gate_up[half:]
+    if m := re.match(r"(.*)\.(gate|up)_proj\.weight$", name):
+        gate_up = params[f"{m.group(1)}.gate_up_proj"]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if m.group(2) == "gate" else gate_up[half:]
+    if m := re.match(r"(.*\.self_attn)\.kv_b_proj\.weight$", name):
+        w_uk, w_uv = params[f"{m.group(1)}.w_uk"], params[f"{m.group(1)}.w_uv"]
+        return torch.cat([w_uk, w_uv], dim=1).reshape(-1, w_uk.shape[-1])
+    return params[name]
+
+
+def load(path, dtype=torch.float32):
+    cfg = ModelConfig.from_pretrained(path)
+    return cfg, load_model(cfg, path, dtype, CPU, progress=False)
+
+
+def test_every_checkpoint_tensor_lands_in_the_model_and_every_parameter_is_covered(tiny_checkpoint):
+    cfg, model = load(tiny_checkpoint)
+    original = random_weights(cfg, seed=0)
+    for name in checkpoint_shapes(cfg):
+        assert torch.equal(model_tensor(model, name), original[name].float()), name
+    # Same number of elements on both sides: no parameter is left uninitialized.
+    assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in original.values())
+
+
+def test_sharded_checkpoint_loads_like_single_file(make_checkpoint):
+    single = make_checkpoint("single", seed=5)
+    sharded = make_checkpoint("sharded", seed=5, shards=3)
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) == 3
+    _, a = load(single)
+    _, b = load(sharded)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_fp8_block_scaled_checkpoint_dequantizes_within_fp8_error(make_checkpoint):
+    # hidden 192 and intermediate 320 make partial 128-blocks in both directions
+    dims = dict(hidden_size=192, intermediate_size=320, moe_intermediate_size=136)
+    bf16 = make_checkpoint("fp8_source", seed=7, dtype=torch.bfloat16, **dims)
+    fp8 = make_checkpoint("fp8", seed=7, dtype=torch.bfloat16, fp8=True, **dims)
+    with open(os.path.join(fp8, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["weight_block_size"] == [128, 128]
+    stored = load_file(os.path.join(fp8, "model.safetensors"))
+    assert stored["model.layers.0.mlp.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.0.mlp.gate_proj.weight_scale_inv"].shape == (3, 2)
+    assert stored["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.bfloat16
+
+    cfg, exact = load(bf16)
+    _, dequant = load(fp8)
+    checked = 0
+    for name in checkpoint_shapes(cfg):
+        a, b = model_tensor(exact, name), model_tensor(dequant, name)
+        if name + "_scale_inv" not in stored:
+            assert torch.equal(a, b), name
+            continue
+        # e4m3 keeps 3 mantissa bits: relative error ≤ 2^-4, plus the subnormal step of the block
+        block_max = a.abs().max()
+        assert ((a - b).abs() <= a.abs() * 2**-4 + block_max * 2**-9).all(), name
+        checked += 1
+    assert checked > 20
+
+
+def test_dequantize_derives_the_tile_from_the_scale_grid():
+    w = torch.randn(576, 300)
+    q, scale = quantize_fp8(w)
+    assert scale.shape == (5, 3)  # 576 rows → 4 full blocks and a partial one
+    back = dequantize_fp8(q, scale, (128, 128), "w")
+    assert ((back - w).abs() <= w.abs() * 2**-4 + w.abs().max() * 2**-9).all()
+    with pytest.raises(CheckpointError, match="w: a scale grid"):
+        dequantize_fp8(q, torch.ones(5, 301), (128, 128), "w")  # more column blocks than columns
+
+
+def copy_checkpoint(src, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def rewrite_tensors(path, edit) -> None:
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file)
+
+
+def test_missing_indexer_weight_on_full_layer_is_listed(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint, tmp_path / "ck")
+    rewrite_tensors(path, lambda t: t.pop("model.layers.1.self_attn.indexer.wk.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors \(1\): model.layers.1.self_attn.indexer.wk.weight"):
+        load(path)
+
+
+def test_indexer_weight_on_shared_layer_is_unexpected(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint, tmp_path / "ck")
+
+    def add(t):
+        t["model.layers.2.self_attn.indexer.wk.weight"] = t["model.layers.1.self_attn.indexer.wk.weight"].clone()
+
+    rewrite_tensors(path, add)
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \(1\): model.layers.2.self_attn.indexer.wk.weight"):
+        load(path)
+
+
+def test_wrong_shape_names_the_tensor(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint, tmp_path / "ck")
+    rewrite_tensors(path, lambda t: t.__setitem__("model.norm.weight", torch.ones(3)))
+    with pytest.raises(CheckpointError, match=r"model.norm.weight: \(3,\)"):
+        load(path)
+
+
+def test_truncated_file_is_named(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint, tmp_path / "ck")
+    file = os.path.join(path, "model.safetensors")
+    data = open(file, "rb").read()
+    with open(file, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model.safetensors is truncated or corrupt"):
+        load(path)
+
+
+def test_corrupt_header_is_named(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint, tmp_path / "ck")
+    with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+        f.seek(8)
+        f.write(b"#garbage#")
+    with pytest.raises(CheckpointError, match="model.safetensors is truncated or corrupt"):
+        load(path)
+
+
+def test_index_naming_a_missing_shard(make_checkpoint, tmp_path):
+    path = copy_checkpoint(make_checkpoint("sharded", seed=5, shards=3), tmp_path / "ck")
+    os.remove(os.path.join(path, "model-00002-of-00003.safetensors"))
+    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors"):
+        load(path)
+
+
+def test_mtp_layer_is_ignored_unless_asked(make_checkpoint):
+    path = make_checkpoint("with_mtp", seed=0, include_mtp=True)
+    names = load_file(os.path.join(path, "model.safetensors")).keys()
+    assert any(n.startswith("model.layers.4.") for n in names)
+    cfg, model = load(path)
+    assert len(model.model.layers) == cfg.num_hidden_layers == 4
+
+
+def test_dtype_cast_and_fp32_router(make_checkpoint):
+    path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
+    cfg, model = load(path, dtype=torch.float32)
+    assert model.model.layers[1].self_attn.q_b_proj.weight.dtype == torch.float32
+    cfg, model = load(path, dtype=torch.bfloat16)
+    assert model.model.layers[1].self_attn.q_b_proj.weight.dtype == torch.bfloat16
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
+
+
+def test_auto_dtype_is_the_checkpoints_where_fast(monkeypatch):
+    import dsaserve.device as device
+
+    assert resolve_dtype("auto", "float32", CPU) == torch.float32
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: False)
+    assert resolve_dtype("auto", "bfloat16", CPU) == torch.float32
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
+    assert resolve_dtype("auto", "bfloat16", CPU) == torch.bfloat16
+    assert resolve_dtype("bf16", "float32", CPU) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype='int4'"):
+        resolve_dtype("int4", "bfloat16", CPU)
+
+
+def test_reference_loads_the_builders_checkpoint_unchanged(tiny_checkpoint):
+    from reference import load_reference
+
+    ref = load_reference(tiny_checkpoint)
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    original = random_weights(cfg, seed=0)
+    gate_up = ref.model.layers[1].mlp.experts.gate_up_proj[3]
+    inter = cfg.moe_intermediate_size
+    assert torch.equal(gate_up[:inter], original["model.layers.1.mlp.experts.3.gate_proj.weight"])
+    assert ref.model.layers[2].self_attn.indexer is None
