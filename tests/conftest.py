@@ -8,7 +8,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-REFERENCE_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "glm-5.2-config.json")
+# The real GLM-5.2 config.json (copied from the project's shared reference data).
+REFERENCE_CONFIG = os.path.join(os.path.dirname(__file__), "data", "glm-5.2-config.json")
 
 
 @pytest.fixture(scope="session")
