@@ -71,6 +71,10 @@ def small_config(**overrides) -> dict:
         "use_cache": True,
     }
     cfg.update(overrides)
+    # Fields the published configs carry that follow from the others (MLA has as many KV heads as heads).
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    cfg["head_dim"] = cfg["qk_rope_head_dim"]
+    cfg["qk_head_dim"] = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     return cfg
 
 

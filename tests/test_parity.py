@@ -88,13 +88,15 @@ def test_batch_of_different_lengths_equals_each_alone(variant, max_num_batched_t
     than index_topk and not multiples of the block size) equal their single-request results."""
     _, path, ref = variant
     vocab = ref.config.vocab_size
-    prompts = [prompt(vocab, n, seed=10 + n) for n in (70, PROMPT_LEN, 90, 65)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # The 10-token prompt starts inside index_topk (everything selected, no scoring) and grows past it.
+    prompts = [prompt(vocab, n, seed=10 + n) for n in (70, PROMPT_LEN, 90, 10)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=max_num_batched_tokens, progress=False)
     together = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
     alone = [llm.generate(prompt_token_ids=p, sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
-    assert together[0] == reference_greedy(ref, prompts[0], 12)
+    assert together[0] == reference_greedy(ref, prompts[0], 16)
+    assert together[3] == reference_greedy(ref, prompts[3], 16)
 
 
 def test_dense_backend_equals_reference_when_topk_covers_everything(make_checkpoint):

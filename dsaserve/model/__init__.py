@@ -14,10 +14,10 @@ def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: tor
     """Build the model without initializing weights, then fill every parameter from the checkpoint."""
     with torch.device("meta"):
         model = GlmMoeDsaForCausalLM(cfg, attention_backend)
+        for name, param in model.named_parameters():
+            param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
     model.to_empty(device=device)
     model.tie_weights()
-    for name, param in model.named_parameters():
-        param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
     load_checkpoint(model, cfg, model_dir, progress=progress)
     return model.eval()
 

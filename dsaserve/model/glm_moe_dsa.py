@@ -47,7 +47,8 @@ class DecoderLayer(nn.Module):
 class GlmMoeDsaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit weight skips nn.Embedding's random init (slow, and overwritten by the checkpoint).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

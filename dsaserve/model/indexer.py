@@ -36,11 +36,14 @@ class Indexer(nn.Module):
         meta: BatchMetadata, key_cache: torch.Tensor,
     ) -> torch.Tensor:
         """Write this step's indexer keys, return top-k logical positions int32 [T, index_topk]."""
-        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))
-        q = torch.cat([apply_rope(q[..., : self.rope_dim], cos, sin, self.rope_interleave), q[..., self.rope_dim :]], -1)
         k = torch.cat([apply_rope(k[..., : self.rope_dim], cos, sin, self.rope_interleave), k[..., self.rope_dim :]], -1)
         key_cache.view(-1, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
+        if max(meta.seq_lens_host) <= self.index_topk:
+            # Every request sees at most index_topk tokens, so all of them are selected: no scoring.
+            return all_visible(meta.positions, self.index_topk)
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        q = torch.cat([apply_rope(q[..., : self.rope_dim], cos, sin, self.rope_interleave), q[..., self.rope_dim :]], -1)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.weight_scale
         return select_topk(q, weights, key_cache, meta, self.index_topk)
 
@@ -50,21 +53,23 @@ def invisible(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
     return key_pos[None, :] > query_pos[:, None]
 
 
+def all_visible(positions: torch.Tensor, index_topk: int) -> torch.Tensor:
+    """Top-k rows selecting every causal-visible position, for contexts that fit in index_topk."""
+    columns = torch.arange(index_topk, device=positions.device)
+    return torch.where(columns[None, :] <= positions[:, None], columns[None, :], -1).to(torch.int32)
+
+
 def select_topk(
     q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, meta: BatchMetadata, index_topk: int
 ) -> torch.Tensor:
     """Top-k per query over its causal-visible cached keys. q [T, H, D], weights [T, H] fp32."""
     out = torch.full((q.shape[0], index_topk), -1, dtype=torch.int32, device=q.device)
-    columns = torch.arange(index_topk, device=q.device)
     key_rows = key_cache.view(-1, key_cache.shape[-1])
     for i in range(meta.num_reqs):
         start, end = meta.query_range(i)
         seq_len = meta.seq_lens_host[i]
-        positions = meta.positions[start:end]
         if seq_len <= index_topk:
-            # Every visible token is selected: no scoring needed.
-            visible = columns[None, :] <= positions[:, None]
-            out[start:end] = torch.where(visible, columns[None, :], -1).to(torch.int32)
+            out[start:end] = all_visible(meta.positions[start:end], index_topk)
             continue
         keys = key_rows[meta.slots(i, torch.arange(seq_len, device=q.device))].float()
         key_pos = torch.arange(seq_len, device=q.device)
