@@ -54,15 +54,24 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+        results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    bar.update(1)
-        bar.close()
-        return [finished[i] for i in ids]
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    if delta.request_id in results:
+                        results[delta.request_id].add(delta)
+                    else:
+                        results[delta.request_id] = delta
+                    if delta.finished:
+                        bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
 
 
 def _normalize_prompts(prompts, prompt_token_ids) -> list[str | list[int]]:

@@ -18,12 +18,14 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass
 class CompletionOutput:
+    """One sample of a request. From the engine's step(): only what is new since the last output."""
+
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
 
     def finished(self) -> bool:
@@ -38,4 +40,25 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: str | None = None  # set when a sample ended with finish_reason "error"
     metrics: dict = field(default_factory=dict)
+
+    def add(self, delta: "RequestOutput") -> None:
+        """Fold a later incremental output of the same request into this one."""
+        by_index = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            mine = by_index.get(new.index)
+            if mine is None:
+                self.outputs.append(new)
+                continue
+            mine.text += new.text
+            mine.token_ids = mine.token_ids + new.token_ids
+            if new.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + new.logprobs
+            mine.cumulative_logprob = new.cumulative_logprob
+            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = delta.finished
+        self.prompt_logprobs = delta.prompt_logprobs
+        self.error = delta.error
+        self.metrics = delta.metrics

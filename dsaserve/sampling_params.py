@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+MAX_N = 128
 
 
 class SamplingParamsError(ValueError):
@@ -27,9 +28,32 @@ class SamplingParams:
     logprobs: int | None = None  # top-n log-probabilities per generated token (plus the sampled one)
     prompt_logprobs: int | None = None  # same, per prompt token
     skip_special_tokens: bool = True
+    stop: str | list[str] | None = None  # stop strings; the text is cut before them
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # before this many tokens, stop tokens are masked and stop strings ignored
+    presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and generated tokens (1 = off)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
-        self._check(isinstance(self.n, int) and self.n == 1, "n", f"n={self.n!r}: only n=1 is supported so far")
+        self._check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n={self.n!r} must be between 1 and {MAX_N}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self._check(all(isinstance(s, str) and s for s in self.stop), "stop",
+                    f"stop={self.stop!r} must be a non-empty string or a list of them")
+        self._check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+                    f"min_tokens={self.min_tokens!r} must be an integer ≥ 0")
+        if self.max_tokens is not None and isinstance(self.max_tokens, int):
+            self._check(self.min_tokens <= self.max_tokens, "min_tokens",
+                        f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            self._check(_number(value) and -2 <= value <= 2, name, f"{name}={value!r} must be between -2 and 2")
+        self._check(_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                    f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 disables it)")
+        self.logit_bias = _token_bias(self.logit_bias)
         if self.max_tokens is not None:
             self._check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
                         f"max_tokens={self.max_tokens!r} must be an integer ≥ 1 (or None for up to max_model_len)")
@@ -56,6 +80,27 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _token_bias(bias) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias", f"logit_bias must map token ids to numbers, got {bias!r}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise SamplingParamsError("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+        if not _number(value) or not -100 <= value <= 100:
+            raise SamplingParamsError("logit_bias", f"logit_bias[{key!r}]={value!r} must be a number in [-100, 100]")
+        out[token] = float(value)
+    return out
 
 
 def _number(x) -> bool:

@@ -117,7 +117,7 @@ def test_too_long_request_rejected_and_pool_untouched(llm):
 
 def test_blocks_return_to_the_pool(llm):
     free = llm.engine.num_free_blocks
-    assert free == llm.engine.pool.num_blocks
+    assert free == llm.engine.kv.num_blocks
     llm.generate(["x" * 40, "y", "z z z"], SamplingParams(max_tokens=20, temperature=0.7), use_tqdm=False)
     assert llm.engine.num_free_blocks == free
 
@@ -138,7 +138,13 @@ def test_max_tokens_none_runs_to_max_model_len(tiny_checkpoint):
         (dict(max_tokens=0), "max_tokens"),
         (dict(logprobs=21), "logprobs"),
         (dict(prompt_logprobs=-1), "prompt_logprobs"),
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
+        (dict(stop=[""]), "stop"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(logit_bias={"x": 1}), "logit_bias"),
+        (dict(logit_bias={5: 101}), "logit_bias"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"),
         (dict(stop_token_ids=["x"]), "stop_token_ids"),
     ],
 )
@@ -161,8 +167,8 @@ def test_kv_cache_memory_sets_the_pool_size(tiny_checkpoint):
     small = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, kv_cache_memory="1MiB", progress=False)
     cfg = small.engine.config
     per_block = 16 * 4 * (cfg.num_hidden_layers * cfg.kv_cache_dim + len(cfg.full_layers) * cfg.index_head_dim)
-    assert small.engine.pool.num_blocks == (1 << 20) // per_block
-    assert small.engine.kv_cache.nbytes() == small.engine.pool.num_blocks * per_block
+    assert small.engine.kv.num_blocks == (1 << 20) // per_block
+    assert small.engine.kv_cache.nbytes() == small.engine.kv.num_blocks * per_block
     with pytest.raises(RequestRejected, match="whole cache has"):
         tiny = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, kv_cache_memory=per_block * 2, progress=False)
         tiny.generate(prompt_token_ids=[3] * 40, sampling_params=GREEDY, use_tqdm=False)

@@ -1,4 +1,4 @@
-"""The paged KV cache: per-layer latent pages, indexer key pages on full layers only, and a block pool.
+"""The paged KV cache tensors: per-layer latent pages and indexer key pages on full layers only.
 
 Layout (see DESIGN.md): latent cache `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` on every
 layer; indexer key cache `[num_blocks, block_size, index_head_dim]` only on full layers. Block ids are
@@ -7,7 +7,6 @@ physical and shared by all layers: block b of a request holds its tokens b*block
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -54,26 +53,6 @@ class KVCache:
     def nbytes(self) -> int:
         tensors = self.latent + list(self.indexer.values())
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-class BlockPool:
-    """Free-list of physical block ids."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = deque(range(num_blocks))
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV blocks, only {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -1,4 +1,8 @@
-"""A request as the engine tracks it: tokens, cache blocks, progress, and what it has produced."""
+"""A sequence as the engine schedules it: tokens, cache blocks, progress, and what it has produced.
+
+A client request with `n` parallel samples becomes `n` sequences sharing one request id; sample 0
+prefills the prompt and the others fork from it (sharing its full blocks) when it first samples.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.outputs import PositionLogprobs
 from dsaserve.sampling_params import SamplingParams
 
@@ -17,7 +22,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt: str | None
@@ -25,16 +30,30 @@ class Request:
     params: SamplingParams
     stop_token_ids: frozenset[int]
     max_tokens: int  # resolved against max_model_len
+    detokenizer: IncrementalDetokenizer
+    index: int = 0  # which of the request's n samples this is
+    arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    block_keys: list[tuple] = field(default_factory=list)  # prefix-cache keys of full blocks
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks of block_table already registered in the prefix cache
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+    error: str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0
+    first_token_time: float | None = None
+    # What the last output already reported, so outputs carry only what is new.
+    num_reported_tokens: int = 0
+    num_reported_logprobs: int = 0
+    finish_reported: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -43,6 +62,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def in_prompt(self) -> bool:
+        """Still computing tokens it already knows (prompt, or prompt + outputs after a preemption)."""
+        return self.num_computed_tokens < self.num_tokens - 1
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""

@@ -15,7 +15,8 @@ from dsaserve.engine.scheduler import ScheduledBatch
 class RunnerOutput:
     sample_logits: torch.Tensor  # [len(sample_requests), V] fp32, one row per request that samples now
     sample_requests: list[int]  # batch positions of those requests
-    prompt_logits: dict[int, torch.Tensor]  # batch position → [k, V] rows predicting prompt tokens
+    # batch position → (first position p, [k, V] rows predicting prompt tokens p+1 … p+k)
+    prompt_logits: dict[int, tuple[int, torch.Tensor]]
 
 
 class ModelRunner:
@@ -33,12 +34,14 @@ class ModelRunner:
             token_ids.append(request.token_ids(start, start + n))
             context_lens.append(start)
             tables.append(request.block_table)
-            if request.params.prompt_logprobs is not None:
-                # Row at position p predicts prompt token p + 1.
+            if request.prompt_logprobs is not None:
+                # Row at position p predicts prompt token p + 1; skip positions already recorded
+                # (a preempted request recomputes its prompt).
+                first = max(start, len(request.prompt_logprobs) - 1)
                 last = min(start + n, request.num_prompt_tokens - 1)
-                if last > start:
-                    prompt_rows[b] = list(range(len(logits_rows), len(logits_rows) + last - start))
-                    logits_rows.extend(range(offset, offset + last - start))
+                if last > first:
+                    prompt_rows[b] = (first, list(range(len(logits_rows), len(logits_rows) + last - first)))
+                    logits_rows.extend(range(offset + first - start, offset + last - start))
             if start + n == request.num_tokens:
                 sample_requests.append(b)
                 sample_rows.append(len(logits_rows))
@@ -52,6 +55,6 @@ class ModelRunner:
         return RunnerOutput(
             sample_logits=logits[sample_rows],
             sample_requests=sample_requests,
-            prompt_logits={b: logits[rows] for b, rows in prompt_rows.items()},
+            prompt_logits={b: (first, logits[rows]) for b, (first, rows) in prompt_rows.items()},
         )
 

@@ -1,0 +1,50 @@
+"""Per-request logits edits before sampling: logit_bias, min_tokens, and repetition penalties.
+
+Applied in that order, to every row (greedy ones included), before temperature and filtering.
+Presence and frequency penalties follow OpenAI (over generated tokens); the repetition penalty follows
+vLLM/HF (over prompt and generated tokens: positive logits divided, negative multiplied).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaserve.engine.request import Request
+
+
+def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits [N, V] fp32, one row per request (rows may repeat a request's logits for its samples)."""
+    if not any(_needs_processing(r) for r in requests):
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for row, request in enumerate(requests):
+        params = request.params
+        if params.logit_bias:
+            ids = torch.tensor([t for t in params.logit_bias if t < vocab], dtype=torch.long)
+            bias = torch.tensor([params.logit_bias[t] for t in params.logit_bias if t < vocab], dtype=logits.dtype)
+            logits[row, ids.to(logits.device)] += bias.to(logits.device)
+        if len(request.output_token_ids) < params.min_tokens and request.stop_token_ids:
+            stop = [t for t in request.stop_token_ids if t < vocab]
+            logits[row, stop] = float("-inf")
+        if params.has_penalties:
+            _apply_penalties(logits[row], request)
+    return logits
+
+
+def _needs_processing(request: Request) -> bool:
+    params = request.params
+    return bool(params.logit_bias) or params.has_penalties or len(request.output_token_ids) < params.min_tokens
+
+
+def _apply_penalties(row: torch.Tensor, request: Request) -> None:
+    params = request.params
+    vocab = row.shape[0]
+    if request.output_token_ids:
+        counts = torch.bincount(torch.tensor(request.output_token_ids, device=row.device), minlength=vocab)[:vocab]
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if params.repetition_penalty != 1:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+        seen[torch.tensor(request.prompt_token_ids + request.output_token_ids, device=row.device)] = True
+        penalized = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+        row.copy_(torch.where(seen, penalized, row))
