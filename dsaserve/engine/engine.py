@@ -120,6 +120,16 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
+        max_tokens = self.validate(ids, params)
+        request = self._new_sequence(request_id, text, ids, params, max_tokens, index=0)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self.scheduler.add(request)
+        self.groups[request_id] = [request]
+        self.num_prompt_tokens += len(ids)
+
+    def validate(self, ids: list[int], params: SamplingParams) -> int:
+        """Raise RequestRejected if this prompt and these params can never run; returns max_tokens."""
         if not ids:
             raise RequestRejected("prompt", "the prompt is empty; give at least one token")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
@@ -127,14 +137,11 @@ class LLMEngine:
             raise RequestRejected("prompt", f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens < 1:
-            raise RequestRejected("prompt", f"the prompt has {len(ids)} tokens, max_model_len is {self.max_model_len}")
+            raise RequestRejected(
+                "prompt", f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; shorten it"
+            )
         self.scheduler.check_fits(len(ids), max_tokens)
-        request = self._new_sequence(request_id, text, ids, params, max_tokens, index=0)
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
-        self.scheduler.add(request)
-        self.groups[request_id] = [request]
-        self.num_prompt_tokens += len(ids)
+        return max_tokens
 
     def _new_sequence(self, request_id, text, ids, params: SamplingParams, max_tokens: int, index: int) -> Request:
         stop = set(params.stop_token_ids or ())

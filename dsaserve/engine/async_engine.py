@@ -1,0 +1,150 @@
+"""AsyncLLMEngine: the engine stepping in a background thread, streaming to asyncio consumers.
+
+    engine = AsyncLLMEngine.from_model(path, ...)
+    async for out in engine.generate(prompt, params, request_id):
+        ...  # out carries what is new since the previous output
+
+Requests are validated in the caller (so bad input fails before anything is queued), then handed to
+the step thread through a queue; only that thread touches the engine's state. Cancelling or closing
+the consumer aborts the request and frees its blocks. A request whose logits go non-finite ends with
+finish_reason "error"; an exception inside a step fails the requests it was running and the loop
+carries on serving the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from dsaserve.engine.engine import LLMEngine
+from dsaserve.outputs import RequestOutput
+from dsaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running this request; other requests continue."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wakeup = threading.Event()
+        self._stopped = threading.Event()
+        self.last_activity = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="dsaserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model: str, **engine_args) -> "AsyncLLMEngine":
+        return cls(LLMEngine(model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.engine.validate(ids, params)  # raises RequestRejected before anything is queued
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._submit(("add", request_id, prompt if isinstance(prompt, str) else ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._submit(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    def _submit(self, op) -> None:
+        self.last_activity = time.monotonic()
+        self._ops.put(op)
+        self._wakeup.set()
+
+    # ---- the step thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._apply_ops()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug or a device error: fail what was running, keep serving
+                logger.exception("engine step failed")
+                self._fail_running(e)
+                continue
+            self.last_activity = time.monotonic()
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+        for request_id in list(self.engine.groups):
+            self.engine.abort_request(request_id)
+
+    def _apply_ops(self) -> None:
+        while True:
+            try:
+                op = self._ops.get_nowait()
+            except queue.Empty:
+                return
+            if op[0] == "add":
+                _, request_id, prompt, params = op
+                if request_id not in self._streams:  # cancelled before it started
+                    continue
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except Exception as e:
+                    self._streams[request_id].put(e)
+            else:
+                self.engine.abort_request(op[1])
+
+    def _fail_running(self, error: Exception) -> None:
+        running = {r.request_id for r in self.engine.scheduler.running}
+        for request_id in running:
+            self.engine.abort_request(request_id)
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(EngineStepError(f"request {request_id} failed inside the engine: {error}"))

@@ -1,0 +1,115 @@
+"""The async engine: concurrent streams, cancellation freeing blocks, errors isolated to one request."""
+
+import asyncio
+
+import pytest
+
+from dsaserve import LLM, SamplingParams
+from dsaserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+from dsaserve.engine.scheduler import RequestRejected
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    eng = AsyncLLMEngine.from_model(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=256, progress=False)
+    yield eng
+    eng.shutdown()
+
+
+async def collect(engine, prompt, params, request_id):
+    text, ids, last = "", [], None
+    async for out in engine.generate(prompt, params, request_id):
+        for c in out.outputs:
+            text += c.text
+            ids += c.token_ids
+        last = out
+    return ids, text, last
+
+
+def test_concurrent_streams_equal_offline(engine, tiny_checkpoint):
+    prompts = ["hello", "the quick brown fox", "Paris is", "one two three four five"]
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, GREEDY, f"c{i}") for i, p in enumerate(prompts)))
+
+    results = asyncio.run(main())
+    offline = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=256, progress=False)
+    expected = offline.generate(prompts, GREEDY, use_tqdm=False)
+    for (ids, text, last), exp in zip(results, expected):
+        assert ids == exp.outputs[0].token_ids and text == exp.outputs[0].text
+        assert last.finished and last.outputs[0].finish_reason == "length"
+
+
+def test_cancelled_consumers_free_their_blocks(engine, monkeypatch):
+    total = engine.engine.kv.num_blocks
+    aborted = []
+    original_abort = engine.engine.abort_request
+
+    def record_abort(request_id):
+        if request_id in engine.engine.groups:
+            aborted.append(request_id)
+        original_abort(request_id)
+
+    monkeypatch.setattr(engine.engine, "abort_request", record_abort)
+    long = SamplingParams(temperature=0.8, max_tokens=200, ignore_eos=True)
+
+    async def consume_two_then_cancel(i):
+        async def run():
+            n = 0
+            async for _ in engine.generate("tell me a long story " * 3, long, f"cancel{i}"):
+                n += 1
+                if n == 2:
+                    await asyncio.sleep(10)  # cancelled while waiting here
+        task = asyncio.create_task(run())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def main():
+        await asyncio.gather(*(consume_two_then_cancel(i) for i in range(5)))
+        for _ in range(100):
+            if engine.engine.num_free_blocks == total and not engine.engine.has_unfinished_requests():
+                return
+            await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert sorted(aborted) == [f"cancel{i}" for i in range(5)]  # aborted mid-generation, not run to the end
+    assert engine.engine.num_free_blocks == total
+    assert not engine.engine.groups
+
+
+def test_bad_request_fails_before_queueing(engine):
+    async def main():
+        with pytest.raises(RequestRejected, match="max_model_len"):
+            async for _ in engine.generate("x", SamplingParams(max_tokens=1000), "too-long"):
+                pass
+        return await collect(engine, "still serving", GREEDY, "after")
+
+    ids, _, last = asyncio.run(main())
+    assert last.finished and len(ids) == 10
+
+
+def test_step_exception_fails_running_requests_and_loop_survives(engine, monkeypatch):
+    runner = engine.engine.runner
+    original = runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device error")
+        return original(batch)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+
+    async def main():
+        with pytest.raises(EngineStepError, match="simulated device error"):
+            await collect(engine, "doomed", GREEDY, "doomed")
+        return await collect(engine, "survivor", GREEDY, "survivor")
+
+    ids, _, last = asyncio.run(main())
+    assert last.finished and len(ids) == 10
+    assert engine.engine.num_free_blocks == engine.engine.kv.num_blocks

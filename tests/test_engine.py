@@ -1,0 +1,236 @@
+"""Continuous batching: chunked prefill, late arrivals, preemption, prefix caching, isolation, aborts.
+
+Every scenario checks greedy outputs against each request run alone on a fresh engine, and against
+the transformers reference where the scenario is about the attention path.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+import dsaserve.engine.block_manager as block_manager
+from dsaserve import LLM, SamplingParams
+from dsaserve.attention.metadata import BatchMetadata
+from reference import load_reference, reference_greedy
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path(make_checkpoint):
+    return make_checkpoint("parity_mixed_FFSS", seed=0)  # index_topk 16, schedule FFSS
+
+
+@pytest.fixture(scope="module")
+def ref(path):
+    return load_reference(path)
+
+
+def make_llm(path, **kwargs) -> LLM:
+    args = dict(dtype="float32", block_size=BLOCK, max_model_len=512, progress=False)
+    args.update(kwargs)
+    return LLM(path, **args)
+
+
+def tokens(seed: int, n: int, vocab: int = 600) -> list[int]:
+    return torch.randint(30, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def alone(path, prompt, params=GREEDY) -> list[int]:
+    llm = make_llm(path, enable_prefix_caching=False)
+    return llm.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def drive(engine, arrivals: dict[int, list[tuple]]) -> dict:
+    """Step the engine; arrivals[step] = [(request_id, prompt, params), …] are added before that step."""
+    results, step = {}, 0
+    while engine.has_unfinished_requests() or any(s >= step for s in arrivals):
+        for request_id, prompt, params in arrivals.get(step, []):
+            engine.add_request(request_id, prompt, params)
+        for out in engine.step():
+            if out.request_id in results:
+                results[out.request_id].add(out)
+            else:
+                results[out.request_id] = out
+        step += 1
+    return results
+
+
+def test_chunks_smaller_than_topk_and_not_block_aligned(path, ref):
+    prompts = [tokens(1, 77), tokens(2, 50), tokens(3, 9)]
+    llm = make_llm(path, max_num_batched_tokens=7)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == alone(path, prompt) == reference_greedy(ref, prompt, 12)
+
+
+def test_requests_arriving_while_others_decode(path, ref):
+    engine = make_llm(path, max_num_batched_tokens=40).engine
+    prompts = {"a": tokens(4, 70), "b": tokens(5, 33), "c": tokens(6, 81)}
+    results = drive(engine, {0: [("a", prompts["a"], GREEDY)], 3: [("b", prompts["b"], GREEDY)],
+                             6: [("c", prompts["c"], GREEDY)]})
+    for rid, prompt in prompts.items():
+        assert results[rid].outputs[0].token_ids == alone(path, prompt)
+    assert results["c"].outputs[0].token_ids == reference_greedy(ref, prompts["c"], 12)
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_recomputes_to_identical_output(path, ref, prefix_caching):
+    cfg_bytes_per_block = None
+    prompts = [tokens(10 + i, 40 + 7 * i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    probe = make_llm(path)
+    cfg = probe.engine.config
+    cfg_bytes_per_block = BLOCK * 4 * (cfg.num_hidden_layers * cfg.kv_cache_dim + len(cfg.full_layers) * cfg.index_head_dim)
+    # 8 blocks: each request needs 4-6 over its life, three together need 15.
+    llm = make_llm(path, kv_cache_memory=8 * cfg_bytes_per_block, enable_prefix_caching=prefix_caching)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == alone(path, prompt, params)
+    assert outs[2].outputs[0].token_ids == reference_greedy(ref, prompts[2], 24)
+    assert llm.engine.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("shared_len", [64, 70])  # ends on a block boundary / mid-block
+def test_prefix_cache_reuses_blocks_and_keeps_outputs(path, ref, shared_len):
+    shared = tokens(20, shared_len)
+    first, second = shared + tokens(21, 13), shared + tokens(22, 19)
+    llm = make_llm(path)
+    llm.generate(prompt_token_ids=first, sampling_params=GREEDY, use_tqdm=False)
+    out = llm.generate(prompt_token_ids=second, sampling_params=GREEDY, use_tqdm=False)[0]
+    assert out.metrics["num_prefix_hit_tokens"] == 64  # 4 full shared blocks
+    assert out.outputs[0].token_ids == alone(path, second) == reference_greedy(ref, second, 12)
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def check_prefix_chaining(path, ref):
+    """A block whose tokens were cached after a different prefix (here: at another position) must not
+    be reused: its keys were computed in a different context."""
+    block = tokens(30, 16)
+    first, second = tokens(31, 32) + block + tokens(33, 5), block + tokens(34, 40)
+    llm = make_llm(path)
+    llm.generate(prompt_token_ids=first, sampling_params=GREEDY, use_tqdm=False)
+    out = llm.generate(prompt_token_ids=second, sampling_params=GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference_greedy(ref, second, 12)
+    assert out.metrics["num_prefix_hit_tokens"] == 0
+
+
+def test_prefix_hashes_chain_through_the_parent(path, ref):
+    check_prefix_chaining(path, ref)
+
+
+def test_prefix_check_fails_without_chaining(path, ref, monkeypatch):
+    monkeypatch.setattr(block_manager, "block_key", lambda parent, tokens: (0, tokens))
+    with pytest.raises(AssertionError):
+        check_prefix_chaining(path, ref)
+
+
+def test_request_order_does_not_change_outputs(path):
+    prompts = [tokens(40, 30), tokens(41, 66), tokens(42, 18)]
+    expected = [alone(path, p) for p in prompts]
+    llm = make_llm(path, max_num_batched_tokens=50)
+    for order in itertools.permutations(range(3)):
+        outs = llm.generate(prompt_token_ids=[prompts[i] for i in order], sampling_params=GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [expected[i] for i in order]
+
+
+# ---- isolation ------------------------------------------------------------------------------------
+
+
+def check_isolation_canary(path):
+    """Fill the whole cache with NaN, run a batch: no request may read a slot it did not write
+    (a NaN would poison its output), and no block outside the requests' tables may be written."""
+    llm = make_llm(path, enable_prefix_caching=False, max_num_batched_tokens=23)
+    cache = llm.engine.kv_cache
+    for t in cache.latent + list(cache.indexer.values()):
+        t.fill_(float("nan"))
+    prompts = [tokens(50, 45), tokens(51, 20), tokens(52, 60)]
+    engine = llm.engine
+    results = drive(engine, {0: [(str(i), p, GREEDY) for i, p in enumerate(prompts)]})
+    for i, prompt in enumerate(prompts):
+        assert results[str(i)].outputs[0].token_ids == alone(path, prompt)
+    # Each request wrote its prompt and all but its last generated token.
+    written = sum(bool(torch.isfinite(cache.latent[0][b]).any()) for b in range(cache.num_blocks))
+    assert written == sum(-(-(len(p) + 11) // BLOCK) for p in prompts)
+
+
+def test_cache_write_canary(path):
+    check_isolation_canary(path)
+
+
+def test_canary_catches_a_broken_slot_mapping(path, monkeypatch):
+    original = BatchMetadata.build.__func__
+
+    def shifted(cls, *args, **kwargs):
+        meta = original(cls, *args, **kwargs)
+        object.__setattr__(meta, "slot_mapping", meta.slot_mapping + BLOCK)  # write into the next block
+        return meta
+
+    monkeypatch.setattr(BatchMetadata, "build", classmethod(shifted))
+    with pytest.raises(AssertionError):
+        check_isolation_canary(path)
+
+
+def test_corrupting_another_requests_blocks_leaves_this_one_unchanged(path):
+    llm = make_llm(path, enable_prefix_caching=False)
+    engine = llm.engine
+    a, b = tokens(60, 70), tokens(61, 50)
+    engine.add_request("a", a, GREEDY)
+    engine.add_request("b", b, GREEDY)
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id in results:
+                results[out.request_id].add(out)
+            else:
+                results[out.request_id] = out
+        for seq in engine.groups.get("b", []):
+            for block in seq.block_table:
+                for t in engine.kv_cache.latent + list(engine.kv_cache.indexer.values()):
+                    t[block].normal_(0, 100)
+    assert results["a"].outputs[0].token_ids == alone(path, a)
+    assert results["b"].outputs[0].token_ids != alone(path, b)  # the corruption did reach b
+
+
+# ---- aborts, errors ---------------------------------------------------------------------------------
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_every_block(path):
+    engine = make_llm(path, max_num_batched_tokens=20).engine
+    total = engine.kv.num_blocks
+    engine.add_request("long", tokens(70, 90), GREEDY)
+    engine.step()
+    assert engine.groups["long"][0].in_prompt and engine.num_free_blocks < total
+    engine.abort_request("long")
+    assert engine.num_free_blocks == total and not engine.has_unfinished_requests()
+    engine.add_request("short", tokens(71, 10), GREEDY)
+    engine.add_request("other", tokens(72, 12), GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert not engine.groups["short"][0].in_prompt and len(engine.groups["short"][0].output_token_ids) > 1
+    engine.abort_request("short")
+    drive(engine, {})
+    assert engine.num_free_blocks == total
+
+
+def test_non_finite_logits_fail_only_that_request(path, monkeypatch):
+    engine = make_llm(path).engine
+    runner = engine.runner
+    original = runner.execute
+
+    def poison(batch):
+        result = original(batch)
+        for row, b in enumerate(result.sample_requests):
+            if batch.requests[b].request_id == "bad":
+                result.sample_logits[row] = float("nan")
+        return result
+
+    monkeypatch.setattr(runner, "execute", poison)
+    results = drive(engine, {0: [("bad", tokens(80, 20), GREEDY), ("good", tokens(81, 20), GREEDY)]})
+    assert results["bad"].outputs[0].finish_reason == "error" and "non-finite" in results["bad"].error
+    assert results["good"].outputs[0].token_ids == alone(path, tokens(81, 20))
+    assert engine.num_free_blocks == engine.kv.num_blocks
