@@ -1,4 +1,4 @@
-"""The `dsaserve` command line: generate, doctor, build-demo."""
+"""The `dsaserve` command line: generate, bench, doctor, build-demo."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 
 from dsaserve.attention import ATTENTION_BACKENDS
+from dsaserve.bench import add_bench_args, cmd_bench
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: what max-model-len needs, up to 1 GiB)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn prefix caching off (on by default)")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="turn chunked prefill off (on by default)")
     p.add_argument("--hf-overrides", default=None, help="JSON object patched into config.json, e.g. '{\"index_topk_pattern\": \"FFSS\"}'")
 
 
@@ -27,6 +32,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
         hf_overrides=args.hf_overrides,
     )
 
@@ -88,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--max-model-len", type=int, default=None)
     doc.set_defaults(func=cmd_doctor)
 
+    add_bench_args(sub, add_engine_args)
+
     demo = sub.add_parser("build-demo", help="write the built-in demo checkpoint to a directory")
     demo.add_argument("path")
     demo.add_argument("--seed", type=int, default=1234)
@@ -100,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
+        if args.command == "bench":
+            return cmd_bench(args, engine_kwargs(args))
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -29,24 +29,25 @@ def attend_latent(
     return torch.matmul(probs, keys[..., :value_dim])
 
 
-def gather_context(cache: torch.Tensor, meta: BatchMetadata, i: int) -> torch.Tensor:
-    """All cached rows of request i in logical order: [seq_len, row width]."""
-    positions = torch.arange(meta.seq_lens_host[i], device=cache.device)
+def gather_context(cache: torch.Tensor, meta: BatchMetadata, i: int, length: int) -> torch.Tensor:
+    """Request i's first `length` cached rows in logical order: [length, row width]."""
+    positions = torch.arange(length, device=cache.device)
     return cache.view(-1, cache.shape[-1])[meta.slots(i, positions)]
 
 
-def dense_request(
-    query: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, i: int, scale: float, value_dim: int,
-    out: torch.Tensor,
+def dense_rows(
+    query: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, i: int, rows: tuple[int, int], scale: float,
+    value_dim: int, out: torch.Tensor,
 ) -> None:
-    """Causal attention for request i's queries, written into out[its rows]."""
-    start, end = meta.query_range(i)
-    keys = gather_context(cache, meta, i)
+    """Causal attention for rows [r0, r1) of the batch (all of request i), written into out."""
+    r0, r1 = rows
+    if r0 >= r1:
+        return
+    keys = gather_context(cache, meta, i, int(meta.positions[r1 - 1]) + 1)
     key_pos = torch.arange(keys.shape[0], device=keys.device)
-    heads = query.shape[1]
-    tile = max(1, SCORE_BUDGET // (heads * keys.shape[0]))
-    for t0 in range(start, end, tile):
-        t1 = min(t0 + tile, end)
+    tile = max(1, SCORE_BUDGET // (query.shape[1] * keys.shape[0]))
+    for t0 in range(r0, r1, tile):
+        t1 = min(t0 + tile, r1)
         invalid = key_pos[None, :] > meta.positions[t0:t1, None]
         out[t0:t1] = attend_latent(query[t0:t1], keys, invalid, scale, value_dim)
 
@@ -61,5 +62,5 @@ class DenseAttention:
     ) -> torch.Tensor:
         out = query.new_empty(query.shape[0], query.shape[1], value_dim)
         for i in range(meta.num_reqs):
-            dense_request(query, cache, meta, i, scale, value_dim, out)
+            dense_rows(query, cache, meta, i, meta.query_range(i), scale, value_dim, out)
         return out

@@ -43,6 +43,11 @@ class BatchMetadata:
         start, end = self.query_range(i)
         return self.seq_lens_host[i] - (end - start)
 
+    def split_at_position(self, i: int, position: int) -> int:
+        """First batch row of request i whose position is ≥ `position` (its rows are consecutive)."""
+        start, end = self.query_range(i)
+        return min(max(start + position - self.context_len(i), start), end)
+
     def slots(self, i: int, positions: torch.Tensor) -> torch.Tensor:
         """Physical cache slots of request i's logical `positions` (any shape, all valid)."""
         table = self.block_tables[i]

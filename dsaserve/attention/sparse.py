@@ -1,16 +1,19 @@
 """Sparse MLA attention (DSA): each query attends only to its top-k logical positions.
 
-Top-k rows come from the last full layer's indexer (`int32 [T, index_topk]`, -1 = empty). A request
-whose whole context fits in `index_topk` selects every visible token, so it takes the dense path:
-same support, no gather of a per-query key copy.
+Top-k rows come from the last full layer's indexer (`int32 [T, index_topk]`, -1 = empty). A query
+that sees at most `index_topk` tokens selects all of them, so it takes the dense path: same support,
+no gather of a per-query key copy. Other queries are processed in tiles: the union of the tile's
+selected rows is loaded once, and a membership mask restores each query's own support.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsaserve.attention.dense import SCORE_BUDGET, attend_latent, dense_request
+from dsaserve.attention.dense import SCORE_BUDGET, attend_latent, dense_rows
 from dsaserve.attention.metadata import BatchMetadata
+
+QUERY_TILE = 64  # queries sharing one load of their selected rows
 
 
 class SparseAttention:
@@ -28,17 +31,27 @@ class SparseAttention:
             raise ValueError("sparse attention needs the top-k indices of a full layer")
         out = query.new_empty(query.shape[0], query.shape[1], value_dim)
         rows = cache.view(-1, cache.shape[-1])
+        heads = query.shape[1]
         for i in range(meta.num_reqs):
-            if meta.seq_lens_host[i] <= self.index_topk:
-                dense_request(query, cache, meta, i, scale, value_dim, out)
-                continue
             start, end = meta.query_range(i)
-            tile = max(1, SCORE_BUDGET // (topk.shape[1] * rows.shape[1]))
-            for t0 in range(start, end, tile):
+            split = meta.split_at_position(i, self.index_topk)  # rows before it see ≤ index_topk tokens
+            dense_rows(query, cache, meta, i, (start, split), scale, value_dim, out)
+            seq_len = meta.seq_lens_host[i]
+            tile = max(1, min(QUERY_TILE, SCORE_BUDGET // (heads * seq_len)))
+            for t0 in range(split, end, tile):
                 t1 = min(t0 + tile, end)
-                selected = topk[t0:t1].long()
-                invalid = selected < 0
-                keys = rows[meta.slots(i, selected.clamp(min=0))]  # [t, K, D]
+                union, invalid = selected_union(topk[t0:t1], seq_len)
+                keys = rows[meta.slots(i, union)]  # each selected row loaded once per tile
                 out[t0:t1] = attend_latent(query[t0:t1], keys, invalid, scale, value_dim)
         return out
 
+
+def selected_union(topk: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a tile of queries: the sorted union of their selected positions [U], and a [t, U] mask that
+    is True where a union position is not in that query's own selection."""
+    selected = topk.long()
+    valid = selected >= 0
+    member = torch.zeros(selected.shape[0], seq_len + 1, dtype=torch.bool, device=topk.device)
+    member.scatter_(1, torch.where(valid, selected, seq_len), True)  # -1 entries land in a spare column
+    union = torch.unique(selected[valid])
+    return union, ~member[:, union]

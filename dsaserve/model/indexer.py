@@ -67,14 +67,15 @@ def select_topk(
     key_rows = key_cache.view(-1, key_cache.shape[-1])
     for i in range(meta.num_reqs):
         start, end = meta.query_range(i)
-        seq_len = meta.seq_lens_host[i]
-        if seq_len <= index_topk:
-            out[start:end] = all_visible(meta.positions[start:end], index_topk)
+        split = meta.split_at_position(i, index_topk)  # rows before it see ≤ index_topk tokens
+        out[start:split] = all_visible(meta.positions[start:split], index_topk)
+        if split == end:
             continue
+        seq_len = meta.seq_lens_host[i]
         keys = key_rows[meta.slots(i, torch.arange(seq_len, device=q.device))].float()
         key_pos = torch.arange(seq_len, device=q.device)
         tile = max(1, INDEXER_SCORE_BUDGET // (q.shape[1] * seq_len))
-        for t0 in range(start, end, tile):
+        for t0 in range(split, end, tile):
             t1 = min(t0 + tile, end)
             per_head = torch.relu(torch.matmul(q[t0:t1].float(), keys.T))  # [t, H, S]
             scores = torch.matmul(weights[t0:t1, None, :], per_head).squeeze(1)  # [t, S]
