@@ -84,3 +84,18 @@ def test_demo_checkpoint_loads_unchanged_in_the_reference(tmp_path):
     assert ids[0] == 2  # GLM special tokens are single tokens
     ours, expected = dsaserve_forward(path, ids), reference_forward(ref, ids)
     assert torch.allclose(ours.logprobs, expected.logprobs, atol=1e-4)
+
+
+def test_bench_throughput_and_latency_report(tiny_checkpoint, tmp_path):
+    import json
+
+    common = [tiny_checkpoint, "--dtype", "float32", "--block-size", "16", "--max-model-len", "256",
+              "--input-len", "20", "--output-len", "5"]
+    result = run("bench", "throughput", *common, "--num-prompts", "3", "--output-json", str(tmp_path / "t.json"))
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["num_prompts"] == 3 and data["output_tokens_per_s"] > 0 and "requests_per_s" in result.stdout
+    result = run("bench", "latency", *common, "--num-iters", "2", "--output-json", str(tmp_path / "l.json"))
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "l.json").read_text())
+    assert data["iters"] == 2 and data["ttft_ms_mean"] > 0 and data["tpot_ms_mean"] > 0
