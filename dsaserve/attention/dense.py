@@ -29,6 +29,39 @@ def attend_latent(
     return torch.matmul(probs, keys[..., :value_dim])
 
 
+def attend_decode_rows(
+    query: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, reqs: list[int], positions: torch.Tensor,
+    invalid: torch.Tensor, scale: float, value_dim: int, out: torch.Tensor,
+) -> None:
+    """Single-query requests together: request reqs[j]'s query attends to its logical positions[j]
+    ([R, W], entries under `invalid` are padding and must still be valid positions). One batched
+    matmul per chunk instead of one small one per request."""
+    if not reqs:
+        return
+    rows = cache.view(-1, cache.shape[-1])
+    req_index = torch.tensor(reqs, device=query.device)
+    query_rows = meta.query_start_loc[req_index]
+    per_chunk = max(1, SCORE_BUDGET // (positions.shape[1] * max(rows.shape[1], query.shape[1])))
+    for c0 in range(0, len(reqs), per_chunk):
+        c1 = c0 + per_chunk
+        keys = rows[meta.slots_of(req_index[c0:c1], positions[c0:c1])]  # [R, W, D]
+        out[query_rows[c0:c1]] = attend_latent(query[query_rows[c0:c1]], keys, invalid[c0:c1], scale, value_dim)
+
+
+def decode_causal(
+    query: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, reqs: list[int], scale: float, value_dim: int,
+    out: torch.Tensor,
+) -> None:
+    """Batched causal attention for single-query requests: each sees its whole context."""
+    if not reqs:
+        return
+    lens = torch.tensor([meta.seq_lens_host[i] for i in reqs], device=query.device)
+    width = torch.arange(int(lens.max()), device=query.device)[None, :]
+    invalid = width >= lens[:, None]
+    positions = torch.minimum(width, lens[:, None] - 1)  # padding points at a written row
+    attend_decode_rows(query, cache, meta, reqs, positions, invalid, scale, value_dim, out)
+
+
 def gather_context(cache: torch.Tensor, meta: BatchMetadata, i: int, length: int) -> torch.Tensor:
     """Request i's first `length` cached rows in logical order: [length, row width]."""
     positions = torch.arange(length, device=cache.device)
@@ -61,6 +94,8 @@ class DenseAttention:
         topk: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = query.new_empty(query.shape[0], query.shape[1], value_dim)
-        for i in range(meta.num_reqs):
+        decode = meta.decode_requests()
+        decode_causal(query, cache, meta, decode, scale, value_dim, out)
+        for i in sorted(set(range(meta.num_reqs)) - set(decode)):
             dense_rows(query, cache, meta, i, meta.query_range(i), scale, value_dim, out)
         return out

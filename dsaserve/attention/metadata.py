@@ -48,6 +48,16 @@ class BatchMetadata:
         start, end = self.query_range(i)
         return min(max(start + position - self.context_len(i), start), end)
 
+    def decode_requests(self) -> list[int]:
+        """Requests with exactly one new token this step (their row is query_start_loc[i])."""
+        starts = self.query_start_loc_host
+        return [i for i in range(self.num_reqs) if starts[i + 1] - starts[i] == 1]
+
+    def slots_of(self, reqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slots of positions [R, W] (all valid) of the requests reqs [R]."""
+        tables = self.block_tables[reqs]
+        return tables.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
+
     def slots(self, i: int, positions: torch.Tensor) -> torch.Tensor:
         """Physical cache slots of request i's logical `positions` (any shape, all valid)."""
         table = self.block_tables[i]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.attention.dense import SCORE_BUDGET, attend_latent, dense_rows
+from dsaserve.attention.dense import SCORE_BUDGET, attend_decode_rows, attend_latent, decode_causal, dense_rows
 from dsaserve.attention.metadata import BatchMetadata
 
 QUERY_TILE = 64  # queries sharing one load of their selected rows
@@ -32,7 +32,11 @@ class SparseAttention:
         out = query.new_empty(query.shape[0], query.shape[1], value_dim)
         rows = cache.view(-1, cache.shape[-1])
         heads = query.shape[1]
-        for i in range(meta.num_reqs):
+        decode = meta.decode_requests()
+        short = [i for i in decode if meta.seq_lens_host[i] <= self.index_topk]
+        decode_causal(query, cache, meta, short, scale, value_dim, out)
+        self._decode_selected(query, cache, meta, [i for i in decode if i not in set(short)], topk, scale, value_dim, out)
+        for i in sorted(set(range(meta.num_reqs)) - set(decode)):
             start, end = meta.query_range(i)
             split = meta.split_at_position(i, self.index_topk)  # rows before it see ≤ index_topk tokens
             dense_rows(query, cache, meta, i, (start, split), scale, value_dim, out)
@@ -44,6 +48,14 @@ class SparseAttention:
                 keys = rows[meta.slots(i, union)]  # each selected row loaded once per tile
                 out[t0:t1] = attend_latent(query[t0:t1], keys, invalid, scale, value_dim)
         return out
+
+    @staticmethod
+    def _decode_selected(query, cache, meta, reqs, topk, scale, value_dim, out) -> None:
+        """Batched attention of single-query requests over their own top-k positions."""
+        if not reqs:
+            return
+        selected = topk[meta.query_start_loc[torch.tensor(reqs, device=topk.device)]].long()  # [R, K]
+        attend_decode_rows(query, cache, meta, reqs, selected.clamp(min=0), selected < 0, scale, value_dim, out)
 
 
 def selected_union(topk: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
