@@ -234,3 +234,52 @@ def test_non_finite_logits_fail_only_that_request(path, monkeypatch):
     assert results["bad"].outputs[0].finish_reason == "error" and "non-finite" in results["bad"].error
     assert results["good"].outputs[0].token_ids == alone(path, tokens(81, 20))
     assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+# ---- the block manager on its own --------------------------------------------------------------------
+
+
+def seq(ids):
+    from dsaserve.engine.request import Request
+
+    return Request("x", None, list(ids), SamplingParams(), frozenset(), 4, detokenizer=None)
+
+
+def computed(kv, request):
+    assert kv.allocate(request, request.num_tokens, kv.cached_prefix(request))
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_computed_blocks(request)
+
+
+def test_lru_eviction_keeps_the_most_recently_freed_prefix():
+    from dsaserve.engine.block_manager import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a, b = seq(range(100, 108)), seq(range(200, 208))
+    computed(kv, a)
+    kv.free(a)
+    computed(kv, b)
+    kv.free(b)
+    assert kv.num_free_blocks == 6  # cached blocks nobody references still count as free
+    c = seq(range(300, 316))  # needs 4 fresh blocks: the 2 never used, then evicts a's (freed first)
+    assert kv.allocate(c, 16)
+    assert kv.cached_prefix(seq(list(range(100, 108)) + [1])) == []
+    assert len(kv.cached_prefix(seq(list(range(200, 208)) + [1]))) == 2
+    kv.free(c)
+    assert kv.num_free_blocks == 6
+    assert not kv.allocate(seq(range(400, 428)), 28)  # 7 blocks > 6: refused, nothing taken
+    assert kv.num_free_blocks == 6
+
+
+def test_stop_string_frees_blocks_in_the_same_step(path):
+    llm = make_llm(path)
+    engine = llm.engine
+    base = llm.generate(prompt_token_ids=tokens(90, 30), sampling_params=GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = base.text[len(base.text) // 2 :][:2]
+    engine.add_request("s", tokens(90, 30), SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))
+    while True:
+        outs = engine.step()
+        if outs and outs[0].finished:
+            break
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert engine.num_free_blocks == engine.kv.num_blocks and not engine.has_unfinished_requests()
