@@ -1,4 +1,5 @@
-"""`dsaserve bench throughput` and `dsaserve bench latency`: offline measurements of the engine.
+"""`dsaserve bench throughput` and `dsaserve bench latency`: offline measurements of the engine
+(`dsaserve bench serve` loads a server over HTTP: see bench_serve.py).
 
 Prompts are random token ids (so any checkpoint works without a dataset); generation ignores eos so
 every request produces exactly --output-len tokens.
@@ -82,8 +83,11 @@ def print_table(title: str, result: dict) -> None:
 
 
 def add_bench_args(sub: argparse._SubParsersAction, add_engine_args) -> None:
-    bench = sub.add_parser("bench", help="measure throughput or latency offline")
+    from dsaserve.bench_serve import add_serve_bench_args
+
+    bench = sub.add_parser("bench", help="measure throughput or latency offline, or load a server")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    add_serve_bench_args(kinds)
     for kind in ("throughput", "latency"):
         p = kinds.add_parser(kind)
         add_engine_args(p)
@@ -99,9 +103,14 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args) -> None:
             p.add_argument("--num-iters-warmup", type=int, default=1)
 
 
-def cmd_bench(args: argparse.Namespace, engine_kwargs: dict) -> int:
+def cmd_bench(args: argparse.Namespace, engine_kwargs) -> int:
     from dsaserve import LLM
 
+    if args.bench_kind == "serve":
+        from dsaserve.bench_serve import cmd_bench_serve
+
+        return cmd_bench_serve(args)
+    engine_kwargs = engine_kwargs(args)
     llm = LLM(args.model, **engine_kwargs)
     if args.bench_kind == "throughput":
         result = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.seed)

@@ -1,4 +1,4 @@
-"""The `dsaserve` command line: generate, bench, doctor, build-demo."""
+"""The `dsaserve` command line: serve, generate, bench, doctor, build-demo."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from dsaserve.attention import ATTENTION_BACKENDS
 from dsaserve.bench import add_bench_args, cmd_bench
+from dsaserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +54,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dsaserve.server.launcher import serve
+
+    return serve(
+        args.model, engine_kwargs(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=args.api_key, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_request_body_bytes,
+        idle_shutdown=args.idle_shutdown,
+    )
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from dsaserve.doctor import report
 
@@ -75,6 +87,20 @@ def cmd_build_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsaserve", description="Serve GLM-5.x sparse-attention models.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (the demo model when no MODEL is given)")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or DSASERVE_API_KEY)")
+    srv.add_argument("--chat-template", default=None, help="jinja file overriding the checkpoint's chat template")
+    srv.add_argument("--reasoning-parser", default="glm45", choices=REASONING_PARSERS)
+    srv.add_argument("--tool-call-parser", default="glm47", choices=TOOL_CALL_PARSERS)
+    srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--idle-shutdown", type=float, default=None, metavar="SECONDS",
+                     help="exit cleanly after this long with nothing running, waiting or arriving")
+    srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion offline")
     add_engine_args(gen)
@@ -109,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         if args.command == "bench":
-            return cmd_bench(args, engine_kwargs(args))
+            return cmd_bench(args, engine_kwargs)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

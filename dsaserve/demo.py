@@ -14,7 +14,7 @@ import torch
 
 from dsaserve.checkpoint_builder import build_checkpoint
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 DEMO_CONFIG = dict(
     hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=6,
     num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,

@@ -9,11 +9,15 @@ from __future__ import annotations
 import json
 import os
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+# Control tokens: special, dropped from text when skip_special_tokens is set.
 GLM_SPECIAL_TOKENS = (
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
     "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+)
+# Markup tokens: single tokens, but kept in decoded text so reasoning and tool calls can be parsed.
+GLM_MARKUP_TOKENS = (
     "<think>", "</think>", "<tool_call>", "</tool_call>",
     "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
     "<tool_response>", "</tool_response>", "/nothink",
@@ -99,15 +103,16 @@ def build_tokenizer(vocab_size: int = 1024) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in GLM_MARKUP_TOKENS])
     return tok
 
 
 def save_tokenizer(tok: Tokenizer, model_dir: str) -> None:
     tok.save(os.path.join(model_dir, "tokenizer.json"))
     added = {
-        str(tok.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                  "normalized": False, "single_word": False}
-        for t in GLM_SPECIAL_TOKENS
+        str(tok.token_to_id(t)): {"content": t, "special": t in GLM_SPECIAL_TOKENS, "lstrip": False,
+                                  "rstrip": False, "normalized": False, "single_word": False}
+        for t in GLM_SPECIAL_TOKENS + GLM_MARKUP_TOKENS
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

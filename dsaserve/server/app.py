@@ -1,0 +1,181 @@
+"""The FastAPI app: routes, OpenAI error bodies, API key, body size limit, disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dsaserve.engine.scheduler import RequestRejected
+from dsaserve.sampling_params import SamplingParamsError
+from dsaserve.server.chat import chat_full, chat_params, chat_stream, prepare_chat
+from dsaserve.server.completions import completion_full, completion_stream, prepare_prompts, prompt_params
+from dsaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from dsaserve.server.responses import new_id, now
+from dsaserve.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+class GuardMiddleware:
+    """Counts requests in flight (for idle shutdown), enforces the API key on /v1 and the body size."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = self.state
+        state.in_flight += 1
+        state.last_activity = time.monotonic()
+        try:
+            error = self._check_key(scope)
+            if error is None:
+                body, error = await self._read_body(scope, receive)
+            if error is not None:
+                return await error_response(error)(scope, receive, send)
+            sent = False
+
+            async def replay():
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()  # later calls wait for the client's disconnect
+
+            await self.app(scope, replay, send)
+        finally:
+            state.in_flight -= 1
+            state.last_activity = time.monotonic()
+
+    def _check_key(self, scope) -> APIError | None:
+        key = self.state.config.api_key
+        if not key or not scope["path"].startswith("/v1"):
+            return None
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return None
+        return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                        type_="invalid_request_error", code="invalid_api_key")
+
+    async def _read_body(self, scope, receive) -> tuple[bytes, APIError | None]:
+        limit = self.state.config.max_body_bytes
+        too_big = APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return b"", too_big
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return b"", too_big
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks), None
+
+
+async def until_disconnect(request: Request, coro):
+    """Run coro; cancel it (aborting its engine request) if the client goes away first."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def build_app(state: ServerState, lifespan=None) -> FastAPI:
+    app = FastAPI(title="dsaserve", lifespan=lifespan)
+    app.state.dsaserve = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(APIError(400, f"the request body is not valid JSON: {first.get('msg', '')}"))
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, exc: StarletteHTTPException):
+        return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(SamplingParamsError)
+    async def _params_error(_, exc: SamplingParamsError):
+        return error_response(APIError(400, str(exc), param=exc.param))
+
+    @app.exception_handler(RequestRejected)
+    async def _rejected(_, exc: RequestRejected):
+        return error_response(APIError(400, str(exc), param=exc.param))
+
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):
+        logger.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.get("/health")
+    async def health():
+        alive = state.engine._thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.config.model_name, "object": "model", "created": now(), "owned_by": "dsaserve",
+            "root": state.engine.engine.model_dir, "max_model_len": state.max_model_len,
+        }]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        request_id = new_id("chatcmpl")
+        prepared = prepare_chat(state, body)
+        params = chat_params(state, body, prepared)  # parameter errors are a 400 before anything streams
+        if body.stream:
+            return StreamingResponse(chat_stream(state, body, request_id, prepared, params),
+                                     media_type="text/event-stream")
+        return JSONResponse(await until_disconnect(request, chat_full(state, body, request_id, prepared, params)))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        request_id = new_id("cmpl")
+        prompts = prepare_prompts(state, body)
+        params = [prompt_params(state, body, p) for p in prompts]  # a 400 before anything streams
+        if body.stream:
+            return StreamingResponse(completion_stream(state, body, request_id, prompts, params),
+                                     media_type="text/event-stream")
+        return JSONResponse(await until_disconnect(request, completion_full(state, body, request_id, prompts, params)))
+
+    return app
+

@@ -1,0 +1,158 @@
+"""POST /v1/chat/completions: render the chat template, generate, split reasoning / content / tool calls."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from dsaserve.server.chat_template import ChatTemplateError
+from dsaserve.server.parsers import CONTENT, REASONING, GlmOutputParser
+from dsaserve.server.parsers.glm import CALL_START, THINK_END, THINK_START
+from dsaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
+from dsaserve.server.responses import chat_logprobs, new_id, now, sse, usage
+from dsaserve.server.state import ServerState
+
+
+@dataclass
+class PreparedChat:
+    prompt_ids: list[int]
+    parser_args: dict  # how to build each choice's output parser
+
+
+def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
+    state.check_model(req.model)
+    if state.chat_template is None:
+        raise APIError(400, "this model has no chat template; start the server with --chat-template FILE "
+                            "or use /v1/completions", param="messages")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    schemas = {t.function.name: t.function.parameters or {} for t in req.tools or []}
+    choice = req.tool_choice
+    forced = ""
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in schemas:
+            raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                           param="tool_choice")
+        forced = CALL_START + choice.function.name
+    elif choice == "required":
+        if not tools:
+            raise APIError(400, "tool_choice 'required' needs at least one tool in tools", param="tool_choice")
+        forced = CALL_START
+    kwargs = dict(req.chat_template_kwargs or {})
+    try:
+        text = state.chat_template.render([m.for_template() for m in req.messages], tools=tools,
+                                          add_generation_prompt=req.add_generation_prompt, **kwargs)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from e
+    reasoning = state.config.reasoning_parser is not None
+    opened = text.rstrip().endswith(THINK_START)
+    if forced:
+        text += (THINK_END if opened or not text.rstrip().endswith(THINK_END) else "") + forced
+    ids = state.engine.tokenizer.encode(text, add_special_tokens=False)
+    parser_args = dict(
+        reasoning=reasoning and not forced,
+        tools=state.config.tool_call_parser is not None and bool(tools) and choice != "none",
+        start_in=REASONING if (reasoning and opened and not forced) else CONTENT,
+        tool_schemas=schemas, prefix=forced,
+    )
+    return PreparedChat(ids, parser_args)
+
+
+def chat_params(state: ServerState, req: ChatCompletionRequest, prepared: PreparedChat):
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return state.sampling_params(req, len(prepared.prompt_ids), req.max_completion_tokens or req.max_tokens,
+                                 logprobs=logprobs)
+
+
+def _finish_reason(engine_reason: str | None, made_tool_calls: bool) -> str | None:
+    if engine_reason == "stop" and made_tool_calls:
+        return "tool_calls"
+    return engine_reason
+
+
+async def chat_full(state: ServerState, req: ChatCompletionRequest, request_id: str, prepared: PreparedChat,
+                    params) -> dict:
+    parsers = [GlmOutputParser(**prepared.parser_args) for _ in range(req.n)]
+    parts = [{"reasoning": "", "content": "", "tool_calls": [], "token_ids": [], "logprobs": [], "finish": None}
+             for _ in range(req.n)]
+    async for out in state.generate(prepared.prompt_ids, params, request_id):
+        if out.error:
+            raise APIError(500, f"generation failed: {out.error}", type_="internal_error")
+        for c in out.outputs:
+            part = parts[c.index]
+            deltas = [parsers[c.index].feed(c.text)] + ([parsers[c.index].finish()] if c.finish_reason else [])
+            for d in deltas:
+                part["reasoning"] += d.reasoning
+                part["content"] += d.content
+                part["tool_calls"] += d.tool_calls
+            part["token_ids"] += c.token_ids
+            part["logprobs"] += c.logprobs or []
+            part["finish"] = c.finish_reason
+    choices = []
+    for index, part in enumerate(parts):
+        message = {"role": "assistant", "content": part["content"] or (None if part["tool_calls"] else ""),
+                   "reasoning_content": part["reasoning"] or None}
+        if part["tool_calls"]:
+            message["tool_calls"] = [call.to_openai() for call in part["tool_calls"]]
+        logprobs = None
+        if req.logprobs:
+            logprobs = {"content": chat_logprobs(part["token_ids"], part["logprobs"], req.top_logprobs or 0)}
+        choices.append({"index": index, "message": message, "logprobs": logprobs,
+                        "finish_reason": _finish_reason(part["finish"], bool(part["tool_calls"]))})
+    completion_tokens = sum(len(p["token_ids"]) for p in parts)
+    return {"id": request_id, "object": "chat.completion", "created": now(), "model": state.config.model_name,
+            "choices": choices, "usage": usage(len(prepared.prompt_ids), completion_tokens)}
+
+
+async def chat_stream(state: ServerState, req: ChatCompletionRequest, request_id: str,
+                      prepared: PreparedChat, params) -> AsyncIterator[str]:
+    created, model = now(), state.config.model_name
+    parsers = [GlmOutputParser(**prepared.parser_args) for _ in range(req.n)]
+    calls_made = [0] * req.n
+    completion_tokens = 0
+
+    def chunk(choices: list[dict], extra: dict | None = None) -> str:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": choices}
+        body.update(extra or {})
+        return sse(body)
+
+    for index in range(req.n):
+        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    try:
+        async for out in state.generate(prepared.prompt_ids, params, request_id):
+            if out.error:
+                yield sse(APIError(500, f"generation failed: {out.error}", type_="internal_error").body())
+                break
+            choices = []
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                parsed = parsers[c.index].feed(c.text)
+                if c.finish_reason:
+                    tail = parsers[c.index].finish()
+                    parsed.reasoning += tail.reasoning
+                    parsed.content += tail.content
+                    parsed.tool_calls += tail.tool_calls
+                delta = {}
+                if parsed.reasoning:
+                    delta["reasoning_content"] = parsed.reasoning
+                if parsed.content:
+                    delta["content"] = parsed.content
+                if parsed.tool_calls:
+                    delta["tool_calls"] = [call.to_openai(calls_made[c.index] + k) for k, call in enumerate(parsed.tool_calls)]
+                    calls_made[c.index] += len(parsed.tool_calls)
+                logprobs = None
+                if req.logprobs and c.logprobs:
+                    logprobs = {"content": chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)}
+                if delta or logprobs or c.finish_reason:
+                    choices.append({"index": c.index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": _finish_reason(c.finish_reason, calls_made[c.index] > 0)})
+            if choices:
+                yield chunk(choices)
+    except APIError as e:
+        yield sse(e.body())
+    if req.stream_options and req.stream_options.include_usage:
+        yield chunk([], {"usage": usage(len(prepared.prompt_ids), completion_tokens)})
+    yield sse("[DONE]")

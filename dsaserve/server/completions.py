@@ -1,0 +1,154 @@
+"""POST /v1/completions: one or several prompts (text or token ids), n samples each, echo, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from dsaserve.outputs import RequestOutput
+from dsaserve.server.protocol import APIError, CompletionRequest
+from dsaserve.server.responses import completion_logprobs, now, sse, usage
+from dsaserve.server.state import ServerState
+
+
+@dataclass
+class PreparedPrompt:
+    ids: list[int]
+    text: str
+
+
+def prepare_prompts(state: ServerState, req: CompletionRequest) -> list[PreparedPrompt]:
+    state.check_model(req.model)
+    if req.suffix is not None:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    tokenizer = state.engine.tokenizer
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    prepared = []
+    for item in items:
+        if isinstance(item, str):
+            prepared.append(PreparedPrompt(tokenizer.encode(item), item))
+        else:
+            vocab = state.engine.engine.config.vocab_size
+            if not item or any(t < 0 or t >= vocab for t in item):
+                raise APIError(400, f"prompt token ids must be non-empty and within [0, {vocab})", param="prompt")
+            prepared.append(PreparedPrompt(list(item), tokenizer.decode(item, skip_special_tokens=False)))
+    if any(not p.ids for p in prepared):
+        raise APIError(400, "a prompt encodes to no tokens", param="prompt")
+    return prepared
+
+
+def prompt_params(state: ServerState, req: CompletionRequest, prompt: PreparedPrompt):
+    extra = {"logprobs": req.logprobs}
+    if req.echo and req.logprobs is not None:
+        extra["prompt_logprobs"] = req.logprobs
+    return state.sampling_params(req, len(prompt.ids), req.max_tokens, **extra)
+
+
+async def merged(state: ServerState, prompts: list[PreparedPrompt], params: list,
+                 request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Generate every prompt concurrently; yield (prompt index, output) as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in state.generate(prompts[i].ids, params[i], f"{request_id}-{i}"):
+                await queue.put((i, out))
+        except Exception as e:  # surfaced to the consumer below
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+    try:
+        remaining = len(prompts)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _choice_text(req: CompletionRequest, prompt: PreparedPrompt, first: bool, text: str) -> str:
+    return (prompt.text + text) if (req.echo and first) else text
+
+
+def _logprobs(state, req: CompletionRequest, prompt: PreparedPrompt, out: RequestOutput, token_ids, positions,
+              first: bool, offset: int):
+    if req.logprobs is None:
+        return None
+    decode = lambda t: state.engine.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    if req.echo and first:
+        token_ids = prompt.ids + token_ids
+        positions = (out.prompt_logprobs or [None] * len(prompt.ids)) + positions
+    return completion_logprobs(token_ids, positions, req.logprobs, offset, decode)
+
+
+async def completion_full(state: ServerState, req: CompletionRequest, request_id: str,
+                          prompts: list[PreparedPrompt], params: list) -> dict:
+    n = req.n
+    parts = [{"text": "", "token_ids": [], "logprobs": [], "finish": None} for _ in range(len(prompts) * n)]
+    prompt_outputs: dict[int, RequestOutput] = {}
+    async for i, out in merged(state, prompts, params, request_id):
+        if out.error:
+            raise APIError(500, f"generation failed: {out.error}", type_="internal_error")
+        prompt_outputs[i] = out
+        for c in out.outputs:
+            part = parts[i * n + c.index]
+            part["text"] += c.text
+            part["token_ids"] += c.token_ids
+            part["logprobs"] += c.logprobs or []
+            part["finish"] = c.finish_reason
+    choices = []
+    for k, part in enumerate(parts):
+        prompt = prompts[k // n]
+        logprobs = _logprobs(state, req, prompt, prompt_outputs[k // n], part["token_ids"], part["logprobs"], True, 0)
+        choices.append({"index": k, "text": _choice_text(req, prompt, True, part["text"]),
+                        "logprobs": logprobs, "finish_reason": part["finish"]})
+    completion_tokens = sum(len(p["token_ids"]) for p in parts)
+    return {"id": request_id, "object": "text_completion", "created": now(), "model": state.config.model_name,
+            "choices": choices, "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens)}
+
+
+async def completion_stream(state: ServerState, req: CompletionRequest, request_id: str,
+                            prompts: list[PreparedPrompt], params: list) -> AsyncIterator[str]:
+    created, model, n = now(), state.config.model_name, req.n
+    started = set()
+    offsets = [0] * (len(prompts) * n)
+    completion_tokens = 0
+    try:
+        async for i, out in merged(state, prompts, params, request_id):
+            if out.error:
+                yield sse(APIError(500, f"generation failed: {out.error}", type_="internal_error").body())
+                break
+            choices = []
+            for c in out.outputs:
+                k = i * n + c.index
+                first = k not in started
+                started.add(k)
+                completion_tokens += len(c.token_ids)
+                text = _choice_text(req, prompts[i], first, c.text)
+                logprobs = _logprobs(state, req, prompts[i], out, c.token_ids, c.logprobs or [], first, offsets[k])
+                offsets[k] += len(text)
+                if text or c.finish_reason or (logprobs and logprobs["tokens"]):
+                    choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+            if choices:
+                yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                           "choices": choices})
+    except APIError as e:
+        yield sse(e.body())
+    if req.stream_options and req.stream_options.include_usage:
+        yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
+                   "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens)})
+    yield sse("[DONE]")

@@ -1,0 +1,85 @@
+"""`dsaserve serve`: build the engine and app, run uvicorn, stop on SIGTERM or after an idle window."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+
+import uvicorn
+
+from dsaserve.engine.async_engine import AsyncLLMEngine
+from dsaserve.server.app import build_app
+from dsaserve.server.chat_template import ChatTemplate
+from dsaserve.server.metrics import ServerMetrics
+from dsaserve.server.state import ServerConfig, ServerState
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL_NAME = "dsaserve-demo"
+
+
+def load_chat_template(engine: AsyncLLMEngine, override: str | None) -> ChatTemplate | None:
+    tokenizer = engine.tokenizer
+    source = tokenizer.chat_template
+    if override:
+        with open(override) as f:
+            source = f.read()
+    if source is None:
+        logger.warning("no chat template: /v1/chat/completions will answer 400 (give --chat-template FILE)")
+        return None
+    return ChatTemplate(source, tokenizer.special_tokens)
+
+
+async def watch_idle(state: ServerState, server: uvicorn.Server, idle: float) -> None:
+    """Ask uvicorn to exit once nothing has run, waited or arrived for `idle` seconds."""
+    while not server.should_exit:
+        await asyncio.sleep(min(1.0, idle / 4))
+        busy = state.in_flight > 0 or state.engine.num_unfinished > 0 or state.engine.engine.has_unfinished_requests()
+        quiet_since = max(state.last_activity, state.engine.last_activity)
+        if not busy and time.monotonic() - quiet_since >= idle:
+            logger.info("idle for %.0fs: shutting down", idle)
+            server.should_exit = True
+
+
+def serve(model: str | None, engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000,
+          served_model_name: str | None = None, api_key: str | None = None, chat_template: str | None = None,
+          reasoning_parser: str = "glm45", tool_call_parser: str = "glm47", max_body_bytes: int = 8 << 20,
+          idle_shutdown: float | None = None, graceful_timeout: float = 30.0) -> int:
+    if model is None:
+        from dsaserve.demo import demo_model_dir
+
+        model = demo_model_dir()
+        served_model_name = served_model_name or DEMO_MODEL_NAME
+    engine = AsyncLLMEngine.from_model(model, **engine_kwargs)
+    config = ServerConfig(
+        model_name=served_model_name or model, api_key=api_key or os.environ.get("DSASERVE_API_KEY") or None,
+        max_body_bytes=max_body_bytes, reasoning_parser=None if reasoning_parser == "none" else reasoning_parser,
+        tool_call_parser=None if tool_call_parser == "none" else tool_call_parser, idle_shutdown=idle_shutdown,
+    )
+    state = ServerState(engine, config, load_chat_template(engine, chat_template),
+                        ServerMetrics(engine.engine, config.model_name))
+    server: uvicorn.Server | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        watcher = asyncio.create_task(watch_idle(state, server, idle_shutdown)) if idle_shutdown else None
+        logger.info("dsaserve serving %s on http://%s:%d", config.model_name, host, port)
+        try:
+            yield
+        finally:
+            if watcher:
+                watcher.cancel()
+            engine.shutdown()  # aborts whatever is still running
+
+    app = build_app(state, lifespan=lifespan)
+    from dsaserve.server.app import GuardMiddleware
+
+    guarded = GuardMiddleware(app, state)
+    uv_config = uvicorn.Config(guarded, host=host, port=port, log_level="info", lifespan="on",
+                               timeout_graceful_shutdown=graceful_timeout, access_log=False)
+    server = uvicorn.Server(uv_config)
+    server.run()
+    return 0

@@ -1,0 +1,60 @@
+"""Prometheus metrics: engine state read at scrape time, latency histograms observed per request."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from dsaserve.engine.engine import LLMEngine
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class EngineCollector:
+    """Reads the engine's counters when scraped, so the step loop does no metrics work."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine = engine
+        self.labels = {"model_name": model_name}
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), value)
+        return c
+
+    def collect(self):
+        engine, scheduler, kv = self.engine, self.engine.scheduler, self.engine.kv
+        yield self._gauge("dsaserve:num_requests_running", "Sequences in the running batch.", len(scheduler.running))
+        yield self._gauge("dsaserve:num_requests_waiting", "Sequences waiting to be scheduled.", len(scheduler.waiting))
+        yield self._gauge("dsaserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv.usage)
+        yield self._gauge("dsaserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / queried.",
+                          kv.stats.hit_rate)
+        yield self._counter("dsaserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            kv.stats.queried_tokens)
+        yield self._counter("dsaserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.stats.hit_tokens)
+        yield self._counter("dsaserve:prompt_tokens", "Prompt tokens admitted.", engine.num_prompt_tokens)
+        yield self._counter("dsaserve:generation_tokens", "Tokens generated.", engine.num_generation_tokens)
+        yield self._counter("dsaserve:num_preemptions", "Sequences preempted for lack of KV blocks.",
+                            scheduler.num_preemptions)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram("dsaserve:time_to_first_token_seconds", "Time from request arrival to first token.",
+                              labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram("dsaserve:inter_token_latency_seconds", "Time between consecutive outputs of a request.",
+                             labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("dsaserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,68 @@
+"""OpenAI response pieces: ids, usage, logprobs in the chat and the completions shapes, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from dsaserve.outputs import PositionLogprobs
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top: int) -> list[dict]:
+    """`choices[].logprobs.content` entries: the chosen token and its `top` alternatives."""
+    out = []
+    for token, entry in zip(token_ids, positions):
+        chosen = entry[token]
+        alternatives = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+        item = _entry(chosen.decoded_token or "", chosen.logprob)
+        item["top_logprobs"] = [_entry(lp.decoded_token or "", lp.logprob) for _, lp in alternatives
+                                if lp.rank is not None and lp.rank <= top][:top]
+        out.append(item)
+    return out
+
+
+def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], top: int,
+                        text_offset: int, decode) -> dict:
+    """`choices[].logprobs` of /v1/completions: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = text_offset
+    for token, entry in zip(token_ids, positions):
+        if entry is None:  # the first prompt token has no log-probability
+            piece = decode(token)
+            tokens.append(piece)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            chosen = entry[token]
+            piece = chosen.decoded_token or ""
+            tokens.append(piece)
+            token_logprobs.append(max(chosen.logprob, -9999.0))
+            ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0)
+            top_logprobs.append({(lp.decoded_token or ""): max(lp.logprob, -9999.0)
+                                 for lp in ranked if lp.rank is not None and lp.rank <= top})
+        offsets.append(offset)
+        offset += len(piece or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}

@@ -1,0 +1,82 @@
+"""What the request handlers share: the engine, server settings, metrics, and request → SamplingParams."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from dsaserve.engine.async_engine import AsyncLLMEngine
+from dsaserve.outputs import RequestOutput
+from dsaserve.sampling_params import SamplingParams, SamplingParamsError
+from dsaserve.server.chat_template import ChatTemplate
+from dsaserve.server.metrics import ServerMetrics
+from dsaserve.server.protocol import APIError, SamplingFields
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    reasoning_parser: str | None = "glm45"
+    tool_call_parser: str | None = "glm47"
+    idle_shutdown: float | None = None
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    config: ServerConfig
+    chat_template: ChatTemplate | None
+    metrics: ServerMetrics
+    in_flight: int = 0
+    last_activity: float = field(default_factory=time.monotonic)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.config.model_name}`",
+                           param="model", type_="NotFoundError", code="model_not_found")
+
+    def sampling_params(self, req: SamplingFields, num_prompt_tokens: int, max_tokens: int | None, **extra) -> SamplingParams:
+        """max_tokens is capped so prompt + output fits max_model_len; a prompt that alone fills it is a 400."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and the prompt "
+                                f"has {num_prompt_tokens} tokens; shorten the prompt", param="messages",
+                           code="context_length_exceeded")
+        top_k = req.top_k if req.top_k not in (None, -1) else 0
+        try:
+            return SamplingParams(
+                n=req.n, max_tokens=min(max_tokens or room, room),
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+                min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, stop=req.stop,
+                stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                logit_bias=req.logit_bias, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+                skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+                **extra,
+            )
+        except SamplingParamsError as e:
+            raise APIError(400, str(e), param=e.param) from e
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Engine outputs with TTFT / inter-token latency recorded."""
+        start = time.monotonic()
+        last = None
+        async for out in self.engine.generate(prompt_ids, params, request_id):
+            t = time.monotonic()
+            if any(c.token_ids for c in out.outputs):
+                if last is None:
+                    self.metrics.ttft.observe(t - start)
+                else:
+                    self.metrics.itl.observe(t - last)
+                last = t
+            if out.finished:
+                self.metrics.e2e.observe(t - start)
+            yield out
