@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import time
 
 from fastapi import FastAPI, Request
@@ -106,6 +107,21 @@ async def until_disconnect(request: Request, coro):
             task.cancel()
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def field_path(loc) -> list[str]:
+    """The request field of a validation error: its location without 'body' and pydantic's union-member tags."""
+    path = []
+    for item in loc:
+        if item == "body":
+            continue
+        if isinstance(item, str) and (item in _TYPE_TAGS or not re.fullmatch(r"[a-z_][a-z0-9_]*", item)):
+            break
+        path.append(str(item))
+    return path
+
+
 def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="dsaserve", lifespan=lifespan)
     app.state.dsaserve = state
@@ -117,7 +133,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = field_path(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             return error_response(APIError(400, f"the request body is not valid JSON: {first.get('msg', '')}"))
         param = ".".join(loc) or None

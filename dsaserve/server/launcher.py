@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
 
 import uvicorn
@@ -44,6 +45,25 @@ async def watch_idle(state: ServerState, server: uvicorn.Server, idle: float) ->
             server.should_exit = True
 
 
+class Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after its graceful shutdown, so the process would die by the signal;
+    a graceful stop should exit 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        def handle(sig, _frame):
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C stops waiting for in-flight requests
+            self.should_exit = True
+
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def serve(model: str | None, engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, api_key: str | None = None, chat_template: str | None = None,
           reasoning_parser: str = "glm45", tool_call_parser: str = "glm47", max_body_bytes: int = 8 << 20,
@@ -80,6 +100,6 @@ def serve(model: str | None, engine_kwargs: dict, host: str = "127.0.0.1", port:
     guarded = GuardMiddleware(app, state)
     uv_config = uvicorn.Config(guarded, host=host, port=port, log_level="info", lifespan="on",
                                timeout_graceful_shutdown=graceful_timeout, access_log=False)
-    server = uvicorn.Server(uv_config)
+    server = Server(uv_config)
     server.run()
     return 0
