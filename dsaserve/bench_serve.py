@@ -52,7 +52,7 @@ async def one_request(client: httpx.AsyncClient, url: str, payload: dict, header
                     return RequestResult(False, error=str(chunk["error"])[:200])
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                if chunk.get("choices"):  # a chunk per step that produced tokens (its text may be held back)
                     now = time.perf_counter()
                     if first is None:
                         first = now

@@ -159,7 +159,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = state.engine._thread.is_alive()
+        alive = state.engine.is_running
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")

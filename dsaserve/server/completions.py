@@ -141,7 +141,7 @@ async def completion_stream(state: ServerState, req: CompletionRequest, request_
                 text = _choice_text(req, prompts[i], first, c.text)
                 logprobs = _logprobs(state, req, prompts[i], out, c.token_ids, c.logprobs or [], first, offsets[k])
                 offsets[k] += len(text)
-                if text or c.finish_reason or (logprobs and logprobs["tokens"]):
+                if text or c.token_ids or c.finish_reason:  # one chunk per step that made tokens
                     choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
             if choices:
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 
 import uvicorn
@@ -46,22 +47,17 @@ async def watch_idle(state: ServerState, server: uvicorn.Server, idle: float) ->
 
 
 class Server(uvicorn.Server):
-    """uvicorn re-raises SIGTERM after its graceful shutdown, so the process would die by the signal;
-    a graceful stop should exit 0."""
+    """uvicorn on a side thread: the main thread steps the engine (see AsyncLLMEngine) and owns the
+    signal handlers, which ask this server to stop gracefully."""
 
     @contextlib.contextmanager
     def capture_signals(self):
-        def handle(sig, _frame):
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True  # a second Ctrl-C stops waiting for in-flight requests
-            self.should_exit = True
+        yield  # signals are handled on the main thread, in serve()
 
-        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def handle_signal(self, sig, _frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C stops waiting for in-flight requests
+        self.should_exit = True
 
 
 def serve(model: str | None, engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000,
@@ -73,7 +69,7 @@ def serve(model: str | None, engine_kwargs: dict, host: str = "127.0.0.1", port:
 
         model = demo_model_dir()
         served_model_name = served_model_name or DEMO_MODEL_NAME
-    engine = AsyncLLMEngine.from_model(model, **engine_kwargs)
+    engine = AsyncLLMEngine.from_model(model, start_thread=False, **engine_kwargs)
     config = ServerConfig(
         model_name=served_model_name or model, api_key=api_key or os.environ.get("DSASERVE_API_KEY") or None,
         max_body_bytes=max_body_bytes, reasoning_parser=None if reasoning_parser == "none" else reasoning_parser,
@@ -101,5 +97,10 @@ def serve(model: str | None, engine_kwargs: dict, host: str = "127.0.0.1", port:
     uv_config = uvicorn.Config(guarded, host=host, port=port, log_level="info", lifespan="on",
                                timeout_graceful_shutdown=graceful_timeout, access_log=False)
     server = Server(uv_config)
-    server.run()
-    return 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_signal)
+    http_thread = threading.Thread(target=server.run, name="dsaserve-http", daemon=True)
+    http_thread.start()
+    engine.run(should_stop=lambda: not http_thread.is_alive())  # returns once uvicorn has shut down
+    http_thread.join()
+    return 0 if server.started else 1
