@@ -314,3 +314,59 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tiny_checkpoint):
     response = result["response"]
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 150
     srv.stop()
+
+
+def test_non_streaming_client_disconnect_aborts(server):
+    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 400, "ignore_eos": True}
+    before = server.metrics()["dsaserve:generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    assert wait_for_idle(server, timeout=10)
+    assert server.metrics()["dsaserve:generation_tokens_total"] - before < 400
+
+
+def test_thinking_switch_reaches_the_template(client, offline):
+    off = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    on = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
+    assert off.usage.prompt_tokens == on.usage.prompt_tokens + 1  # the closing </think> token
+    assert (getattr(off.choices[0].message, "reasoning_content", None) or "") == ""
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "serve.json"
+    result = subprocess.run([sys.executable, "-m", "dsaserve", "bench", "serve", "--base-url", server.url,
+                             "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--max-concurrency", "2",
+                             "--output-json", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert data["completed"] == 4 and data["errors"] == 0 and data["output_tokens_per_s"] > 0
+    assert data["ttft_ms_p50"] > 0 and data["tpot_ms_p99"] >= data["tpot_ms_p50"]
+
+
+def test_chat_template_override_file(tmp_path, offline):
+    from dsaserve.server.launcher import load_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+    class FakeEngine:
+        tokenizer = offline.tokenizer
+
+    template = load_chat_template(FakeEngine(), str(path))
+    assert template.render([{"role": "user", "content": "hi"}]) == "[user]hi[assistant]"
+    sandboxed = load_chat_template(FakeEngine(), None)
+    assert sandboxed.render([{"role": "user", "content": "hi"}]).startswith("[gMASK]<sop>")
+
+
+def test_chat_template_is_sandboxed(tmp_path):
+    from dsaserve.server.chat_template import ChatTemplate, ChatTemplateError
+
+    evil = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ChatTemplateError):
+        evil.render([{"role": "user", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="no system"):
+        ChatTemplate("{{ raise_exception('no system') }}").render([])

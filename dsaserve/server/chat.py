@@ -45,10 +45,11 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
                                           add_generation_prompt=req.add_generation_prompt, **kwargs)
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from e
-    reasoning = state.config.reasoning_parser is not None
+    closed = text.rstrip().endswith(THINK_END)  # the template turned thinking off
+    reasoning = state.config.reasoning_parser is not None and not closed
     opened = text.rstrip().endswith(THINK_START)
     if forced:
-        text += (THINK_END if opened or not text.rstrip().endswith(THINK_END) else "") + forced
+        text += ("" if closed else THINK_END) + forced
     ids = state.engine.tokenizer.encode(text, add_special_tokens=False)
     parser_args = dict(
         reasoning=reasoning and not forced,
