@@ -7,6 +7,7 @@ import logging
 import sys
 
 from dsaserve.attention import ATTENTION_BACKENDS
+from dsaserve.engine.indexer_cache import INDEXER_CACHE_DTYPES
 from dsaserve.bench import add_bench_args, cmd_bench
 from dsaserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
@@ -16,6 +17,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--attention-backend", default="sparse", choices=ATTENTION_BACKENDS)
+    p.add_argument("--page-budget", type=int, default=None,
+                   help="pages per query for --attention-backend page (default: index_topk / block size)")
+    p.add_argument("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES,
+                   help="indexer key cache: auto (model dtype), int8 (+fp16 scale per token) or fp8 (+fp32 scale)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: what max-model-len needs, up to 1 GiB)")
@@ -31,6 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        page_budget=args.page_budget, indexer_cache_dtype=args.indexer_cache_dtype,
         max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,

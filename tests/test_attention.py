@@ -55,7 +55,7 @@ def test_tiled_sparse_equals_per_query_sparse():
             topk[t, : p + 1] = torch.arange(p + 1)
         else:
             topk[t] = torch.randperm(p + 1, generator=g)[:topk_k].to(torch.int32)
-    out = SparseAttention(topk_k).forward(query, cache, meta, 0.1, RANK, topk)
+    out = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
     selected = lambda t, p: sorted(x for x in topk[t].tolist() if x >= 0)
     assert torch.allclose(out, per_query(query, cache, meta, selected), atol=1e-5)
 
@@ -67,6 +67,6 @@ def test_sparse_selecting_everything_reproduces_dense():
     for t in range(query.shape[0]):
         p = int(meta.positions[t])
         topk[t, : p + 1] = torch.arange(p + 1)
-    sparse = SparseAttention(8).forward(query, cache, meta, 0.1, RANK, topk)  # index_topk 8 < context
+    sparse = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
     dense = DenseAttention().forward(query, cache, meta, 0.1, RANK)
     assert torch.allclose(sparse, dense, atol=1e-5)

@@ -146,7 +146,7 @@ def check_isolation_canary(path):
     (a NaN would poison its output), and no block outside the requests' tables may be written."""
     llm = make_llm(path, enable_prefix_caching=False, max_num_batched_tokens=23)
     cache = llm.engine.kv_cache
-    for t in cache.latent + list(cache.indexer.values()):
+    for t in cache.tensors():
         t.fill_(float("nan"))
     prompts = [tokens(50, 45), tokens(51, 20), tokens(52, 60)]
     engine = llm.engine
@@ -190,7 +190,7 @@ def test_corrupting_another_requests_blocks_leaves_this_one_unchanged(path):
                 results[out.request_id] = out
         for seq in engine.groups.get("b", []):
             for block in seq.block_table:
-                for t in engine.kv_cache.latent + list(engine.kv_cache.indexer.values()):
+                for t in engine.kv_cache.tensors():
                     t[block].normal_(0, 100)
     assert results["a"].outputs[0].token_ids == alone(path, a)
     assert results["b"].outputs[0].token_ids != alone(path, b)  # the corruption did reach b

@@ -17,11 +17,13 @@ QUERY_TILE = 64  # queries sharing one load of their selected rows
 
 
 class SparseAttention:
-    name = "sparse"
+    """Attends to the positions the indexer selected; the selection's width (index_topk tokens, or
+    pages × block_size) is the row width of `topk`."""
+
     uses_indexer = True
 
-    def __init__(self, index_topk: int):
-        self.index_topk = index_topk
+    def __init__(self, name: str = "sparse"):
+        self.name = name
 
     def forward(
         self, query: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, scale: float, value_dim: int,
@@ -32,13 +34,14 @@ class SparseAttention:
         out = query.new_empty(query.shape[0], query.shape[1], value_dim)
         rows = cache.view(-1, cache.shape[-1])
         heads = query.shape[1]
+        width = topk.shape[1]
         decode = meta.decode_requests()
-        short = [i for i in decode if meta.seq_lens_host[i] <= self.index_topk]
+        short = [i for i in decode if meta.seq_lens_host[i] <= width]
         decode_causal(query, cache, meta, short, scale, value_dim, out)
         self._decode_selected(query, cache, meta, [i for i in decode if i not in set(short)], topk, scale, value_dim, out)
         for i in sorted(set(range(meta.num_reqs)) - set(decode)):
             start, end = meta.query_range(i)
-            split = meta.split_at_position(i, self.index_topk)  # rows before it see ≤ index_topk tokens
+            split = meta.split_at_position(i, width)  # rows before it see ≤ width tokens
             dense_rows(query, cache, meta, i, (start, split), scale, value_dim, out)
             seq_len = meta.seq_lens_host[i]
             tile = max(1, min(QUERY_TILE, SCORE_BUDGET // (heads * seq_len)))

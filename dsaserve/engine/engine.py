@@ -52,6 +52,8 @@ class LLMEngine:
         dtype: str | torch.dtype = "auto",
         device: str | None = None,
         attention_backend: str = "sparse",
+        page_budget: int | None = None,
+        indexer_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         block_size: int = 64,
         kv_cache_memory: int | str | None = None,
@@ -82,11 +84,17 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.config.max_position_embeddings}; lower it"
             )
-        self.model = load_model(self.config, model, self.dtype, self.device, attention_backend, progress=progress)
-        layout = KVCacheLayout.of(self.config, self.dtype)
-        num_blocks = self._num_blocks(layout, block_size, parse_bytes(kv_cache_memory), max_num_seqs)
+        if page_budget is None:
+            page_budget = max(1, self.config.index_topk // block_size)  # the same token budget as top-k
+        if page_budget < 1:
+            raise ValueError(f"page_budget={page_budget} must be at least 1 page")
+        self.model = load_model(self.config, model, self.dtype, self.device, attention_backend, progress=progress,
+                                page_budget=page_budget)
+        with_indexer = self.model.backend.uses_indexer
+        self.kv_layout = KVCacheLayout.of(self.config, self.dtype, indexer_cache_dtype, with_indexer)
+        num_blocks = self._num_blocks(self.kv_layout, block_size, parse_bytes(kv_cache_memory), max_num_seqs)
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype, self.device,
-                                with_indexer=self.model.backend.uses_indexer)
+                                with_indexer=with_indexer, indexer_dtype=indexer_cache_dtype)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(self.max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), self.kv

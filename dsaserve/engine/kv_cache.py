@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaserve.config import ModelConfig
+from dsaserve.engine.indexer_cache import IndexerKeyCache
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,12 @@ class KVCacheLayout:
         return self.latent_bytes_per_token + self.indexer_bytes_per_token
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype: torch.dtype) -> "KVCacheLayout":
+    def of(cls, cfg: ModelConfig, dtype: torch.dtype, indexer_dtype: str = "auto", with_indexer: bool = True) -> "KVCacheLayout":
         item = torch.empty((), dtype=dtype).element_size()
+        per_layer = IndexerKeyCache.bytes_per_token(cfg.index_head_dim, indexer_dtype, dtype)
         return cls(
             latent_bytes_per_token=cfg.num_hidden_layers * cfg.kv_cache_dim * item,
-            indexer_bytes_per_token=len(cfg.full_layers) * cfg.index_head_dim * item,
+            indexer_bytes_per_token=len(cfg.full_layers) * per_layer if with_indexer else 0,
         )
 
 
@@ -38,7 +40,7 @@ class KVCache:
     """The cache tensors. Allocated once at load time; written at `slot_mapping`, read via block tables."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, with_indexer: bool = True):
+                 device: torch.device, with_indexer: bool = True, indexer_dtype: str = "auto"):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.latent = [
@@ -46,13 +48,15 @@ class KVCache:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.indexer = {
-            layer: torch.zeros(num_blocks, block_size, cfg.index_head_dim, dtype=dtype, device=device)
+            layer: IndexerKeyCache(num_blocks, block_size, cfg.index_head_dim, indexer_dtype, dtype, device)
             for layer in (cfg.full_layers if with_indexer else ())
         }
 
+    def tensors(self) -> list[torch.Tensor]:
+        return self.latent + [t for cache in self.indexer.values() for t in cache.tensors()]
+
     def nbytes(self) -> int:
-        tensors = self.latent + list(self.indexer.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -10,10 +10,11 @@ from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
 
 
 def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
-               attention_backend: str = "sparse", progress: bool = True) -> GlmMoeDsaForCausalLM:
+               attention_backend: str = "sparse", progress: bool = True, page_budget: int | None = None
+               ) -> GlmMoeDsaForCausalLM:
     """Build the model without initializing weights, then fill every parameter from the checkpoint."""
     with torch.device("meta"):
-        model = GlmMoeDsaForCausalLM(cfg, attention_backend)
+        model = GlmMoeDsaForCausalLM(cfg, attention_backend, page_budget)
         for name, param in model.named_parameters():
             param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
     model.to_empty(device=device)

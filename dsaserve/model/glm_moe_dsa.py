@@ -15,6 +15,7 @@ from torch import nn
 from dsaserve.attention import make_attention_backend
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import FULL, ModelConfig
+from dsaserve.model.indexer import Selection
 from dsaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from dsaserve.model.mla import MLAAttention
 from dsaserve.model.moe import MoE
@@ -28,10 +29,10 @@ _KV_B = re.compile(r"^(.*\.self_attn)\.kv_b_proj\.weight$")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg, layer_idx, backend)
+        self.self_attn = MLAAttention(cfg, layer_idx, backend, selection)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.mlp_layer_types[layer_idx] == "sparse":
             self.mlp = MoE(cfg)
@@ -45,21 +46,22 @@ class DecoderLayer(nn.Module):
 
 
 class GlmMoeDsaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend):
+    def __init__(self, cfg: ModelConfig, backend, selection: Selection):
         super().__init__()
         # An explicit weight skips nn.Embedding's random init (slow, and overwritten by the checkpoint).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, selection) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_backend: str = "sparse"):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "sparse", page_budget: int | None = None):
         super().__init__()
         check_shared_layers_have_producer(cfg.indexer_types)
         self.config = cfg
-        self.backend = make_attention_backend(attention_backend, cfg.index_topk)
-        self.model = GlmMoeDsaModel(cfg, self.backend)
+        self.backend = make_attention_backend(attention_backend)
+        self.selection = Selection(cfg.index_topk, pages=page_budget if attention_backend == "page" else None)
+        self.model = GlmMoeDsaModel(cfg, self.backend, self.selection)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         # Test hook: called as observer(layer_idx, topk) for every layer that produces top-k.
@@ -72,7 +74,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, meta: BatchMetadata, kv_caches: list[torch.Tensor], indexer_caches: dict[int, torch.Tensor]):
+    def forward(self, meta: BatchMetadata, kv_caches: list[torch.Tensor], indexer_caches: dict):
         """Runs the flattened batch; returns final hidden states of the `meta.logits_indices` rows."""
         x = self.model.embed_tokens(meta.input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)

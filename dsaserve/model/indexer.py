@@ -1,10 +1,17 @@
-"""The lightning indexer (full layers only): scores past tokens and picks each query's top-k.
+"""The lightning indexer (full layers only): scores past tokens and picks what each query attends to.
 
-score(t, s) = Σ_h relu(q_h(t)·k(s)) · index_head_dim^-0.5 · w_h(t) · index_n_heads^-0.5, in fp32,
-with the causal mask applied before top-k. Keys go to this layer's own paged key cache.
+score(t, s) = Σ_h relu(q_h(t)·k(s)) · index_head_dim^-0.5 · w_h(t) · index_n_heads^-0.5, with the causal
+mask applied before any reduction. Keys go to this layer's own paged key cache.
+
+Scoring streams: a tile of queries meets the context a few whole KV blocks at a time and keeps a
+running top-k, so its scratch memory is bounded by the tile and the chunk, never by the context
+length. Selection is either token top-k (the model's trained semantics) or, for the page backend,
+whole pages ranked by the best visible token inside each.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,17 +20,32 @@ from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.model.layers import apply_rope
 
-# Upper bound on fp32 score elements materialized at once ([query tile, index heads, keys]).
-INDEXER_SCORE_BUDGET = 1 << 24
+# Upper bound on score elements materialized at once ([query tile, index heads, key chunk]); with
+# the tile and chunk below it, the bound on scratch memory.
+INDEXER_SCORE_BUDGET = 1 << 22
+QUERY_TILE = 64
+MAX_KEY_CHUNK = 16384
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the indexer returns per query: `index_topk` tokens, or `pages` whole pages."""
+
+    index_topk: int
+    pages: int | None = None  # page mode when set
+
+    def width(self, block_size: int) -> int:
+        """Positions per query row of the output."""
+        return self.pages * block_size if self.pages else self.index_topk
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, selection: Selection):
         super().__init__()
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
-        self.index_topk = cfg.index_topk
+        self.selection = selection
         self.rope_interleave = cfg.indexer_rope_interleave
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
@@ -31,21 +53,20 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)  # kept in fp32
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
 
-    def forward(
-        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        meta: BatchMetadata, key_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """Write this step's indexer keys, return top-k logical positions int32 [T, index_topk]."""
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: BatchMetadata, key_cache) -> torch.Tensor:
+        """Write this step's keys; return selected logical positions int32 [T, width] (-1 = empty)."""
         k = self.k_norm(self.wk(x))
         k = torch.cat([apply_rope(k[..., : self.rope_dim], cos, sin, self.rope_interleave), k[..., self.rope_dim :]], -1)
-        key_cache.view(-1, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
-        if max(meta.seq_lens_host) <= self.index_topk:
-            # Every request sees at most index_topk tokens, so all of them are selected: no scoring.
-            return all_visible(meta.positions, self.index_topk)
+        key_cache.write(meta.slot_mapping, k)
+        width = self.selection.width(meta.block_size)
+        if max(meta.seq_lens_host) <= width:
+            # Every request sees at most `width` tokens, so all of them are selected: no scoring.
+            return all_visible(meta.positions, width)
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
         q = torch.cat([apply_rope(q[..., : self.rope_dim], cos, sin, self.rope_interleave), q[..., self.rope_dim :]], -1)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.weight_scale
-        return select_topk(q, weights, key_cache, meta, self.index_topk)
+        return select(q, weights, key_cache, meta, self.selection)
 
 
 def invisible(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
@@ -53,33 +74,62 @@ def invisible(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
     return key_pos[None, :] > query_pos[:, None]
 
 
-def all_visible(positions: torch.Tensor, index_topk: int) -> torch.Tensor:
-    """Top-k rows selecting every causal-visible position, for contexts that fit in index_topk."""
-    columns = torch.arange(index_topk, device=positions.device)
+def all_visible(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows selecting every causal-visible position, for queries that see at most `width` tokens."""
+    columns = torch.arange(width, device=positions.device)
     return torch.where(columns[None, :] <= positions[:, None], columns[None, :], -1).to(torch.int32)
 
 
-def select_topk(
-    q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, meta: BatchMetadata, index_topk: int
-) -> torch.Tensor:
-    """Top-k per query over its causal-visible cached keys. q [T, H, D], weights [T, H] fp32."""
-    out = torch.full((q.shape[0], index_topk), -1, dtype=torch.int32, device=q.device)
-    key_rows = key_cache.view(-1, key_cache.shape[-1])
+def select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: BatchMetadata, selection: Selection) -> torch.Tensor:
+    """Per query, the positions its attention reads. q [T, H, D], weights [T, H] fp32."""
+    width = selection.width(meta.block_size)
+    out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
     for i in range(meta.num_reqs):
         start, end = meta.query_range(i)
-        split = meta.split_at_position(i, index_topk)  # rows before it see ≤ index_topk tokens
-        out[start:split] = all_visible(meta.positions[start:split], index_topk)
-        if split == end:
-            continue
-        seq_len = meta.seq_lens_host[i]
-        keys = key_rows[meta.slots(i, torch.arange(seq_len, device=q.device))].float()
-        key_pos = torch.arange(seq_len, device=q.device)
-        tile = max(1, INDEXER_SCORE_BUDGET // (q.shape[1] * seq_len))
-        for t0 in range(split, end, tile):
-            t1 = min(t0 + tile, end)
-            per_head = torch.relu(torch.matmul(q[t0:t1].float(), keys.T))  # [t, H, S]
-            scores = torch.matmul(weights[t0:t1, None, :], per_head).squeeze(1)  # [t, S]
-            scores.masked_fill_(invisible(key_pos, meta.positions[t0:t1]), float("-inf"))
-            values, indices = scores.topk(index_topk, dim=-1)
-            out[t0:t1] = torch.where(values == float("-inf"), -1, indices).to(torch.int32)
+        split = meta.split_at_position(i, width)  # rows before it see ≤ width tokens
+        out[start:split] = all_visible(meta.positions[start:split], width)
+        for t0 in range(split, end, QUERY_TILE):
+            t1 = min(t0 + QUERY_TILE, end)
+            out[t0:t1] = stream_select(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection)
     return out
+
+
+def key_chunk_blocks(tile: int, heads: int, block_size: int) -> int:
+    """Whole blocks per scoring chunk so that [tile, heads, chunk] stays within the budget."""
+    tokens = max(block_size, min(MAX_KEY_CHUNK, INDEXER_SCORE_BUDGET // max(1, tile * heads)))
+    return max(1, tokens // block_size)
+
+
+def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: BatchMetadata, i: int,
+                  positions: torch.Tensor, selection: Selection) -> torch.Tensor:
+    """Running top-k (tokens or pages) of one query tile of request i over its visible blocks."""
+    bs = meta.block_size
+    keep = selection.pages or selection.index_topk
+    best = torch.full((q.shape[0], keep), float("-inf"), device=q.device)
+    best_ids = torch.full((q.shape[0], keep), -1, dtype=torch.long, device=q.device)
+    visible_blocks = int(positions.max()) // bs + 1  # later blocks are in every query's future
+    chunk = key_chunk_blocks(q.shape[0], q.shape[1], bs)
+    table = meta.block_tables[i]
+    q = q.float()  # scores in fp32, as the reference computes them
+    for b0 in range(0, visible_blocks, chunk):
+        b1 = min(b0 + chunk, visible_blocks)
+        keys = key_cache.read_blocks(table[b0:b1], torch.float32)  # [(b1-b0)*bs, D], whole pages
+        key_pos = torch.arange(b0 * bs, b1 * bs, device=q.device)
+        per_head = torch.relu(torch.matmul(q, keys.T))  # [t, H, c]
+        scores = torch.matmul(weights[:, None, :], per_head).squeeze(1)  # [t, c]
+        scores.masked_fill_(invisible(key_pos, positions), float("-inf"))  # masks before any max/top-k
+        if selection.pages:
+            scores = scores.view(scores.shape[0], b1 - b0, bs).amax(dim=-1)  # best visible token per page
+            ids = torch.arange(b0, b1, device=q.device).expand_as(scores)
+        else:
+            ids = key_pos.expand_as(scores)
+        merged = torch.cat([best, scores], dim=1)
+        best, order = merged.topk(min(keep, merged.shape[1]), dim=1)
+        best_ids = torch.cat([best_ids, ids], dim=1).gather(1, order)
+    chosen = torch.where(best == float("-inf"), -1, best_ids)
+    if not selection.pages:
+        return chosen.to(torch.int32)
+    # Pages → their tokens, each query keeping only the ones it may see.
+    tokens = chosen[:, :, None] * bs + torch.arange(bs, device=q.device)
+    tokens = torch.where((chosen[:, :, None] >= 0) & (tokens <= positions[:, None, None]), tokens, -1)
+    return tokens.view(q.shape[0], -1).to(torch.int32)

@@ -12,12 +12,12 @@ from torch import nn
 
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
-from dsaserve.model.indexer import Indexer
+from dsaserve.model.indexer import Indexer, Selection
 from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
@@ -38,11 +38,11 @@ class MLAAttention(nn.Module):
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope_dim, cfg.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.v_dim, cfg.kv_lora_rank))
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=bias)
-        self.indexer = Indexer(cfg) if cfg.is_full(layer_idx) else None
+        self.indexer = Indexer(cfg, selection) if cfg.is_full(layer_idx) else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
-        kv_cache: torch.Tensor, indexer_cache: torch.Tensor | None, prev_topk: torch.Tensor | None,
+        kv_cache: torch.Tensor, indexer_cache, prev_topk: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (attention output [T, hidden], top-k produced or reused here)."""
         tokens = x.shape[0]

@@ -1,0 +1,65 @@
+"""The indexer's paged key cache (full layers only), plain or quantized.
+
+`int8`: one int8 per dimension plus one fp16 scale per token (amax / 127). `fp8`: float8 e4m3 plus one
+fp32 scale per token (amax / 448). Scoring reads whole blocks and dequantizes only those, tile by tile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INDEXER_CACHE_DTYPES = ("auto", "int8", "fp8")
+_FP8_MAX = 448.0
+
+
+class IndexerKeyCache:
+    def __init__(self, num_blocks: int, block_size: int, dim: int, kind: str, dtype: torch.dtype,
+                 device: torch.device):
+        if kind not in INDEXER_CACHE_DTYPES:
+            raise ValueError(f"indexer_cache_dtype={kind!r} is not supported; use one of {', '.join(INDEXER_CACHE_DTYPES)}")
+        self.kind = kind
+        self.dim = dim
+        self.compute_dtype = dtype
+        storage = {"auto": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
+        self.data = torch.zeros(num_blocks, block_size, dim, dtype=storage, device=device)
+        self.scale = None
+        if kind != "auto":
+            scale_dtype = torch.float16 if kind == "int8" else torch.float32
+            self.scale = torch.zeros(num_blocks, block_size, dtype=scale_dtype, device=device)
+
+    @staticmethod
+    def bytes_per_token(dim: int, kind: str, dtype: torch.dtype) -> int:
+        if kind == "int8":
+            return dim + 2
+        if kind == "fp8":
+            return dim + 4
+        return dim * torch.empty((), dtype=dtype).element_size()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data] + ([self.scale] if self.scale is not None else [])
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """keys [n, dim] at physical slots [n]: only those rows are touched."""
+        rows = self.data.view(-1, self.dim)
+        if self.kind == "auto":
+            rows.index_copy_(0, slots, keys.to(self.data.dtype))
+            return
+        keys = keys.float()
+        top = 127.0 if self.kind == "int8" else _FP8_MAX
+        scale = keys.abs().amax(dim=-1).clamp(min=1e-8) / top
+        quantized = keys / scale[:, None]
+        if self.kind == "int8":
+            rows.index_copy_(0, slots, quantized.round().clamp(-127, 127).to(torch.int8))
+        else:  # CPU has no fp8 index_copy: move the bytes
+            rows.view(torch.uint8).index_copy_(0, slots, quantized.to(torch.float8_e4m3fn).view(torch.uint8))
+        self.scale.view(-1).index_copy_(0, slots, scale.to(self.scale.dtype))
+
+    def read_blocks(self, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Keys of whole blocks [len(blocks) * block_size, dim], dequantized, in `dtype`."""
+        if self.kind == "auto":
+            return self.data[blocks].reshape(-1, self.dim).to(dtype)
+        if self.kind == "fp8":
+            data = self.data.view(torch.uint8)[blocks].view(torch.float8_e4m3fn).reshape(-1, self.dim)
+        else:
+            data = self.data[blocks].reshape(-1, self.dim)
+        return (data.to(torch.float32) * self.scale[blocks].reshape(-1, 1).to(torch.float32)).to(dtype)

@@ -1,0 +1,209 @@
+"""Long context: the streaming indexer (same top-k, bounded memory), page selection, quantized indexer
+cache (recall, accounting), and end-to-end equality with the reference."""
+
+import ctypes
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dsaserve.model.indexer as indexer
+from dsaserve import LLM, SamplingParams
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.engine.indexer_cache import IndexerKeyCache
+from dsaserve.engine.kv_cache import KVCacheLayout
+from dsaserve.model.indexer import Selection, select, stream_select
+from reference import load_reference, reference_greedy
+
+HEADS, DIM, BS = 4, 16, 16
+
+
+def random_context(seed: int, context: int, new: int, kind: str = "auto", heads: int = HEADS):
+    """A request with `context` cached tokens and `new` queries, keys in a scrambled paged cache."""
+    g = torch.Generator().manual_seed(seed)
+    total = context + new
+    nblocks = -(-total // BS)
+    cache = IndexerKeyCache(nblocks + 5, BS, DIM, kind, torch.float32, torch.device("cpu"))
+    table = torch.randperm(nblocks + 5, generator=g)[:nblocks].tolist()
+    meta = BatchMetadata.build([[1] * new], [context], [table], BS, [])
+    keys = torch.randn(total, DIM, generator=g)
+    all_slots = meta.slots(0, torch.arange(total))
+    cache.write(all_slots, keys)
+    q = torch.randn(new, heads, DIM, generator=g)
+    weights = torch.rand(new, heads, generator=g) + 0.1
+    return cache, meta, keys, q, weights
+
+
+def direct_topk(keys, q, weights, positions, k):
+    """The plain computation: every score materialized, masked, then top-k."""
+    scores = (torch.relu(q @ keys.T) * weights[:, :, None]).sum(1)  # [t, S]
+    scores[torch.arange(keys.shape[0])[None, :] > positions[:, None]] = float("-inf")
+    values, idx = scores.topk(k, dim=1)
+    scored = positions >= k  # queries that see more than k tokens
+    margin = (values[scored, -1] - scores[scored].topk(k + 1, dim=1).values[:, -1]).min() if scored.any() else 1.0
+    return [set(i for i, v in zip(r.tolist(), vals.tolist()) if v > float("-inf")) for r, vals in zip(idx, values)], margin
+
+
+@pytest.mark.parametrize("context, new", [(0, 96), (37, 48), (100, 50), (250, 1)])
+def test_streaming_indexer_matches_direct_topk(monkeypatch, context, new):
+    """Query chunks that are and are not block multiples, after cached prefixes (position = prefix + offset)."""
+    monkeypatch.setattr(indexer, "INDEXER_SCORE_BUDGET", 64 * HEADS * 32)  # 2-block key chunks: many merges
+    cache, meta, keys, q, weights = random_context(context + new, context, new)
+    k = 24
+    out = select(q, weights, cache, meta, Selection(k))
+    expected, margin = direct_topk(keys, q, weights, meta.positions, k)
+    assert margin > 1e-4  # the data has no near-ties at the boundary
+    got = [set(x for x in row.tolist() if x >= 0) for row in out]
+    assert got == expected
+
+
+class PeakHeap(TorchDispatchMode):
+    """Peak bytes of the C heap (glibc mallinfo2: arenas + mmap) observed after every torch op."""
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                     "fordblks", "keepcost")]
+
+    def __init__(self):
+        super().__init__()
+        self.libc = ctypes.CDLL("libc.so.6")
+        self.libc.mallinfo2.restype = self._Info
+        self.base = self.peak = self.used()
+
+    def used(self) -> int:
+        info = self.libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.used())
+        return out
+
+
+def scratch_bytes(context: int) -> int:
+    cache, meta, _, q, weights = random_context(1, context, 64, heads=32)
+    with PeakHeap() as heap:
+        stream_select(q, weights, cache, meta, 0, meta.positions, Selection(2048))
+    return heap.peak - heap.base
+
+
+def test_streaming_indexer_scratch_memory_does_not_grow_with_context():
+    small, large = scratch_bytes(16384), scratch_bytes(65536)
+    # [64 queries, 32 heads, chunk] fp32 scores: the chunk is sized to INDEXER_SCORE_BUDGET elements
+    bound = 6 * indexer.INDEXER_SCORE_BUDGET * 4
+    assert large <= bound and small <= bound, (small, large, bound)
+    assert large <= 1.25 * small, (small, large)
+    # the matrix the streaming avoids: [64, 65536] fp32 scores alone, or [64, 32, 65536] per head
+    assert large < 64 * 32 * 65536 * 4 / 8
+
+
+def page_query(scores: list[float], query_pos: int):
+    """One query, one head, weight 1: key s scores exactly scores[s] (relu of q·k with q = e0)."""
+    n = len(scores)
+    cache = IndexerKeyCache(-(-n // 8), 8, 4, "auto", torch.float32, torch.device("cpu"))
+    meta = BatchMetadata.build([[1]], [query_pos], [list(range(-(-n // 8)))], 8, [])
+    keys = torch.zeros(n, 4)
+    keys[:, 0] = torch.tensor(scores)
+    cache.write(torch.arange(n), keys)
+    q = torch.zeros(1, 1, 4)
+    q[0, 0, 0] = 1.0
+    return cache, meta, q, torch.ones(1, 1)
+
+
+def chosen_pages(out: torch.Tensor) -> set[int]:
+    return {p // 8 for p in out[0].tolist() if p >= 0}
+
+
+def test_page_ranking_masks_before_the_maximum():
+    """Query at 20 (pages of 8): page 2 holds visible 16..20 (low scores) and invisible 22 (huge).
+    Masking after the maximum would promote page 2; the right order keeps page 0."""
+    scores = [0.1] * 32
+    scores[3], scores[9], scores[18], scores[22] = 5.0, 3.0, 1.0, 100.0
+    cache, meta, q, w = page_query(scores, 20)
+    out = stream_select(q, w, cache, meta, 0, meta.positions, Selection(2048, pages=1))
+    assert chosen_pages(out) == {0}
+    assert set(out[0].tolist()) - {-1} == set(range(8))
+
+
+def test_only_pages_with_a_visible_token_are_chosen():
+    scores = [1.0] * 40
+    scores[30] = 50.0  # page 3: entirely in the future of a query at 12
+    cache, meta, q, w = page_query(scores, 12)
+    out = stream_select(q, w, cache, meta, 0, meta.positions, Selection(2048, pages=4))
+    assert chosen_pages(out) == {0, 1}
+    assert max(out[0].tolist()) == 12  # the visible tokens of page 1 only
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_indexer_recall(kind):
+    recalls = []
+    for seed in range(4):
+        exact_cache, meta, keys, q, weights = random_context(seed, 1000, 8, heads=8)
+        quant = IndexerKeyCache(exact_cache.data.shape[0], BS, DIM, kind, torch.float32, torch.device("cpu"))
+        quant.write(meta.slots(0, torch.arange(keys.shape[0])), keys)
+        a = select(q, weights, exact_cache, meta, Selection(128))
+        b = select(q, weights, quant, meta, Selection(128))
+        for x, y in zip(a, b):
+            recalls.append(len(set(x.tolist()) & set(y.tolist())) / 128)
+    assert sum(recalls) / len(recalls) >= 0.95
+
+
+def test_cache_accounting_with_odd_widths(make_checkpoint):
+    """Latent 30 + rope 6 and indexer 20 wide: padding either part (or the concatenation) would show."""
+    path = make_checkpoint("odd_widths", seed=0, kv_lora_rank=30, qk_rope_head_dim=6, qk_nope_head_dim=10,
+                           v_head_dim=12, index_head_dim=20)
+    llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=512, kv_cache_memory="1MiB",
+              indexer_cache_dtype="int8", progress=False)
+    engine = llm.engine
+    cache, cfg = engine.kv_cache, engine.config
+    live = sum(t.untyped_storage().nbytes() for t in cache.tensors())
+    per_token = cfg.num_hidden_layers * 36 * 2 + len(cfg.full_layers) * (20 + 2)  # bf16 latents; int8 keys + fp16 scale
+    assert engine.kv_layout.bytes_per_token == per_token
+    assert live == per_token * cache.num_blocks * cache.block_size == cache.nbytes()
+    assert cache.num_blocks == (1 << 20) // (per_token * 16)  # admission sizes the pool with the same bytes
+    bf16 = KVCacheLayout.of(cfg, torch.bfloat16, "auto").indexer_bytes_per_token
+    assert engine.kv_layout.indexer_bytes_per_token <= 0.6 * bf16
+    out = llm.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_int8_indexer_on_glm52_is_under_055_of_bf16():
+    import json
+
+    from conftest import REFERENCE_CONFIG
+    from dsaserve.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(json.load(open(REFERENCE_CONFIG)))
+    int8 = KVCacheLayout.of(cfg, torch.bfloat16, "int8").indexer_bytes_per_token
+    bf16 = KVCacheLayout.of(cfg, torch.bfloat16, "auto").indexer_bytes_per_token
+    assert int8 / bf16 <= 0.55  # (128 + 2) / 256
+
+
+def test_streaming_indexer_end_to_end_matches_reference(make_checkpoint, monkeypatch):
+    """Prompts longer than index_topk, chunked prefill, multi-chunk streaming: greedy = reference."""
+    monkeypatch.setattr(indexer, "INDEXER_SCORE_BUDGET", 64 * 8 * 16)  # 1-block key chunks
+    path = make_checkpoint("parity_mixed_FFSS", seed=0)
+    ref = load_reference(path)
+    prompt = torch.randint(30, ref.config.vocab_size, (90,), generator=torch.Generator().manual_seed(9)).tolist()
+    llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=29, progress=False)
+    out = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference_greedy(ref, prompt, 12)
+
+
+def test_page_backend_with_every_page_reproduces_dense(make_checkpoint):
+    path = make_checkpoint("parity_mixed_FFSS", seed=0)
+    prompt = torch.randint(30, 600, (80,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    outs = {}
+    for backend, budget in (("dense", None), ("page", 64), ("page", 2)):
+        llm = LLM(path, dtype="float32", block_size=16, attention_backend=backend, page_budget=budget, progress=False)
+        outs[(backend, budget)] = llm.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)[0].outputs[0]
+    dense, every, few = outs[("dense", None)], outs[("page", 64)], outs[("page", 2)]
+    assert every.token_ids == dense.token_ids
+    for a, b in zip(every.logprobs, dense.logprobs):
+        t = next(iter(b))
+        assert abs(a[t].logprob - b[t].logprob) < 1e-4
+    assert few.token_ids != dense.token_ids or any(
+        abs(a[t].logprob - b[t].logprob) > 1e-3 for a, b, t in zip(few.logprobs, dense.logprobs, dense.token_ids))
