@@ -83,11 +83,13 @@ def print_table(title: str, result: dict) -> None:
 
 
 def add_bench_args(sub: argparse._SubParsersAction, add_engine_args) -> None:
+    from dsaserve.bench_longctx import add_longctx_args
     from dsaserve.bench_serve import add_serve_bench_args
 
-    bench = sub.add_parser("bench", help="measure throughput or latency offline, or load a server")
+    bench = sub.add_parser("bench", help="measure throughput, latency or long context offline, or load a server")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     add_serve_bench_args(kinds)
+    add_longctx_args(kinds, add_engine_args)
     for kind in ("throughput", "latency"):
         p = kinds.add_parser(kind)
         add_engine_args(p)
@@ -111,6 +113,10 @@ def cmd_bench(args: argparse.Namespace, engine_kwargs) -> int:
 
         return cmd_bench_serve(args)
     engine_kwargs = engine_kwargs(args)
+    if args.bench_kind == "longctx":
+        from dsaserve.bench_longctx import cmd_longctx
+
+        return cmd_longctx(args, engine_kwargs)
     llm = LLM(args.model, **engine_kwargs)
     if args.bench_kind == "throughput":
         result = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.seed)

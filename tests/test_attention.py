@@ -70,3 +70,19 @@ def test_sparse_selecting_everything_reproduces_dense():
     sparse = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
     dense = DenseAttention().forward(query, cache, meta, 0.1, RANK)
     assert torch.allclose(sparse, dense, atol=1e-5)
+
+
+def test_tiles_with_barely_overlapping_selections_give_the_same_result(monkeypatch):
+    import dsaserve.attention.sparse as sparse
+
+    topk_k = 6
+    cache, meta, query = setup(5, new=[60], context=[90])
+    g = torch.Generator().manual_seed(6)
+    topk = torch.stack([torch.randperm(int(p) + 1, generator=g)[:topk_k] for p in meta.positions]).to(torch.int32)
+    monkeypatch.setattr(sparse, "UNION_LIMIT", 1000)  # force the union path everywhere
+    union_path = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
+    monkeypatch.setattr(sparse, "UNION_LIMIT", 0)  # force the per-query fallback everywhere
+    own_rows = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
+    selected = lambda t, p: sorted(x for x in topk[t].tolist() if x >= 0)
+    expected = per_query(query, cache, meta, selected)
+    assert torch.allclose(union_path, expected, atol=1e-5) and torch.allclose(own_rows, expected, atol=1e-5)

@@ -3,7 +3,10 @@
 Top-k rows come from the last full layer's indexer (`int32 [T, index_topk]`, -1 = empty). A query
 that sees at most `index_topk` tokens selects all of them, so it takes the dense path: same support,
 no gather of a per-query key copy. Other queries are processed in tiles: the union of the tile's
-selected rows is loaded once, and a membership mask restores each query's own support.
+selected rows is loaded once, and a membership mask restores each query's own support. Trained
+indexers pick overlapping rows for neighbouring queries, so the union stays near index_topk; when it
+does not (more than UNION_LIMIT × the width, as with random weights at long context), scoring the
+union would cost as much as dense attention, and the tile falls back to per-query rows.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dsaserve.attention.dense import SCORE_BUDGET, attend_decode_rows, attend_la
 from dsaserve.attention.metadata import BatchMetadata
 
 QUERY_TILE = 64  # queries sharing one load of their selected rows
+UNION_LIMIT = 2  # above this many × the selection width, a tile's union is not worth scoring
 
 
 class SparseAttention:
@@ -48,8 +52,11 @@ class SparseAttention:
             for t0 in range(split, end, tile):
                 t1 = min(t0 + tile, end)
                 union, invalid = selected_union(topk[t0:t1], seq_len)
-                keys = rows[meta.slots(i, union)]  # each selected row loaded once per tile
-                out[t0:t1] = attend_latent(query[t0:t1], keys, invalid, scale, value_dim)
+                if len(union) <= UNION_LIMIT * width:
+                    keys = rows[meta.slots(i, union)]  # each selected row loaded once per tile
+                    out[t0:t1] = attend_latent(query[t0:t1], keys, invalid, scale, value_dim)
+                else:
+                    attend_own_rows(query, rows, meta, i, topk, (t0, t1), scale, value_dim, out)
         return out
 
     @staticmethod
@@ -59,6 +66,19 @@ class SparseAttention:
             return
         selected = topk[meta.query_start_loc[torch.tensor(reqs, device=topk.device)]].long()  # [R, K]
         attend_decode_rows(query, cache, meta, reqs, selected.clamp(min=0), selected < 0, scale, value_dim, out)
+
+
+def attend_own_rows(query, rows, meta: BatchMetadata, i: int, topk: torch.Tensor, span: tuple[int, int],
+                    scale: float, value_dim: int, out: torch.Tensor) -> None:
+    """When a tile's selections hardly overlap, the union is most of the context and scoring it costs
+    as much as dense attention; each query then reads only its own rows, a few queries at a time."""
+    t0, t1 = span
+    step = max(1, SCORE_BUDGET // (topk.shape[1] * rows.shape[1]))
+    for a in range(t0, t1, step):
+        b = min(a + step, t1)
+        selected = topk[a:b].long()
+        keys = rows[meta.slots(i, selected.clamp(min=0))]  # [q, K, D]
+        out[a:b] = attend_latent(query[a:b], keys, selected < 0, scale, value_dim)
 
 
 def selected_union(topk: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

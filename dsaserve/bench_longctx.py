@@ -1,0 +1,184 @@
+"""`dsaserve bench longctx`: decode ms/token and prefill time-to-first-token against context length,
+for the dense, sparse and page attention backends, as a table, JSON and (with matplotlib) a PNG plot.
+
+Decode points fill the KV cache (latents and indexer keys) with synthetic values instead of running a
+prefill, so 64K contexts are measurable on a CPU; the output says so. Prefill points run a real
+chunked prefill of random tokens and also report the peak C-heap growth during it (the KV cache is
+allocated beforehand, so this is the prefill's scratch memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import threading
+import time
+
+import torch
+
+from dsaserve.engine.request import RequestStatus
+from dsaserve.sampling_params import SamplingParams
+
+
+class HeapSampler:
+    """Peak of glibc's in-use heap bytes, sampled every millisecond on a side thread."""
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                  "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    def __init__(self):
+        self.libc = ctypes.CDLL("libc.so.6")
+        self.libc.mallinfo2.restype = self._Info
+
+    def used(self) -> int:
+        info = self.libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def __enter__(self):
+        self.base = self.peak = self.used()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self.used())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.used())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def synthetic_decode_ms(engine, context: int, steps: int, seed: int = 0) -> float:
+    """ms per decode step of one request whose first `context` tokens are already (synthetically) cached."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = engine.config
+    ids = torch.randint(100, cfg.vocab_size, (context,), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    request = engine._new_sequence("synthetic", None, ids, params, steps + 2, index=0)
+    if not engine.kv.allocate(request, context + steps + 2):
+        raise ValueError(f"not enough KV blocks for a {context}-token context; raise --kv-cache-memory")
+    blocks = torch.tensor(request.block_table[: -(-context // engine.kv.block_size)])
+    cache = engine.kv_cache
+    for latent in cache.latent:  # normalized latent (RMS ~1) and a rotated rope key
+        latent[blocks] = torch.randn(latent[blocks].shape, generator=g).to(latent.dtype)
+    slots = torch.arange(context)
+    physical = blocks[slots // engine.kv.block_size] * engine.kv.block_size + slots % engine.kv.block_size
+    for keys in cache.indexer.values():
+        keys.write(physical, torch.randn(context, cfg.index_head_dim, generator=g))
+    request.num_computed_tokens = context - 1
+    request.status = RequestStatus.RUNNING
+    engine.groups["synthetic"] = [request]
+    engine.scheduler.running.append(request)
+    engine.step()  # computes the last prompt token: the first decode-shaped step
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = (time.perf_counter() - start) / steps * 1000
+    engine.abort_request("synthetic")
+    return elapsed
+
+
+def prefill(engine, length: int, seed: int = 0) -> tuple[float, int]:
+    """Seconds to the first token of a random `length`-token prompt, and the peak scratch bytes."""
+    g = torch.Generator().manual_seed(seed + length)
+    ids = torch.randint(100, engine.config.vocab_size, (length,), generator=g).tolist()
+    engine.add_request("prefill", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    with HeapSampler() as heap:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        ttft = time.perf_counter() - start
+    return ttft, heap.extra
+
+
+def run(model: str, backends: list[str], decode_lens: list[int], prefill_lens: list[int], steps: int,
+        engine_args: dict) -> dict:
+    from dsaserve.engine.engine import LLMEngine
+
+    results = {"decode_ms_per_token": {}, "prefill_ttft_s": {}, "prefill_peak_scratch_mib": {},
+               "note": "decode points use synthetic cached latents and indexer keys (no prefill)"}
+    for backend in backends:
+        engine = LLMEngine(model, attention_backend=backend, progress=False, enable_prefix_caching=False, **engine_args)
+        results["decode_ms_per_token"][backend] = {
+            n: synthetic_decode_ms(engine, n, steps) for n in decode_lens}
+        results["prefill_ttft_s"][backend], results["prefill_peak_scratch_mib"][backend] = {}, {}
+        for n in prefill_lens:
+            ttft, extra = prefill(engine, n)
+            results["prefill_ttft_s"][backend][n] = ttft
+            results["prefill_peak_scratch_mib"][backend][n] = extra / 2**20
+        del engine
+    return results
+
+
+def print_results(results: dict) -> None:
+    print(f"decode ms/token ({results['note']}):")
+    for backend, points in results["decode_ms_per_token"].items():
+        print(f"  {backend:<7}" + "".join(f"{n:>9}: {ms:8.1f}" for n, ms in points.items()))
+    print("prefill time to first token, s (peak scratch MiB):")
+    for backend, points in results["prefill_ttft_s"].items():
+        scratch = results["prefill_peak_scratch_mib"][backend]
+        print(f"  {backend:<7}" + "".join(f"{n:>9}: {s:7.2f} ({scratch[n]:6.0f})" for n, s in points.items()))
+
+
+def plot(results: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--plot needs matplotlib ({e}); pip install matplotlib") from e
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for backend, points in results["decode_ms_per_token"].items():
+        axes[0].plot(list(points), list(points.values()), marker="o", label=backend)
+    for backend, points in results["prefill_ttft_s"].items():
+        axes[1].plot(list(points), list(points.values()), marker="o", label=backend)
+    axes[0].set(title="decode (synthetic cache)", xlabel="context tokens", ylabel="ms / token", xscale="log")
+    axes[1].set(title="prefill", xlabel="prompt tokens", ylabel="time to first token, s", xscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_longctx_args(kinds: argparse._SubParsersAction, add_engine_args) -> None:
+    p = kinds.add_parser("longctx", help="decode and prefill cost against context length per attention backend")
+    add_engine_args(p)
+    p.add_argument("--backends", default="dense,sparse,page")
+    p.add_argument("--decode-lens", default="2048,8192,32768,65536")
+    p.add_argument("--prefill-lens", default="2048,4096,8192")
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--output-json", default=None)
+
+
+def cmd_longctx(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    engine_kwargs = {k: v for k, v in engine_kwargs.items()
+                     if k not in ("attention_backend", "enable_prefix_caching")}
+    lens = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    model = args.model
+    if model is None:
+        from dsaserve.demo import demo_model_dir
+
+        model = demo_model_dir()
+    results = run(model, args.backends.split(","), lens(args.decode_lens), lens(args.prefill_lens),
+                  args.decode_steps, engine_kwargs)
+    print_results(results)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
