@@ -109,6 +109,7 @@ def run(model: str, backends: list[str], decode_lens: list[int], prefill_lens: l
                "note": "decode points use synthetic cached latents and indexer keys (no prefill)"}
     for backend in backends:
         engine = LLMEngine(model, attention_backend=backend, progress=False, enable_prefix_caching=False, **engine_args)
+        synthetic_decode_ms(engine, decode_lens[0] if decode_lens else 256, 2)  # warm-up
         results["decode_ms_per_token"][backend] = {
             n: synthetic_decode_ms(engine, n, steps) for n in decode_lens}
         results["prefill_ttft_s"][backend], results["prefill_peak_scratch_mib"][backend] = {}, {}

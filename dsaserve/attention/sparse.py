@@ -51,10 +51,11 @@ class SparseAttention:
             tile = max(1, min(QUERY_TILE, SCORE_BUDGET // (heads * seq_len)))
             for t0 in range(split, end, tile):
                 t1 = min(t0 + tile, end)
-                union, invalid = selected_union(topk[t0:t1], seq_len)
-                if len(union) <= UNION_LIMIT * width:
+                member = selection_members(topk[t0:t1], seq_len)
+                if int(member.any(dim=0).sum()) <= UNION_LIMIT * width:
+                    union = member.any(dim=0).nonzero().squeeze(1)  # sorted positions any query selected
                     keys = rows[meta.slots(i, union)]  # each selected row loaded once per tile
-                    out[t0:t1] = attend_latent(query[t0:t1], keys, invalid, scale, value_dim)
+                    out[t0:t1] = attend_latent(query[t0:t1], keys, ~member[:, union], scale, value_dim)
                 else:
                     attend_own_rows(query, rows, meta, i, topk, (t0, t1), scale, value_dim, out)
         return out
@@ -81,12 +82,9 @@ def attend_own_rows(query, rows, meta: BatchMetadata, i: int, topk: torch.Tensor
         out[a:b] = attend_latent(query[a:b], keys, selected < 0, scale, value_dim)
 
 
-def selected_union(topk: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a tile of queries: the sorted union of their selected positions [U], and a [t, U] mask that
-    is True where a union position is not in that query's own selection."""
+def selection_members(topk: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[t, seq_len] True where the position is in that query's selection (-1 entries select nothing)."""
     selected = topk.long()
-    valid = selected >= 0
     member = torch.zeros(selected.shape[0], seq_len + 1, dtype=torch.bool, device=topk.device)
-    member.scatter_(1, torch.where(valid, selected, seq_len), True)  # -1 entries land in a spare column
-    union = torch.unique(selected[valid])
-    return union, ~member[:, union]
+    member.scatter_(1, torch.where(selected >= 0, selected, seq_len), True)  # -1 lands in a spare column
+    return member[:, :seq_len]

@@ -74,34 +74,30 @@ def _finish_reason(engine_reason: str | None, made_tool_calls: bool) -> str | No
 
 async def chat_full(state: ServerState, req: ChatCompletionRequest, request_id: str, prepared: PreparedChat,
                     params) -> dict:
-    parsers = [GlmOutputParser(**prepared.parser_args) for _ in range(req.n)]
-    parts = [{"reasoning": "", "content": "", "tool_calls": [], "token_ids": [], "logprobs": [], "finish": None}
-             for _ in range(req.n)]
+    final = None
     async for out in state.generate(prepared.prompt_ids, params, request_id):
         if out.error:
             raise APIError(500, f"generation failed: {out.error}", type_="internal_error")
-        for c in out.outputs:
-            part = parts[c.index]
-            deltas = [parsers[c.index].feed(c.text)] + ([parsers[c.index].finish()] if c.finish_reason else [])
-            for d in deltas:
-                part["reasoning"] += d.reasoning
-                part["content"] += d.content
-                part["tool_calls"] += d.tool_calls
-            part["token_ids"] += c.token_ids
-            part["logprobs"] += c.logprobs or []
-            part["finish"] = c.finish_reason
+        if final is None:
+            final = out
+        else:
+            final.add(out)
     choices = []
-    for index, part in enumerate(parts):
-        message = {"role": "assistant", "content": part["content"] or (None if part["tool_calls"] else ""),
-                   "reasoning_content": part["reasoning"] or None}
-        if part["tool_calls"]:
-            message["tool_calls"] = [call.to_openai() for call in part["tool_calls"]]
+    for c in final.outputs:
+        parser = GlmOutputParser(**prepared.parser_args)  # the same parser streaming uses, fed all at once
+        parsed = [parser.feed(c.text), parser.finish()]
+        content = "".join(p.content for p in parsed)
+        calls = [call for p in parsed for call in p.tool_calls]
+        message = {"role": "assistant", "content": content or (None if calls else ""),
+                   "reasoning_content": "".join(p.reasoning for p in parsed) or None}
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
         logprobs = None
         if req.logprobs:
-            logprobs = {"content": chat_logprobs(part["token_ids"], part["logprobs"], req.top_logprobs or 0)}
-        choices.append({"index": index, "message": message, "logprobs": logprobs,
-                        "finish_reason": _finish_reason(part["finish"], bool(part["tool_calls"]))})
-    completion_tokens = sum(len(p["token_ids"]) for p in parts)
+            logprobs = {"content": chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0)}
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": _finish_reason(c.finish_reason, bool(calls))})
+    completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     return {"id": request_id, "object": "chat.completion", "created": now(), "model": state.config.model_name,
             "choices": choices, "usage": usage(len(prepared.prompt_ids), completion_tokens)}
 

@@ -97,26 +97,21 @@ def _logprobs(state, req: CompletionRequest, prompt: PreparedPrompt, out: Reques
 
 async def completion_full(state: ServerState, req: CompletionRequest, request_id: str,
                           prompts: list[PreparedPrompt], params: list) -> dict:
-    n = req.n
-    parts = [{"text": "", "token_ids": [], "logprobs": [], "finish": None} for _ in range(len(prompts) * n)]
-    prompt_outputs: dict[int, RequestOutput] = {}
+    finals: dict[int, RequestOutput] = {}
     async for i, out in merged(state, prompts, params, request_id):
         if out.error:
             raise APIError(500, f"generation failed: {out.error}", type_="internal_error")
-        prompt_outputs[i] = out
-        for c in out.outputs:
-            part = parts[i * n + c.index]
-            part["text"] += c.text
-            part["token_ids"] += c.token_ids
-            part["logprobs"] += c.logprobs or []
-            part["finish"] = c.finish_reason
+        if i in finals:
+            finals[i].add(out)
+        else:
+            finals[i] = out
     choices = []
-    for k, part in enumerate(parts):
-        prompt = prompts[k // n]
-        logprobs = _logprobs(state, req, prompt, prompt_outputs[k // n], part["token_ids"], part["logprobs"], True, 0)
-        choices.append({"index": k, "text": _choice_text(req, prompt, True, part["text"]),
-                        "logprobs": logprobs, "finish_reason": part["finish"]})
-    completion_tokens = sum(len(p["token_ids"]) for p in parts)
+    for i, prompt in enumerate(prompts):
+        for c in finals[i].outputs:
+            logprobs = _logprobs(state, req, prompt, finals[i], c.token_ids, c.logprobs or [], True, 0)
+            choices.append({"index": i * req.n + c.index, "text": _choice_text(req, prompt, True, c.text),
+                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+    completion_tokens = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
     return {"id": request_id, "object": "text_completion", "created": now(), "model": state.config.model_name,
             "choices": choices, "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens)}
 
