@@ -140,13 +140,16 @@ def plot(results: dict, path: str) -> None:
     except ImportError as e:
         raise SystemExit(f"--plot needs matplotlib ({e}); pip install matplotlib") from e
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for backend, points in results["decode_ms_per_token"].items():
-        axes[0].plot(list(points), list(points.values()), marker="o", label=backend)
-    for backend, points in results["prefill_ttft_s"].items():
-        axes[1].plot(list(points), list(points.values()), marker="o", label=backend)
-    axes[0].set(title="decode (synthetic cache)", xlabel="context tokens", ylabel="ms / token", xscale="log")
-    axes[1].set(title="prefill", xlabel="prompt tokens", ylabel="time to first token, s", xscale="log")
-    for ax in axes:
+    for ax, key in zip(axes, ("decode_ms_per_token", "prefill_ttft_s")):
+        for backend, points in results[key].items():
+            ax.plot([int(n) for n in points], list(points.values()), marker="o", label=backend)
+    axes[0].set(title="decode (synthetic cache)", xlabel="context tokens", ylabel="ms / token")
+    axes[1].set(title="prefill", xlabel="prompt tokens", ylabel="time to first token, s")
+    for ax, key in zip(axes, ("decode_ms_per_token", "prefill_ttft_s")):
+        ticks = sorted({int(n) for points in results[key].values() for n in points})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [f"{n / 1024:.0f}K" for n in ticks])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -61,7 +61,7 @@ def indexer_margin(ref, ids: list[int]) -> float:
     margins = []
 
     def hook(module, args, kwargs, out):
-        hidden, q_resid, (cos, sin), mask = args[0], args[1], args[2], args[3]
+        hidden, q_resid, (cos, sin) = args[0], args[1], args[2]
         from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
         b, s, _ = hidden.shape

@@ -5,7 +5,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import REFERENCE_CONFIG

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsaserve.checkpoint_builder import build_checkpoint, quantize_fp8, random_weights
+from dsaserve.checkpoint_builder import quantize_fp8, random_weights
 from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_dtype
 from dsaserve.loader import CheckpointError, dequantize_fp8

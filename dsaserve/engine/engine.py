@@ -18,7 +18,7 @@ from dsaserve.engine.block_manager import KVCacheManager
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.kv_cache import KVCache, KVCacheLayout, blocks_needed
 from dsaserve.engine.logits_processors import process_logits
-from dsaserve.engine.request import Request, RequestStatus
+from dsaserve.engine.request import Request
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.sampler import sample, top_logprobs
 from dsaserve.engine.scheduler import RequestRejected, ScheduledBatch, Scheduler, SchedulerConfig
