@@ -23,7 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="indexer key cache: auto (model dtype), int8 (+fp16 scale per token) or fp8 (+fp32 scale)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: what max-model-len needs, up to 1 GiB)")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: max-num-seqs × max-model-len tokens, up to 1 GiB; "
+                        "max-model-len is lowered to what the cache holds unless given)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -298,10 +298,11 @@ def resolve_indexer_types(raw: dict, num_layers: int) -> IndexerSchedule:
         other = _parse_types(pattern, "index_topk_pattern")
         if other != types:
             first = next((i for i, (a, b) in enumerate(zip(types, other)) if a != b), min(len(types), len(other)))
+            ours = types[first] if first < len(types) else "<missing>"
             got = other[first] if first < len(other) else "<missing>"
             raise ConfigError(
                 f"indexer_types and index_topk_pattern disagree at layer {first} "
-                f"(indexer_types says {types[first]!r}, index_topk_pattern says {got!r}); "
+                f"(indexer_types says {ours!r}, index_topk_pattern says {got!r}); "
                 f"remove one or pin the schedule with --hf-overrides '{json.dumps({'index_topk_pattern': _pattern_string(types)})}'"
             )
     if explicit is not None and pattern is None and "index_topk_pattern" in raw:

@@ -53,6 +53,33 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the checkpoint's chat template (or `chat_template`), then generate."""
+        from dsaserve.server.chat_template import ChatTemplate
+
+        source = chat_template or self.tokenizer.chat_template
+        if source is None:
+            raise ValueError("this checkpoint has no chat template; pass chat_template=")
+        template = ChatTemplate(source, self.tokenizer.special_tokens)
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.encode(
+                template.render(c, tools=tools, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})),
+                add_special_tokens=False)
+            for c in conversations
+        ]
+        return self.generate(prompt_token_ids=prompts, sampling_params=sampling_params, use_tqdm=use_tqdm)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)

@@ -1,7 +1,7 @@
 """Load safetensors checkpoints (single file or sharded) strictly, in parallel, with FP8 dequantization.
 
 Strict means: the set of tensors must equal the layout derived from the config (indexer weights on
-every full layer and on no shared layer, per-expert MoE tensors, MTP layers ignored unless asked for),
+every full layer and on no shared layer, per-expert MoE tensors; the MTP layers are skipped),
 shapes must match, and a truncated or corrupt file is reported by name.
 """
 
@@ -73,9 +73,9 @@ def read_tensor_infos(files: list[str]) -> dict[str, TensorInfo]:
     return infos
 
 
-def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo], include_mtp: bool = False) -> None:
-    """Raise CheckpointError listing missing, unexpected and mis-shaped tensors."""
-    expected = checkpoint_shapes(cfg, include_mtp=include_mtp)
+def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo]) -> None:
+    """Raise CheckpointError listing missing, unexpected and mis-shaped tensors (MTP layers are skipped)."""
+    expected = checkpoint_shapes(cfg)
     present = {}
     unexpected = []
     for name, info in infos.items():
@@ -84,7 +84,7 @@ def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo], include_mtp: b
             if weight is None or weight.dtype not in FP8_DTYPES:
                 unexpected.append(name)
             continue
-        if not include_mtp and is_mtp_tensor(cfg, name):
+        if is_mtp_tensor(cfg, name):
             continue
         present[name] = info
     missing = sorted(set(expected) - set(present))
@@ -142,20 +142,20 @@ def _fp8_block(cfg: ModelConfig) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def load_checkpoint(model, cfg: ModelConfig, model_dir: str, include_mtp: bool = False,
-                    progress: bool = True, max_workers: int | None = None) -> dict[str, torch.Tensor]:
-    """Load every tensor of `model_dir` into `model` (via `model.weight_loader()`). Returns MTP tensors if asked."""
+def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = True,
+                    max_workers: int | None = None) -> None:
+    """Load every tensor of `model_dir` into `model` (via `model.weight_loader()`). The MTP layers'
+    tensors are skipped: nothing uses them yet (speculative decoding will)."""
     files = checkpoint_files(model_dir)
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir!r}")
     infos = read_tensor_infos(files)
-    check_tensors(cfg, infos, include_mtp=False)
+    check_tensors(cfg, infos)
     block = _fp8_block(cfg)
     by_file: dict[str, list[str]] = {}
     for name, info in infos.items():
-        if not name.endswith(SCALE_SUFFIX):
+        if not name.endswith(SCALE_SUFFIX) and not is_mtp_tensor(cfg, name):
             by_file.setdefault(info.file, []).append(name)
-    mtp: dict[str, torch.Tensor] = {}
     load_tensor = model.weight_loader()
     total = sum(len(v) for v in by_file.values())
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
@@ -169,11 +169,7 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, include_mtp: bool =
                         scale_name = name + SCALE_SUFFIX
                         with safe_open(infos[scale_name].file, "pt") as sf:
                             tensor = dequantize_fp8(tensor, sf.get_tensor(scale_name), block, name)
-                    if is_mtp_tensor(cfg, name):
-                        if include_mtp:
-                            mtp[name] = tensor
-                    else:
-                        load_tensor(name, tensor)
+                    load_tensor(name, tensor)
                     bar.update(1)
         except SafetensorError as e:
             raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-download this file") from e
@@ -183,4 +179,3 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, include_mtp: bool =
         for future in [pool.submit(load_file, path) for path in files]:
             future.result()
     bar.close()
-    return mtp

@@ -26,7 +26,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    stop_reason: int | str | None = None  # the stop_token_ids entry or stop string that ended it, if any
 
     def finished(self) -> bool:
         return self.finish_reason is not None

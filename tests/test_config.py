@@ -66,6 +66,11 @@ def test_explicit_list_and_pattern_disagreeing_names_first_layer():
         ModelConfig.from_dict(small_config(indexer_types=["full", "full", "shared", "shared"], index_topk_pattern="FFFS"))
 
 
+def test_pattern_longer_than_the_list_is_an_error_not_a_crash():
+    with pytest.raises(ConfigError, match="disagree at layer 4"):
+        ModelConfig.from_dict(small_config(indexer_types=["full", "full", "shared", "shared"], index_topk_pattern="FFSSF"))
+
+
 def test_explicit_list_and_pattern_agreeing_is_fine():
     cfg = ModelConfig.from_dict(small_config(indexer_types=["full", "full", "shared", "shared"], index_topk_pattern="FFSS"))
     assert cfg.indexer_schedule.pattern == "FFSS"

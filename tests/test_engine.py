@@ -86,7 +86,7 @@ def test_preemption_recomputes_to_identical_output(path, ref, prefix_caching):
     cfg = probe.engine.config
     cfg_bytes_per_block = BLOCK * 4 * (cfg.num_hidden_layers * cfg.kv_cache_dim + len(cfg.full_layers) * cfg.index_head_dim)
     # 8 blocks: each request needs 4-6 over its life, three together need 15.
-    llm = make_llm(path, kv_cache_memory=8 * cfg_bytes_per_block, enable_prefix_caching=prefix_caching)
+    llm = make_llm(path, kv_cache_memory=8 * cfg_bytes_per_block, enable_prefix_caching=prefix_caching, max_model_len=128)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
@@ -124,7 +124,8 @@ def test_prefix_hashes_chain_through_the_parent(path, ref):
 
 
 def test_prefix_check_fails_without_chaining(path, ref, monkeypatch):
-    monkeypatch.setattr(block_manager, "block_key", lambda parent, tokens: (0, tokens))
+    unchained = block_manager.block_key
+    monkeypatch.setattr(block_manager, "block_key", lambda parent, tokens: unchained(b"", tokens))
     with pytest.raises(AssertionError):
         check_prefix_chaining(path, ref)
 

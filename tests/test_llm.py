@@ -169,9 +169,12 @@ def test_kv_cache_memory_sets_the_pool_size(tiny_checkpoint):
     per_block = 16 * 4 * (cfg.num_hidden_layers * cfg.kv_cache_dim + len(cfg.full_layers) * cfg.index_head_dim)
     assert small.engine.kv.num_blocks == (1 << 20) // per_block
     assert small.engine.kv_cache.nbytes() == small.engine.kv.num_blocks * per_block
-    with pytest.raises(RequestRejected, match="whole cache has"):
-        tiny = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, kv_cache_memory=per_block * 2, progress=False)
-        tiny.generate(prompt_token_ids=[3] * 40, sampling_params=GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len=512 needs 512 tokens of KV cache but the cache holds 32"):
+        LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, kv_cache_memory=per_block * 2, progress=False)
+    fitted = LLM(tiny_checkpoint, dtype="float32", block_size=16, kv_cache_memory=per_block * 2, progress=False)
+    assert fitted.engine.max_model_len == 32  # not given: lowered to what the cache holds
+    with pytest.raises(RequestRejected, match="exceeds max_model_len=32"):
+        fitted.generate(prompt_token_ids=[3] * 40, sampling_params=GREEDY, use_tqdm=False)
 
 
 def test_bf16_generation_runs(make_checkpoint):
@@ -179,3 +182,21 @@ def test_bf16_generation_runs(make_checkpoint):
     out = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, progress=False).generate(
         "hello world", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5
+
+
+def test_chat_renders_the_template_and_generates(llm):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    expected = llm.tokenizer.encode("[gMASK]<sop><|user|>\nWhat is 2 + 2?<|assistant|>", add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+    assert out.outputs[0].token_ids == llm.generate(prompt_token_ids=expected, sampling_params=GREEDY,
+                                                    use_tqdm=False)[0].outputs[0].token_ids
+    two = llm.chat([messages, messages], GREEDY, chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)
+    assert len(two) == 2 and two[0].prompt_token_ids == expected + [llm.tokenizer.token_to_id("</think>")]
+
+
+def test_logit_bias_and_stop_ids_outside_the_vocabulary_are_rejected(llm):
+    with pytest.raises(RequestRejected, match="logit_bias"):
+        llm.generate("x", SamplingParams(logit_bias={-1000000: 5}), use_tqdm=False)
+    with pytest.raises(RequestRejected, match="stop_token_ids"):
+        llm.generate("x", SamplingParams(stop_token_ids=[10**9]), use_tqdm=False)

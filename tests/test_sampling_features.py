@@ -152,3 +152,16 @@ def test_incremental_detokenizer_never_splits_characters(llm):
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
     assert any(d == "" for d in deltas)  # some tokens ended mid-character and were held back
+
+
+def test_stop_token_text_stays_out_of_the_output(llm):
+    base = gen(llm, "hello world", max_tokens=20).outputs[0]
+    k = next(i for i, t in enumerate(base.token_ids)
+             if i >= 2 and llm.tokenizer.decode([t]).isascii() and llm.tokenizer.decode([t]).strip()
+             and t not in base.token_ids[:i])
+    stop = base.token_ids[k]
+    out = gen(llm, "hello world", max_tokens=20, stop_token_ids=[stop]).outputs[0]
+    assert out.token_ids == base.token_ids[: k + 1] and out.stop_reason == stop
+    assert out.text == llm.tokenizer.decode(base.token_ids[:k])
+    kept = gen(llm, "hello world", max_tokens=20, stop_token_ids=[stop], include_stop_str_in_output=True).outputs[0]
+    assert kept.text == llm.tokenizer.decode(base.token_ids[: k + 1])

@@ -370,3 +370,14 @@ def test_chat_template_is_sandboxed(tmp_path):
         evil.render([{"role": "user", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="no system"):
         ChatTemplate("{{ raise_exception('no system') }}").render([])
+
+
+def test_engine_refusals_are_400s_before_the_stream_starts(server):
+    bad = {"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True, "logit_bias": {"-1000000": 5}}
+    r = httpx.post(server.url + "/v1/completions", json=bad, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    long = {"model": "tiny", "prompt": "word " * 1000, "max_tokens": 3}
+    r = httpx.post(server.url + "/v1/completions", json=long, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "ok", "max_tokens": 2},
+                      timeout=60).status_code == 200

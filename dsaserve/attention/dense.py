@@ -55,8 +55,9 @@ def decode_causal(
     """Batched causal attention for single-query requests: each sees its whole context."""
     if not reqs:
         return
-    lens = torch.tensor([meta.seq_lens_host[i] for i in reqs], device=query.device)
-    width = torch.arange(int(lens.max()), device=query.device)[None, :]
+    host_lens = [meta.seq_lens_host[i] for i in reqs]
+    lens = torch.tensor(host_lens, device=query.device)
+    width = torch.arange(max(host_lens), device=query.device)[None, :]
     invalid = width >= lens[:, None]
     positions = torch.minimum(width, lens[:, None] - 1)  # padding points at a written row
     attend_decode_rows(query, cache, meta, reqs, positions, invalid, scale, value_dim, out)
@@ -76,7 +77,7 @@ def dense_rows(
     r0, r1 = rows
     if r0 >= r1:
         return
-    keys = gather_context(cache, meta, i, int(meta.positions[r1 - 1]) + 1)
+    keys = gather_context(cache, meta, i, meta.position_of(i, r1 - 1) + 1)
     key_pos = torch.arange(keys.shape[0], device=keys.device)
     tile = max(1, SCORE_BUDGET // (query.shape[1] * keys.shape[0]))
     for t0 in range(r0, r1, tile):

@@ -43,6 +43,10 @@ class BatchMetadata:
         start, end = self.query_range(i)
         return self.seq_lens_host[i] - (end - start)
 
+    def position_of(self, i: int, row: int) -> int:
+        """Logical position of batch row `row` (a row of request i), from the host copies."""
+        return self.context_len(i) + row - self.query_start_loc_host[i]
+
     def split_at_position(self, i: int, position: int) -> int:
         """First batch row of request i whose position is ≥ `position` (its rows are consecutive)."""
         start, end = self.query_range(i)

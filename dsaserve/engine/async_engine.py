@@ -10,8 +10,8 @@ background thread steps the engine. A server should instead call `run()` on the 
 put its event loop on another thread: torch's OpenMP parallel regions started from a non-main
 thread cost ~50 µs more each here, which slowed whole decode steps by ~20%. Cancelling or closing
 the consumer aborts the request and frees its blocks. A request whose logits go non-finite ends with
-finish_reason "error"; an exception inside a step fails the requests it was running and the loop
-carries on serving the rest.
+finish_reason "error"; an exception inside a step fails every running request (the step does not say
+which one broke it) and the loop carries on with the waiting ones and new arrivals.
 """
 
 from __future__ import annotations
@@ -78,13 +78,16 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        if self._stopped.is_set():
+            raise EngineStepError("the engine has stopped")
+        text = prompt if isinstance(prompt, str) else None
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.engine.validate(ids, params)  # raises RequestRejected before anything is queued
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._submit(("add", request_id, prompt if isinstance(prompt, str) else ids, params))
+        self._submit(("add", request_id, ids, text, params))
         finished = False
         try:
             while True:
@@ -99,10 +102,6 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._submit(("abort", request_id))
-
-    def abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._submit(("abort", request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped.set()
@@ -131,7 +130,10 @@ class AsyncLLMEngine:
 
     def _loop(self, should_stop) -> None:
         while not self._stopped.is_set() and not should_stop():
-            self._apply_ops()
+            try:
+                self._apply_ops()
+            except Exception:  # never let one bad operation stop the loop
+                logger.exception("applying a queued add/abort failed")
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
@@ -155,13 +157,15 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if op[0] == "add":
-                _, request_id, prompt, params = op
+                _, request_id, ids, text, params = op
                 if request_id not in self._streams:  # cancelled before it started
                     continue
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, ids, params, prompt_text=text)
                 except Exception as e:
-                    self._streams[request_id].put(e)
+                    stream = self._streams.get(request_id)
+                    if stream is not None:
+                        stream.put(e)
             else:
                 self.engine.abort_request(op[1])
 

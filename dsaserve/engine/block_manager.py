@@ -1,7 +1,8 @@
 """KV block allocation with reference counts and prefix caching.
 
-A full block is identified by its content and everything before it: key = (parent block's hash,
-its token ids). A new request reuses the cached blocks of its longest cached prefix (latent and
+A full block is identified by its content and everything before it: key = sha256(parent block's key
++ its token ids). A cryptographic digest, so no request can be made to adopt blocks computed under a
+different prefix by a colliding hash. A new request reuses the cached blocks of its longest cached prefix (latent and
 indexer caches alike, since block ids are shared by every layer) and computes only the rest.
 Blocks nobody references stay cached in a free queue and are evicted least-recently-freed first
 when a fresh block is needed.
@@ -9,19 +10,21 @@ when a fresh block is needed.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from dsaserve.engine.kv_cache import blocks_needed
 from dsaserve.engine.request import Request
 
-ROOT_HASH = 0  # parent of a request's first block
+ROOT_KEY = b""  # parent of a request's first block
 
 
-def block_key(parent_hash: int, tokens: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+def block_key(parent: bytes, tokens: list[int]) -> bytes:
     """The prefix-cache key of a full block: chained through the parent so equal blocks at
     different prefixes never share."""
-    return (parent_hash, tokens)
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
 @dataclass
@@ -40,10 +43,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_keys: list[tuple | None] = [None] * num_blocks
+        self.block_keys: list[bytes | None] = [None] * num_blocks
         # Unreferenced blocks, evicted from the front. Cached ones keep their key until evicted.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.cached: dict[tuple, int] = {}
+        self.cached: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -56,22 +59,20 @@ class KVCacheManager:
 
     # ---- prefix cache ----------------------------------------------------------------------------
 
-    def _update_hashes(self, request: Request, num_tokens: int) -> None:
-        """Extend request.block_hashes to cover every full block among its first num_tokens tokens."""
+    def _update_keys(self, request: Request, num_tokens: int) -> None:
+        """Extend request.block_keys to cover every full block among its first num_tokens tokens."""
         bs = self.block_size
-        while len(request.block_hashes) < num_tokens // bs:
-            i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if request.block_hashes else ROOT_HASH
-            key = block_key(parent, tuple(request.token_ids(i * bs, (i + 1) * bs)))
-            request.block_keys.append(key)
-            request.block_hashes.append(hash(key))
+        while len(request.block_keys) < num_tokens // bs:
+            i = len(request.block_keys)
+            parent = request.block_keys[-1] if request.block_keys else ROOT_KEY
+            request.block_keys.append(block_key(parent, request.token_ids(i * bs, (i + 1) * bs)))
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix. The last token is always left to compute: its
         logits are needed, and recomputing it must not write into a shared block."""
         if not self.enable_prefix_caching or request.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed
-        self._update_hashes(request, request.num_tokens)
+        self._update_keys(request, request.num_tokens)
         usable = (request.num_tokens - 1) // self.block_size
         blocks = []
         for key in request.block_keys[:usable]:
@@ -90,7 +91,7 @@ class KVCacheManager:
         """Register the request's newly completed full blocks so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
-        self._update_hashes(request, request.num_computed_tokens)
+        self._update_keys(request, request.num_computed_tokens)
         for i in range(request.num_cached_blocks, request.num_computed_tokens // self.block_size):
             block, key = request.block_table[i], request.block_keys[i]
             if key not in self.cached and self.block_keys[block] is None:
@@ -135,7 +136,6 @@ class KVCacheManager:
             self.ref_counts[block] += 1
         child.block_table = list(parent.block_table[:full])
         child.block_keys = list(parent.block_keys[:full])
-        child.block_hashes = list(parent.block_hashes[:full])
         child.num_cached_blocks = min(parent.num_cached_blocks, full)
         child.num_computed_tokens = full * self.block_size
 

@@ -93,6 +93,7 @@ class LLMEngine:
         with_indexer = self.model.backend.uses_indexer
         self.kv_layout = KVCacheLayout.of(self.config, self.dtype, indexer_cache_dtype, with_indexer)
         num_blocks = self._num_blocks(self.kv_layout, block_size, parse_bytes(kv_cache_memory), max_num_seqs)
+        self._fit_max_model_len(num_blocks * block_size, explicit=max_model_len is not None)
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype, self.device,
                                 with_indexer=with_indexer, indexer_dtype=indexer_cache_dtype)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
@@ -119,15 +120,31 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory={memory} bytes is smaller than one KV block ({per_block} bytes)")
         return memory // per_block
 
+    def _fit_max_model_len(self, capacity: int, explicit: bool) -> None:
+        """One sequence of max_model_len tokens must fit in the cache, or no long request could ever run."""
+        if self.max_model_len <= capacity:
+            return
+        if explicit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} needs {self.max_model_len} tokens of KV cache but the cache "
+                f"holds {capacity} ({self.kv_layout.bytes_per_token} bytes per token); raise kv_cache_memory "
+                f"or lower max_model_len"
+            )
+        logger.info("max_model_len lowered from %d to %d, what the KV cache holds (set kv_cache_memory for more)",
+                    self.max_model_len, capacity)
+        self.max_model_len = capacity
+
     # ---- requests --------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    prompt_text: str | None = None) -> None:
+        """prompt: text, or token ids (with `prompt_text`, the text they came from, for the outputs)."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
-            text, ids = None, list(prompt)
+            text, ids = prompt_text, list(prompt)
         max_tokens = self.validate(ids, params)
         request = self._new_sequence(request_id, text, ids, params, max_tokens, index=0)
         if params.prompt_logprobs is not None:
@@ -143,6 +160,11 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestRejected("prompt", f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        vocab = self.config.vocab_size
+        for name, tokens in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or [])):
+            outside = [t for t in tokens if not 0 <= t < vocab]
+            if outside:
+                raise RequestRejected(name, f"{name} has token ids {outside[:5]} outside the vocabulary [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens < 1:
             raise RequestRejected(
@@ -263,12 +285,15 @@ class LLMEngine:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _check_stop(self, request: Request, token: int) -> None:
-        grown = request.detokenizer.add(token)
         past_min = len(request.output_token_ids) >= request.params.min_tokens
         if past_min and token in request.stop_token_ids:
+            if request.params.include_stop_str_in_output:
+                request.detokenizer.add(token)  # otherwise the stop token's text stays out, as in vLLM
             stop_reason = token if token in (request.params.stop_token_ids or ()) else None
             self._finish(request, "stop", stop_reason=stop_reason)
-        elif past_min and (stop := request.detokenizer.find_stop(grown)) is not None:
+            return
+        grown = request.detokenizer.add(token)
+        if past_min and (stop := request.detokenizer.find_stop(grown)) is not None:
             self._finish(request, "stop", stop_reason=stop)
         elif len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, "length")

@@ -35,8 +35,7 @@ class Request:
     arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    block_keys: list[tuple] = field(default_factory=list)  # prefix-cache keys of full blocks
-    block_hashes: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
     num_cached_blocks: int = 0  # leading blocks of block_table already registered in the prefix cache
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     status: RequestStatus = RequestStatus.WAITING

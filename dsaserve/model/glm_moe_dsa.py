@@ -1,7 +1,7 @@
 """The GLM-MoE-DSA decoder: embed → [RMSNorm → MLA → RMSNorm → MLP|MoE] × L → norm → lm_head.
 
 Module names mirror the checkpoint's, so most tensors load by name; the few that are fused or split
-at load time are routed in `load_tensor`.
+at load time are routed in `_load_tensor`.
 """
 
 from __future__ import annotations

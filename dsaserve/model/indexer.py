@@ -90,7 +90,8 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: BatchMetadat
         out[start:split] = all_visible(meta.positions[start:split], width)
         for t0 in range(split, end, QUERY_TILE):
             t1 = min(t0 + QUERY_TILE, end)
-            out[t0:t1] = stream_select(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection)
+            out[t0:t1] = stream_select(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection,
+                                       last_position=meta.position_of(i, t1 - 1))
     return out
 
 
@@ -101,13 +102,16 @@ def key_chunk_blocks(tile: int, heads: int, block_size: int) -> int:
 
 
 def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: BatchMetadata, i: int,
-                  positions: torch.Tensor, selection: Selection) -> torch.Tensor:
-    """Running top-k (tokens or pages) of one query tile of request i over its visible blocks."""
+                  positions: torch.Tensor, selection: Selection, last_position: int | None = None) -> torch.Tensor:
+    """Running top-k (tokens or pages) of one query tile of request i over its visible blocks.
+    `last_position` (the tile's largest position, known on the host) saves a device sync."""
     bs = meta.block_size
     keep = selection.pages or selection.index_topk
     best = torch.full((q.shape[0], keep), float("-inf"), device=q.device)
     best_ids = torch.full((q.shape[0], keep), -1, dtype=torch.long, device=q.device)
-    visible_blocks = int(positions.max()) // bs + 1  # later blocks are in every query's future
+    if last_position is None:
+        last_position = int(positions.max())
+    visible_blocks = last_position // bs + 1  # later blocks are in every query's future
     chunk = key_chunk_blocks(q.shape[0], q.shape[1], bs)
     table = meta.block_tables[i]
     q = q.float()  # scores in fp32, as the reference computes them

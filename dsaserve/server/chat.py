@@ -62,7 +62,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
 
 def chat_params(state: ServerState, req: ChatCompletionRequest, prepared: PreparedChat):
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return state.sampling_params(req, len(prepared.prompt_ids), req.max_completion_tokens or req.max_tokens,
+    return state.sampling_params(req, prepared.prompt_ids, req.max_completion_tokens or req.max_tokens, "messages",
                                  logprobs=logprobs)
 
 
@@ -148,8 +148,8 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest, request_id
                                     "finish_reason": _finish_reason(c.finish_reason, calls_made[c.index] > 0)})
             if choices:
                 yield chunk(choices)
-    except APIError as e:
-        yield sse(e.body())
+    except Exception as e:  # the stream has started: report in-band, then end it properly
+        yield sse(stream_error(e).body())
     if req.stream_options and req.stream_options.include_usage:
         yield chunk([], {"usage": usage(len(prepared.prompt_ids), completion_tokens)})
     yield sse("[DONE]")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from dsaserve.outputs import RequestOutput
 from dsaserve.server.protocol import APIError, CompletionRequest
-from dsaserve.server.responses import completion_logprobs, now, sse, usage
+from dsaserve.server.responses import completion_logprobs, now, sse, stream_error, usage
 from dsaserve.server.state import ServerState
 
 
@@ -48,7 +48,7 @@ def prompt_params(state: ServerState, req: CompletionRequest, prompt: PreparedPr
     extra = {"logprobs": req.logprobs}
     if req.echo and req.logprobs is not None:
         extra["prompt_logprobs"] = req.logprobs
-    return state.sampling_params(req, len(prompt.ids), req.max_tokens, **extra)
+    return state.sampling_params(req, prompt.ids, req.max_tokens, "prompt", **extra)
 
 
 async def merged(state: ServerState, prompts: list[PreparedPrompt], params: list,
@@ -141,8 +141,8 @@ async def completion_stream(state: ServerState, req: CompletionRequest, request_
             if choices:
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                            "choices": choices})
-    except APIError as e:
-        yield sse(e.body())
+    except Exception as e:  # the stream has started: report in-band, then end it properly
+        yield sse(stream_error(e).body())
     if req.stream_options and req.stream_options.include_usage:
         yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
                    "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens)})

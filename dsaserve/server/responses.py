@@ -6,7 +6,9 @@ import json
 import time
 import uuid
 
+from dsaserve.engine.scheduler import RequestRejected
 from dsaserve.outputs import PositionLogprobs
+from dsaserve.server.protocol import APIError
 
 
 def new_id(prefix: str) -> str:
@@ -25,6 +27,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
+
+
+def stream_error(error: Exception) -> APIError:
+    """The error body to send inside a stream that has already started."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, RequestRejected):
+        return APIError(400, str(error), param=error.param)
+    return APIError(500, f"generation failed: {type(error).__name__}: {error}", type_="internal_error")
 
 
 def _entry(token: str, logprob: float) -> dict:

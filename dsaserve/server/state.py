@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from dsaserve.engine.async_engine import AsyncLLMEngine
+from dsaserve.engine.scheduler import RequestRejected
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams, SamplingParamsError
 from dsaserve.server.chat_template import ChatTemplate
@@ -42,16 +43,18 @@ class ServerState:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.config.model_name}`",
                            param="model", type_="NotFoundError", code="model_not_found")
 
-    def sampling_params(self, req: SamplingFields, num_prompt_tokens: int, max_tokens: int | None, **extra) -> SamplingParams:
-        """max_tokens is capped so prompt + output fits max_model_len; a prompt that alone fills it is a 400."""
-        room = self.max_model_len - num_prompt_tokens
+    def sampling_params(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, prompt_param: str,
+                        **extra) -> SamplingParams:
+        """max_tokens is capped so prompt + output fits max_model_len; a prompt that alone fills it is a 400.
+        Everything the engine would refuse is refused here, before a response (or a stream) starts."""
+        room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and the prompt "
-                                f"has {num_prompt_tokens} tokens; shorten the prompt", param="messages",
+                                f"has {len(prompt_ids)} tokens; shorten the prompt", param=prompt_param,
                            code="context_length_exceeded")
         top_k = req.top_k if req.top_k not in (None, -1) else 0
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n, max_tokens=min(max_tokens or room, room),
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
@@ -62,8 +65,12 @@ class ServerState:
                 skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
                 **extra,
             )
+            self.engine.engine.validate(prompt_ids, params)  # reads only fixed limits: safe off the engine thread
+            return params
         except SamplingParamsError as e:
             raise APIError(400, str(e), param=e.param) from e
+        except RequestRejected as e:
+            raise APIError(400, str(e), param=prompt_param if e.param == "prompt" else e.param) from e
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Engine outputs with TTFT / inter-token latency recorded."""
