@@ -9,7 +9,7 @@ from dsaserve.server.chat_template import ChatTemplateError
 from dsaserve.server.parsers import CONTENT, REASONING, GlmOutputParser
 from dsaserve.server.parsers.glm import CALL_START, THINK_END, THINK_START
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
-from dsaserve.server.responses import chat_logprobs, now, sse, usage
+from dsaserve.server.responses import chat_logprobs, now, sse, stream_error, usage
 from dsaserve.server.state import ServerState
 
 
