@@ -381,3 +381,32 @@ def test_engine_refusals_are_400s_before_the_stream_starts(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "ok", "max_tokens": 2},
                       timeout=60).status_code == 200
+
+
+def test_an_error_inside_a_started_stream_is_reported_and_the_stream_ends():
+    from types import SimpleNamespace
+
+    from dsaserve.engine.async_engine import EngineStepError
+    from dsaserve.outputs import CompletionOutput, RequestOutput
+    from dsaserve.server.chat import PreparedChat, chat_stream
+    from dsaserve.server.completions import PreparedPrompt, completion_stream
+    from dsaserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    async def failing_generate(ids, params, request_id):
+        yield RequestOutput(request_id, None, ids, [CompletionOutput(0, "Hi", [5])], finished=False)
+        raise EngineStepError("simulated device error")
+
+    state = SimpleNamespace(generate=failing_generate, config=SimpleNamespace(model_name="tiny"))
+
+    async def collect(stream):
+        return [line async for line in stream]
+
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True)
+    lines = asyncio.run(collect(chat_stream(state, chat, "id", PreparedChat([1, 2], {"tools": False}), None)))
+    completion = CompletionRequest(prompt="x", stream=True)
+    lines2 = asyncio.run(collect(completion_stream(state, completion, "id", [PreparedPrompt([1, 2], "x")], [None])))
+    for out in (lines, lines2):
+        assert '"Hi"' in "".join(out)
+        error = json.loads(out[-2][len("data: "):])["error"]
+        assert error["type"] == "internal_error" and "simulated device error" in error["message"]
+        assert out[-1] == "data: [DONE]\n\n"
