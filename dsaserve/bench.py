@@ -105,14 +105,14 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args) -> None:
             p.add_argument("--num-iters-warmup", type=int, default=1)
 
 
-def cmd_bench(args: argparse.Namespace, engine_kwargs) -> int:
+def cmd_bench(args: argparse.Namespace, make_engine_kwargs) -> int:
     from dsaserve import LLM
 
     if args.bench_kind == "serve":
         from dsaserve.bench_serve import cmd_bench_serve
 
         return cmd_bench_serve(args)
-    engine_kwargs = engine_kwargs(args)
+    engine_kwargs = make_engine_kwargs(args)
     if args.bench_kind == "longctx":
         from dsaserve.bench_longctx import cmd_longctx
 

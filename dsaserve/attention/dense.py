@@ -2,8 +2,8 @@
 
 The query is already absorbed (`[q_nope·W_UK | q_rope]`, width kv_lora_rank + rope), so keys are the
 cached latent rows themselves and values are their first kv_lora_rank columns. This is the backend
-for isolating attention bugs, and the exact path the sparse backend takes when a request's context
-fits inside `index_topk` (every visible token is selected then).
+for isolating attention bugs, and the exact path the sparse backend takes for queries that see at
+most the selection width (every visible token is selected then).
 """
 
 from __future__ import annotations
