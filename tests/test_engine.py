@@ -284,3 +284,23 @@ def test_stop_string_frees_blocks_in_the_same_step(path):
             break
     assert outs[0].outputs[0].finish_reason == "stop"
     assert engine.num_free_blocks == engine.kv.num_blocks and not engine.has_unfinished_requests()
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(path):
+    """A repeated prompt of whole blocks reuses all but its last block: the last token is recomputed
+    for its logits, never written into a shared block."""
+    prompt = tokens(95, 64)  # exactly 4 blocks
+    engine = make_llm(path).engine
+    outputs = []
+    for rid in ("first", "again"):
+        engine.add_request(rid, prompt, GREEDY)
+        result = None
+        for _ in range(100):  # bounded: a request that can never be scheduled must fail, not hang
+            for out in engine.step():
+                result = out if result is None else (result.add(out) or result)
+            if not engine.has_unfinished_requests():
+                break
+        assert result is not None and result.finished
+        outputs.append(result)
+    assert outputs[1].metrics["num_prefix_hit_tokens"] == 48
+    assert outputs[1].outputs[0].token_ids == outputs[0].outputs[0].token_ids
