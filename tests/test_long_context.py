@@ -47,7 +47,8 @@ def direct_topk(keys, q, weights, positions, k):
 @pytest.mark.parametrize("context, new", [(0, 96), (37, 48), (100, 50), (250, 1)])
 def test_streaming_indexer_matches_direct_topk(monkeypatch, context, new):
     """Query chunks that are and are not block multiples, after cached prefixes (position = prefix + offset)."""
-    monkeypatch.setattr(indexer, "INDEXER_SCORE_BUDGET", 64 * HEADS * 32)  # 2-block key chunks: many merges
+    monkeypatch.setattr(indexer, "INDEXER_SCORE_BUDGET", 64 * HEADS * 32)  # 2-block key chunks
+    monkeypatch.setattr(indexer, "MERGE_WINDOW", 64)  # two chunks per merge: many merges per query
     cache, meta, keys, q, weights = random_context(context + new, context, new)
     k = 24
     out = select(q, weights, cache, meta, Selection(k))
@@ -55,6 +56,29 @@ def test_streaming_indexer_matches_direct_topk(monkeypatch, context, new):
     assert margin > 1e-4  # the data has no near-ties at the boundary
     got = [set(x for x in row.tolist() if x >= 0) for row in out]
     assert got == expected
+
+
+def test_bf16_scoring_selects_within_rounding_of_fp32_scores():
+    """bf16 models score q·k in bf16 (fp32 accumulation, per-head scores rounded to bf16). A key that
+    beats the k-th fp32 score by more than twice the rounding bound must be selected, and none that
+    trails it by more may be."""
+    cache, meta, keys, q, weights = random_context(3, 600, 40, heads=8)
+    q, keys = q.bfloat16(), keys.bfloat16()
+    bf16_cache = IndexerKeyCache(cache.data.shape[0], BS, DIM, "auto", torch.bfloat16, torch.device("cpu"))
+    bf16_cache.write(meta.slots(0, torch.arange(keys.shape[0])), keys)
+    assert indexer.score_dtype(q) == torch.bfloat16
+    k = 64
+    out = select(q, weights, bf16_cache, meta, Selection(k))
+    per_head = q.float() @ keys.float().T  # [t, H, S], exact products of the bf16 inputs
+    exact = (torch.relu(per_head) * weights[:, :, None]).sum(1)
+    exact[torch.arange(keys.shape[0])[None, :] > meta.positions[:, None]] = float("-inf")
+    bound = ((per_head.abs() * weights[:, :, None]).sum(1) * 2.0**-8).max()  # bf16 rounds by ≤ 2^-9 relative
+    kth = exact.topk(k, dim=1).values[:, -1:]
+    for row, scores, threshold in zip(out, exact, kth):
+        chosen = set(row.tolist()) - {-1}
+        assert len(chosen) == k
+        assert set((scores > threshold + 2 * bound).nonzero().flatten().tolist()) <= chosen
+        assert chosen <= set((scores >= threshold - 2 * bound).nonzero().flatten().tolist())
 
 
 class PeakHeap(TorchDispatchMode):

@@ -17,16 +17,22 @@ SCORE_BUDGET = 1 << 24
 
 
 def attend_latent(
-    q: torch.Tensor, keys: torch.Tensor, invalid: torch.Tensor, scale: float, value_dim: int
+    q: torch.Tensor, keys: torch.Tensor, invalid: torch.Tensor | None, scale: float, value_dim: int
 ) -> torch.Tensor:
     """Softmax attention of q [t, H, D] over latent rows keys [S, D] (shared) or [t, K, D] (per query).
 
-    invalid: [t, S] or [t, K], True where a key must not be attended. Returns [t, H, value_dim].
+    invalid: [t, S] or [t, K], True where a key must not be attended; None when every key counts.
+    Returns [t, H, value_dim].
     """
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
-    scores.masked_fill_(invalid.unsqueeze(1), float("-inf"))
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale)
+    if invalid is not None:
+        scores.masked_fill_(invalid.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, keys[..., :value_dim])
+    if keys.dim() == 2:
+        return torch.matmul(probs, keys[:, :value_dim])
+    # Per-query keys: a batched matmul copies a column slice first, which cost twice as much on CPU
+    # as multiplying by the rope columns too and dropping them.
+    return torch.matmul(probs, keys)[..., :value_dim]
 
 
 def attend_decode_rows(
