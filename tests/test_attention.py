@@ -86,3 +86,17 @@ def test_tiles_with_barely_overlapping_selections_give_the_same_result(monkeypat
     selected = lambda t, p: sorted(x for x in topk[t].tolist() if x >= 0)
     expected = per_query(query, cache, meta, selected)
     assert torch.allclose(union_path, expected, atol=1e-5) and torch.allclose(own_rows, expected, atol=1e-5)
+
+
+def test_union_scored_in_key_chunks_with_online_softmax(monkeypatch):
+    """Chunks of 5 union rows: most queries have no selected row in some chunk (the first included)."""
+    import dsaserve.attention.sparse as sparse
+
+    cache, meta, query = setup(7, new=[50], context=[70])
+    g = torch.Generator().manual_seed(8)
+    topk = torch.stack([torch.randperm(int(p) + 1, generator=g)[:6] for p in meta.positions]).to(torch.int32)
+    monkeypatch.setattr(sparse, "UNION_LIMIT", 1000)  # the union path everywhere
+    monkeypatch.setattr(sparse, "SCORE_BUDGET", sparse.QUERY_TILE * query.shape[1] * 5)
+    out = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
+    selected = lambda t, p: sorted(x for x in topk[t].tolist() if x >= 0)
+    assert torch.allclose(out, per_query(query, cache, meta, selected), atol=1e-5)

@@ -24,15 +24,44 @@ def attend_latent(
     invalid: [t, S] or [t, K], True where a key must not be attended; None when every key counts.
     Returns [t, H, value_dim].
     """
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale)
+    shared = keys.dim() == 2
+    # Per-query keys take bmm: matmul copied the transposed keys of a single query first (4× slower).
+    scores = torch.matmul(q, keys.T) if shared else torch.bmm(q, keys.transpose(1, 2))
+    scores = scores.float().mul_(scale)
     if invalid is not None:
         scores.masked_fill_(invalid.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    if keys.dim() == 2:
+    if shared:
         return torch.matmul(probs, keys[:, :value_dim])
-    # Per-query keys: a batched matmul copies a column slice first, which cost twice as much on CPU
+    # A batched matmul copies a column slice of per-query keys first, which cost twice as much on CPU
     # as multiplying by the rope columns too and dropping them.
-    return torch.matmul(probs, keys)[..., :value_dim]
+    return torch.bmm(probs, keys)[..., :value_dim]
+
+
+def attend_latent_online(
+    q: torch.Tensor, keys: torch.Tensor, invalid: torch.Tensor, scale: float, value_dim: int, key_chunk: int
+) -> torch.Tensor:
+    """attend_latent over shared keys [S, D], `key_chunk` rows at a time with an online softmax (running
+    maximum, running sum, rescaled accumulator), so the scratch is [t, H, key_chunk] whatever S is.
+    Each query needs at least one valid key."""
+    if keys.shape[0] <= key_chunk:
+        return attend_latent(q, keys, invalid, scale, value_dim)
+    t, heads = q.shape[:2]
+    running_max = torch.full((t, heads, 1), float("-inf"), device=q.device)
+    total = torch.zeros(t, heads, 1, device=q.device)
+    acc = torch.zeros(t, heads, value_dim, device=q.device)
+    for c0 in range(0, keys.shape[0], key_chunk):
+        chunk = keys[c0:c0 + key_chunk]
+        scores = torch.matmul(q, chunk.T).float().mul_(scale)
+        scores.masked_fill_(invalid[:, None, c0:c0 + key_chunk], float("-inf"))
+        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+        shift = torch.where(new_max == float("-inf"), 0.0, new_max)  # no valid key yet: keep zeros
+        probs = scores.sub_(shift).exp_()
+        rescale = (running_max - shift).exp_()
+        total = total * rescale + probs.sum(dim=-1, keepdim=True)
+        acc = acc * rescale + torch.matmul(probs.to(q.dtype), chunk[:, :value_dim]).float()
+        running_max = new_max
+    return (acc / total).to(q.dtype)
 
 
 def attend_decode_rows(
@@ -50,8 +79,10 @@ def attend_decode_rows(
     per_chunk = max(1, SCORE_BUDGET // (positions.shape[1] * max(rows.shape[1], query.shape[1])))
     for c0 in range(0, len(reqs), per_chunk):
         c1 = c0 + per_chunk
-        keys = rows[meta.slots_of(req_index[c0:c1], positions[c0:c1])]  # [R, W, D]
-        out[query_rows[c0:c1]] = attend_latent(query[query_rows[c0:c1]], keys, invalid[c0:c1], scale, value_dim)
+        slots = meta.slots_of(req_index[c0:c1], positions[c0:c1])
+        keys = torch.index_select(rows, 0, slots.view(-1)).view(*slots.shape, -1)  # [R, W, D]
+        mask = invalid[c0:c1] if bool(invalid[c0:c1].any()) else None
+        out[query_rows[c0:c1]] = attend_latent(query[query_rows[c0:c1]], keys, mask, scale, value_dim)
 
 
 def decode_causal(
@@ -72,7 +103,7 @@ def decode_causal(
 def gather_context(cache: torch.Tensor, meta: BatchMetadata, i: int, length: int) -> torch.Tensor:
     """Request i's first `length` cached rows in logical order: [length, row width]."""
     positions = torch.arange(length, device=cache.device)
-    return cache.view(-1, cache.shape[-1])[meta.slots(i, positions)]
+    return torch.index_select(cache.view(-1, cache.shape[-1]), 0, meta.slots(i, positions))
 
 
 def dense_rows(

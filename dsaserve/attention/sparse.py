@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.attention.dense import SCORE_BUDGET, attend_decode_rows, attend_latent, decode_causal, dense_rows
+from dsaserve.attention.dense import (
+    SCORE_BUDGET, attend_decode_rows, attend_latent, attend_latent_online, decode_causal, dense_rows,
+)
 from dsaserve.attention.metadata import BatchMetadata
 
 QUERY_TILE = 64  # queries sharing one load of their selected rows
@@ -47,15 +49,16 @@ class SparseAttention:
             start, end = meta.query_range(i)
             split = meta.split_at_position(i, width)  # rows before it see ≤ width tokens
             dense_rows(query, cache, meta, i, (start, split), scale, value_dim, out)
-            seq_len = meta.seq_lens_host[i]
-            tile = max(1, min(QUERY_TILE, SCORE_BUDGET // (heads * seq_len)))
-            for t0 in range(split, end, tile):
-                t1 = min(t0 + tile, end)
-                member = selection_members(topk[t0:t1], seq_len)
-                if int(member.any(dim=0).sum()) <= UNION_LIMIT * width:
-                    union = member.any(dim=0).nonzero().squeeze(1)  # sorted positions any query selected
-                    keys = rows[meta.slots(i, union)]  # each selected row loaded once per tile
-                    out[t0:t1] = attend_latent(query[t0:t1], keys, ~member[:, union], scale, value_dim)
+            for t0 in range(split, end, QUERY_TILE):
+                t1 = min(t0 + QUERY_TILE, end)
+                member = selection_members(topk[t0:t1], meta.seq_lens_host[i])
+                in_union = member.any(dim=0)
+                if int(in_union.sum()) <= UNION_LIMIT * width:
+                    union = in_union.nonzero().squeeze(1)  # sorted positions any query selected
+                    keys = torch.index_select(rows, 0, meta.slots(i, union))  # each selected row loaded once
+                    key_chunk = max(1, SCORE_BUDGET // ((t1 - t0) * heads))
+                    out[t0:t1] = attend_latent_online(query[t0:t1], keys, ~member[:, union], scale, value_dim,
+                                                      key_chunk)
                 else:
                     attend_own_rows(query, rows, meta, i, topk, (t0, t1), scale, value_dim, out)
         return out

@@ -57,9 +57,10 @@ class IndexerKeyCache:
     def read_blocks(self, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys of whole blocks [len(blocks) * block_size, dim], dequantized, in `dtype`."""
         if self.kind == "auto":
-            return self.data[blocks].reshape(-1, self.dim).to(dtype)
-        if self.kind == "fp8":
-            data = self.data.view(torch.uint8)[blocks].view(torch.float8_e4m3fn).reshape(-1, self.dim)
+            return torch.index_select(self.data, 0, blocks).reshape(-1, self.dim).to(dtype)
+        if self.kind == "fp8":  # CPU has no fp8 index_select: move the bytes
+            data = torch.index_select(self.data.view(torch.uint8), 0, blocks).view(torch.float8_e4m3fn)
         else:
-            data = self.data[blocks].reshape(-1, self.dim)
-        return (data.to(torch.float32) * self.scale[blocks].reshape(-1, 1).to(torch.float32)).to(dtype)
+            data = torch.index_select(self.data, 0, blocks)
+        scale = torch.index_select(self.scale, 0, blocks).reshape(-1, 1).to(torch.float32)
+        return (data.reshape(-1, self.dim).to(torch.float32) * scale).to(dtype)

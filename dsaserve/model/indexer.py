@@ -4,8 +4,8 @@ score(t, s) = Σ_h relu(q_h(t)·k(s)) · index_head_dim^-0.5 · w_h(t) · index_
 mask applied before any reduction. Keys go to this layer's own paged key cache.
 
 Scoring streams: a tile of queries meets the context a few whole KV blocks at a time and keeps a
-running top-k, so its scratch memory is bounded by the tile and the chunk, never by the context
-length. Selection is either token top-k (the model's trained semantics) or, for the page backend,
+running top-k, merged after every window of candidates, in buffers allocated once per call, so its
+scratch memory is bounded by the tile, the chunk and the window, never by the context length. Selection is either token top-k (the model's trained semantics) or, for the page backend,
 whole pages ranked by the best visible token inside each.
 """
 
@@ -25,7 +25,7 @@ from dsaserve.model.layers import apply_rope
 INDEXER_SCORE_BUDGET = 1 << 22
 QUERY_TILE = 64
 MAX_KEY_CHUNK = 16384
-MERGE_WINDOW = 8192  # candidate tokens scored between two running top-k merges (each merge costs ~a top-k of keep + window)
+MERGE_WINDOW = 8192  # candidates scored between two running top-k merges (a merge is a top-k of keep + window)
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,8 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: BatchMetadat
         out[start:split] = all_visible(meta.positions[start:split], width)
         for t0 in range(split, end, QUERY_TILE):
             t1 = min(t0 + QUERY_TILE, end)
-            scratch = scratch or ScoreScratch(QUERY_TILE, q.shape[1], meta.block_size, selection, score_dtype(q),
-                                              q.device)
+            scratch = scratch or ScoreScratch(min(QUERY_TILE, q.shape[0]), q.shape[1], meta.block_size, selection,
+                                              score_dtype(q), q.device)
             out[t0:t1] = stream_select(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection,
                                        (meta.position_of(i, t0), meta.position_of(i, t1 - 1)), scratch)
     return out
@@ -163,7 +163,8 @@ def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: Batch
             merged[:, keep + (b0 - w0) * per_block: keep + (b1 - w0) * per_block] = scores
         best, order = merged[:, : keep + (w1 - w0) * per_block].topk(keep, dim=1, sorted=False)
         # Column c < keep is the previous best_ids[c]; later columns count candidates from w0 on.
-        best_ids = torch.where(order < keep, best_ids.gather(1, order.clamp(max=keep - 1)), order - keep + w0 * per_block)
+        best_ids = torch.where(order < keep, best_ids.gather(1, order.clamp(max=keep - 1)),
+                               order - keep + w0 * per_block)
         merged[:, :keep] = best
     chosen = torch.where(merged[:, :keep] == float("-inf"), -1, best_ids)
     if not selection.pages:
@@ -186,4 +187,5 @@ def score_chunk(q: torch.Tensor, weights: torch.Tensor, key_cache, table: torch.
         torch.mm(q, keys.T, out=per_head).relu_()
     else:
         per_head.copy_(torch.mm(q, keys.T, out=scratch.per_head_low[: t * heads * c].view(t * heads, c)).relu_())
-    return torch.bmm(weights[:, None, :], per_head.view(t, heads, c), out=scratch.scores[: t * c].view(t, 1, c)).view(t, c)
+    scores = scratch.scores[: t * c].view(t, 1, c)
+    return torch.bmm(weights[:, None, :], per_head.view(t, heads, c), out=scores).view(t, c)
