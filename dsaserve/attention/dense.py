@@ -119,8 +119,9 @@ def dense_rows(
     tile = max(1, SCORE_BUDGET // (query.shape[1] * keys.shape[0]))
     for t0 in range(r0, r1, tile):
         t1 = min(t0 + tile, r1)
-        invalid = key_pos[None, :] > meta.positions[t0:t1, None]
-        out[t0:t1] = attend_latent(query[t0:t1], keys, invalid, scale, value_dim)
+        visible = meta.position_of(i, t1 - 1) + 1  # later keys are in the future of the whole tile
+        invalid = key_pos[None, :visible] > meta.positions[t0:t1, None]
+        out[t0:t1] = attend_latent(query[t0:t1], keys[:visible], invalid, scale, value_dim)
 
 
 class DenseAttention:

@@ -5,8 +5,9 @@ mask applied before any reduction. Keys go to this layer's own paged key cache.
 
 Scoring streams: a tile of queries meets the context a few whole KV blocks at a time and keeps a
 running top-k, merged after every window of candidates, in buffers allocated once per call, so its
-scratch memory is bounded by the tile, the chunk and the window, never by the context length. Selection is either token top-k (the model's trained semantics) or, for the page backend,
-whole pages ranked by the best visible token inside each.
+scratch memory is bounded by the tile, the chunk and the window, never by the context length.
+Selection is either token top-k (the model's trained semantics) or, for the page backend, whole
+pages ranked by the best visible token inside each.
 """
 
 from __future__ import annotations
