@@ -160,14 +160,16 @@ def test_only_pages_with_a_visible_token_are_chosen():
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_quantized_indexer_recall(kind):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_indexer_recall(kind, dtype):
+    """Against exact fp32 scoring; bf16 models also score the dequantized keys in bf16."""
     recalls = []
     for seed in range(4):
         exact_cache, meta, keys, q, weights = random_context(seed, 1000, 8, heads=8)
-        quant = IndexerKeyCache(exact_cache.data.shape[0], BS, DIM, kind, torch.float32, torch.device("cpu"))
+        quant = IndexerKeyCache(exact_cache.data.shape[0], BS, DIM, kind, dtype, torch.device("cpu"))
         quant.write(meta.slots(0, torch.arange(keys.shape[0])), keys)
         a = select(q, weights, exact_cache, meta, Selection(128))
-        b = select(q, weights, quant, meta, Selection(128))
+        b = select(q.to(dtype), weights, quant, meta, Selection(128))
         for x, y in zip(a, b):
             recalls.append(len(set(x.tolist()) & set(y.tolist())) / 128)
     assert sum(recalls) / len(recalls) >= 0.95
