@@ -20,6 +20,7 @@ from dsaserve.attention.metadata import BatchMetadata
 
 QUERY_TILE = 64  # queries sharing one load of their selected rows
 UNION_LIMIT = 2  # above this many × the selection width, a tile's union is not worth scoring
+MEMBER_BUDGET = 1 << 22  # [tile, context] membership bools per tile: 64 queries up to a 64K context
 
 
 class SparseAttention:
@@ -49,9 +50,11 @@ class SparseAttention:
             start, end = meta.query_range(i)
             split = meta.split_at_position(i, width)  # rows before it see ≤ width tokens
             dense_rows(query, cache, meta, i, (start, split), scale, value_dim, out)
-            for t0 in range(split, end, QUERY_TILE):
-                t1 = min(t0 + QUERY_TILE, end)
-                member = selection_members(topk[t0:t1], meta.seq_lens_host[i])
+            seq_len = meta.seq_lens_host[i]
+            tile = max(1, min(QUERY_TILE, MEMBER_BUDGET // seq_len))
+            for t0 in range(split, end, tile):
+                t1 = min(t0 + tile, end)
+                member = selection_members(topk[t0:t1], seq_len)
                 in_union = member.any(dim=0)
                 if int(in_union.sum()) <= UNION_LIMIT * width:
                     union = in_union.nonzero().squeeze(1)  # sorted positions any query selected
