@@ -1,8 +1,6 @@
 """Long context: the streaming indexer (same top-k, bounded memory), page selection, quantized indexer
 cache (recall, accounting), and end-to-end equality with the reference."""
 
-import ctypes
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -10,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dsaserve.model.indexer as indexer
 from dsaserve import LLM, SamplingParams
 from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.bench_longctx import HeapSampler
 from dsaserve.engine.indexer_cache import IndexerKeyCache
 from dsaserve.engine.kv_cache import KVCacheLayout
 from dsaserve.model.indexer import Selection, select, stream_select
@@ -34,10 +33,16 @@ def random_context(seed: int, context: int, new: int, kind: str = "auto", heads:
     return cache, meta, keys, q, weights
 
 
-def direct_topk(keys, q, weights, positions, k):
-    """The plain computation: every score materialized, masked, then top-k."""
-    scores = (torch.relu(q @ keys.T) * weights[:, :, None]).sum(1)  # [t, S]
+def direct_scores(keys, q, weights, positions):
+    """The plain computation: every score [t, S] materialized in fp32, future keys at -inf."""
+    scores = (torch.relu(q.float() @ keys.float().T) * weights[:, :, None]).sum(1)
     scores[torch.arange(keys.shape[0])[None, :] > positions[:, None]] = float("-inf")
+    return scores
+
+
+def direct_topk(keys, q, weights, positions, k):
+    """Direct scores, then top-k."""
+    scores = direct_scores(keys, q, weights, positions)
     values, idx = scores.topk(k, dim=1)
     scored = positions >= k  # queries that see more than k tokens
     margin = (values[scored, -1] - scores[scored].topk(k + 1, dim=1).values[:, -1]).min() if scored.any() else 1.0
@@ -70,8 +75,7 @@ def test_bf16_scoring_selects_within_rounding_of_fp32_scores():
     k = 64
     out = select(q, weights, bf16_cache, meta, Selection(k))
     per_head = q.float() @ keys.float().T  # [t, H, S], exact products of the bf16 inputs
-    exact = (torch.relu(per_head) * weights[:, :, None]).sum(1)
-    exact[torch.arange(keys.shape[0])[None, :] > meta.positions[:, None]] = float("-inf")
+    exact = direct_scores(keys, q, weights, meta.positions)
     # bf16 rounds each head's score by ≤ 2^-9 relative; per query, the worst key bounds the error
     bound = (per_head.abs() * weights[:, :, None]).sum(1).amax(dim=1) * 2.0**-8
     kth = exact.topk(k, dim=1).values[:, -1]
@@ -85,20 +89,10 @@ def test_bf16_scoring_selects_within_rounding_of_fp32_scores():
 class PeakHeap(TorchDispatchMode):
     """Peak bytes of the C heap (glibc mallinfo2: arenas + mmap) observed after every torch op."""
 
-    class _Info(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-                     "fordblks", "keepcost")]
-
     def __init__(self):
         super().__init__()
-        self.libc = ctypes.CDLL("libc.so.6")
-        self.libc.mallinfo2.restype = self._Info
+        self.used = HeapSampler().used  # the benchmark's reading of the heap, checked here after each op
         self.base = self.peak = self.used()
-
-    def used(self) -> int:
-        info = self.libc.mallinfo2()
-        return info.uordblks + info.hblkhd
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -159,8 +153,7 @@ def test_page_selection_across_merge_windows_matches_direct(monkeypatch):
     cache, meta, keys, q, weights = random_context(11, 300, 20)
     pages = 3
     out = select(q, weights, cache, meta, Selection(2048, pages=pages))
-    scores = (torch.relu(q @ keys.T) * weights[:, :, None]).sum(1)
-    scores[torch.arange(keys.shape[0])[None, :] > meta.positions[:, None]] = float("-inf")
+    scores = direct_scores(keys, q, weights, meta.positions)
     padded = torch.full((scores.shape[0], -(-keys.shape[0] // BS) * BS), float("-inf"))
     padded[:, : keys.shape[0]] = scores
     best_pages = padded.view(scores.shape[0], -1, BS).amax(-1).topk(pages, dim=1).indices
