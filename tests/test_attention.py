@@ -100,3 +100,23 @@ def test_union_scored_in_key_chunks_with_online_softmax(monkeypatch):
     out = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
     selected = lambda t, p: sorted(x for x in topk[t].tolist() if x >= 0)
     assert torch.allclose(out, per_query(query, cache, meta, selected), atol=1e-5)
+
+
+def test_small_union_probe_only_skips_tiles_whose_union_is_too_large():
+    """The probe (first UNION_PROBE queries) may only reject: a small probe union must still be
+    checked against the whole tile, and a small tile union must be returned with its positions."""
+    from dsaserve.attention.sparse import UNION_PROBE, small_union
+
+    rows = UNION_PROBE + 4
+    overlapping = torch.tensor([[1, 3, 5]] * rows, dtype=torch.int32)
+    overlapping[-1] = torch.tensor([5, 7, -1])
+    member, positions = small_union(overlapping, seq_len=20, limit=4)
+    assert positions.tolist() == [1, 3, 5, 7]
+    assert member[-1].nonzero().squeeze(1).tolist() == [5, 7]
+
+    late_spread = overlapping.clone()
+    late_spread[UNION_PROBE:] = torch.arange(UNION_PROBE * 3, rows * 3).view(-1, 3) % 20
+    assert small_union(late_spread, seq_len=20, limit=4) is None  # the probe alone is within the limit
+
+    early_spread = torch.arange(rows * 3, dtype=torch.int32).view(rows, 3) % 20
+    assert small_union(early_spread, seq_len=20, limit=4) is None
