@@ -14,7 +14,12 @@ from __future__ import annotations
 import torch
 
 from dsaserve.attention.dense import (
-    SCORE_BUDGET, attend_decode_rows, attend_latent_online, attend_own_keys, decode_causal, dense_rows,
+    SCORE_BUDGET,
+    attend_decode_rows,
+    attend_latent_online,
+    attend_own_keys,
+    decode_causal,
+    dense_rows,
 )
 from dsaserve.attention.metadata import BatchMetadata
 
@@ -88,9 +93,9 @@ def small_union(topk: torch.Tensor, seq_len: int, limit: float) -> tuple[torch.T
     """For a tile's selections, (membership [t, seq_len], sorted positions any query selected) when at
     most `limit` positions are selected, else None. A few queries are probed first: their union is a
     subset of the tile's, so when it is already too large the full [t, seq_len] mask is never built."""
-    if topk.shape[0] > UNION_PROBE:
-        if int(selection_members(topk[:UNION_PROBE], seq_len).any(dim=0).sum()) > limit:
-            return None
+    probe = topk[:UNION_PROBE]
+    if probe.shape[0] < topk.shape[0] and int(selection_members(probe, seq_len).any(dim=0).sum()) > limit:
+        return None
     member = selection_members(topk, seq_len)
     in_union = member.any(dim=0)
     if int(in_union.sum()) > limit:
