@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import statistics
 import threading
 import time
 
@@ -62,7 +63,7 @@ class HeapSampler:
 
 
 def synthetic_decode_ms(engine, context: int, steps: int, seed: int = 0) -> float:
-    """ms per decode step of one request whose first `context` tokens are already (synthetically) cached."""
+    """Median ms per decode step of one request whose first `context` tokens are already (synthetically) cached."""
     g = torch.Generator().manual_seed(seed)
     cfg = engine.config
     ids = torch.randint(100, cfg.vocab_size, (context,), generator=g).tolist()
@@ -83,12 +84,13 @@ def synthetic_decode_ms(engine, context: int, steps: int, seed: int = 0) -> floa
     engine.groups["synthetic"] = [request]
     engine.scheduler.running.append(request)
     engine.step()  # computes the last prompt token: the first decode-shaped step
-    start = time.perf_counter()
+    step_ms = []
     for _ in range(steps):
+        start = time.perf_counter()
         engine.step()
-    elapsed = (time.perf_counter() - start) / steps * 1000
+        step_ms.append((time.perf_counter() - start) * 1000)
     engine.abort_request("synthetic")
-    return elapsed
+    return statistics.median(step_ms)  # a step slowed by another process on the machine does not count
 
 
 def prefill(engine, length: int, seed: int = 0) -> tuple[float, int]:
@@ -109,18 +111,23 @@ def run(model: str, backends: list[str], decode_lens: list[int], prefill_lens: l
     from dsaserve.engine.engine import LLMEngine
 
     results = {"decode_ms_per_token": {}, "prefill_ttft_s": {}, "prefill_peak_scratch_mib": {},
-               "note": "decode points use synthetic cached latents and indexer keys (no prefill)"}
-    for backend in backends:
-        engine = LLMEngine(model, attention_backend=backend, progress=False, enable_prefix_caching=False, **engine_args)
+               "note": "median of the decode steps; decode points use synthetic cached latents and indexer keys (no prefill)"}
+    # Every backend's engine stays loaded and they take turns at each point, so a slow phase of a
+    # shared machine lands on all of them instead of on whichever backend ran then.
+    engines = {b: LLMEngine(model, attention_backend=b, progress=False, enable_prefix_caching=False, **engine_args)
+               for b in backends}
+    for backend, engine in engines.items():
         synthetic_decode_ms(engine, decode_lens[0] if decode_lens else 256, 2)  # warm-up
-        results["decode_ms_per_token"][backend] = {
-            n: synthetic_decode_ms(engine, n, steps) for n in decode_lens}
+        results["decode_ms_per_token"][backend] = {}
         results["prefill_ttft_s"][backend], results["prefill_peak_scratch_mib"][backend] = {}, {}
-        for n in prefill_lens:
+    for n in decode_lens:
+        for backend, engine in engines.items():
+            results["decode_ms_per_token"][backend][n] = synthetic_decode_ms(engine, n, steps)
+    for n in prefill_lens:
+        for backend, engine in engines.items():
             ttft, extra = prefill(engine, n)
             results["prefill_ttft_s"][backend][n] = ttft
             results["prefill_peak_scratch_mib"][backend][n] = extra / 2**20
-        del engine
     return results
 
 
