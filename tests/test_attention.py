@@ -120,3 +120,19 @@ def test_small_union_probe_only_skips_tiles_whose_union_is_too_large():
 
     early_spread = torch.arange(rows * 3, dtype=torch.int32).view(rows, 3) % 20
     assert small_union(early_spread, seq_len=20, limit=4) is None
+
+
+def test_bf16_per_query_rows_stay_within_bf16_rounding_of_fp32(monkeypatch):
+    """The per-query path takes bf16 scores straight into the softmax; the result must stay within
+    bf16 rounding of the same attention computed in fp32."""
+    from dsaserve.attention import sparse
+
+    cache, meta, query = setup(9, new=[40], context=[60])
+    g = torch.Generator().manual_seed(10)
+    topk = torch.stack([torch.randperm(int(p) + 1, generator=g)[:6] for p in meta.positions]).to(torch.int32)
+    monkeypatch.setattr(sparse, "UNION_LIMIT", 0)  # the per-query path everywhere
+    cache, query = cache.bfloat16(), (query * 3).bfloat16()  # sharper softmax than unit scores
+    out = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk).float()
+    selected = lambda t, p: sorted(x for x in topk[t].tolist() if x >= 0)
+    expected = per_query(query.float(), cache.float(), meta, selected)
+    assert (out - expected).abs().max() <= 0.02 * expected.abs().max()
