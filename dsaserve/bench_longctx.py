@@ -1,5 +1,7 @@
 """`dsaserve bench longctx`: decode ms/token and prefill time-to-first-token against context length,
 for the dense, sparse and page attention backends, as a table, JSON and (with matplotlib) a PNG plot.
+The backends' engines are all loaded at once (each with its own KV cache) and take turns at every
+point; decode points report the median step.
 
 Decode points fill the KV cache (latents and indexer keys) with synthetic values instead of running a
 prefill, so 64K contexts are measurable on a CPU; the output says so. Prefill points run a real
