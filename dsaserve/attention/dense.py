@@ -111,8 +111,7 @@ def decode_causal(
 
 def gather_context(cache: torch.Tensor, meta: BatchMetadata, i: int, length: int) -> torch.Tensor:
     """Request i's first `length` cached rows in logical order: [length, row width]."""
-    positions = torch.arange(length, device=cache.device)
-    return torch.index_select(cache.view(-1, cache.shape[-1]), 0, meta.slots(i, positions))
+    return torch.index_select(cache.view(-1, cache.shape[-1]), 0, meta.context_slots(i, length))
 
 
 def dense_rows(

@@ -67,6 +67,10 @@ class BatchMetadata:
         table = self.block_tables[i]
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def context_slots(self, i: int, length: int) -> torch.Tensor:
+        """Physical slots of request i's first `length` positions, in logical order (position → slot)."""
+        return self.slots(i, torch.arange(length, device=self.block_tables.device))
+
     @classmethod
     def build(
         cls,

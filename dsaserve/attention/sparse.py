@@ -61,7 +61,7 @@ class SparseAttention:
             if split == end:
                 continue
             seq_len = meta.seq_lens_host[i]
-            slot_of = meta.slots(i, torch.arange(seq_len, device=query.device))  # position → cache slot
+            slot_of = meta.context_slots(i, seq_len)
             tile = max(1, min(QUERY_TILE, MEMBER_BUDGET // seq_len))
             for t0 in range(split, end, tile):
                 t1 = min(t0 + tile, end)
