@@ -22,6 +22,7 @@ from dsaserve.attention.dense import (
     dense_rows,
 )
 from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.native.selected_rows import attend_selected_rows
 
 QUERY_TILE = 64  # queries sharing one load of their selected rows
 UNION_LIMIT = 2  # above this many × the selection width, a tile's union is not worth scoring
@@ -67,7 +68,7 @@ class SparseAttention:
                 t1 = min(t0 + tile, end)
                 union = small_union(topk[t0:t1], seq_len, UNION_LIMIT * width)
                 if union is None:
-                    attend_own_rows(query, rows, slot_of, topk, (t0, t1), scale, wide)
+                    attend_own_rows(query, rows, slot_of, topk, (t0, t1), scale, wide, value_dim)
                     continue
                 member, positions = union
                 keys = torch.index_select(rows, 0, slot_of[positions])  # each selected row loaded once
@@ -104,18 +105,23 @@ def small_union(topk: torch.Tensor, seq_len: int, limit: float) -> tuple[torch.T
 
 
 def attend_own_rows(query: torch.Tensor, rows: torch.Tensor, slot_of: torch.Tensor, topk: torch.Tensor,
-                    span: tuple[int, int], scale: float, wide: torch.Tensor) -> None:
+                    span: tuple[int, int], scale: float, wide: torch.Tensor, value_dim: int) -> None:
     """When a tile's selections hardly overlap, the union is most of the context and scoring it costs
-    as much as dense attention; each query then reads only its own rows, a few queries at a time, and
-    its whole-row products go into `wide`. slot_of maps the request's positions to cache slots.
-    The rows are gathered with index_select into one reused buffer: advanced indexing into a fresh
-    [q, K, D] tensor per step took 4× as long on CPU (30 vs 7 ms per 64 queries of 2,048 rows)."""
+    as much as dense attention; each query then reads only its own rows. slot_of maps the request's
+    positions to cache slots. The native kernel (bf16 with AVX-512 BF16) reads the rows in place and
+    writes the value columns of `wide`; 1.7-2× faster than the torch path below on 16 heads × 2,048
+    rows. That path gathers a few queries' rows at a time with index_select into one reused buffer
+    (advanced indexing into a fresh [q, K, D] tensor per step took 4× as long: 30 vs 7 ms per 64
+    queries) and writes whole-row products into `wide`."""
     t0, t1 = span
     width = topk.shape[1]
     selected = topk[t0:t1].long()
     invalid = selected < 0
     slots = slot_of[selected.clamp(min=0)]  # [t, K], one address lookup for the span
     masked = bool(invalid.any())
+    if attend_selected_rows(query[t0:t1], rows, slots.masked_fill(invalid, -1) if masked else slots, scale,
+                            wide[t0:t1, :, :value_dim]):
+        return
     scaled_q = query[t0:t1] * scale
     buffer = rows.new_empty(OWN_ROWS_STEP * width, rows.shape[1])
     for a in range(0, t1 - t0, OWN_ROWS_STEP):

@@ -1,0 +1,280 @@
+/* Attention of each query over its own selected latent rows, read in place from the cache.
+ *
+ * out[i, h, :V] = softmax_k(scale * q[i, h] . rows[slot[i, k]]) @ rows[slot[i, k], :V]
+ *
+ * bf16 inputs and outputs, fp32 accumulation. A slot of -1 is an empty selection entry. Rows are
+ * taken BLOCK at a time: scored, folded into an online softmax (running maximum and sum per head,
+ * accumulator rescaled when the maximum grows) and multiplied into the values while they are still
+ * in cache, so each selected row is read from memory once and never copied.
+ *
+ * The products use AVX-512 BF16 (vdpbf16ps, 32 multiply-adds per instruction): the score pass holds
+ * 16 heads in one register (pairs of q columns against a broadcast pair of row columns), the value
+ * pass holds 32 value columns of two rows interleaved against a broadcast pair of probabilities.
+ * Without those instructions, or for other shapes (see dsaserve_selected_rows_fits), the caller keeps
+ * its torch path.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_BF16_KERNEL 1
+#else
+#define HAVE_BF16_KERNEL 0
+#endif
+
+#define BLOCK 64     /* rows per online-softmax step (64 latent rows of 576 bf16: 72 KiB, in L2) */
+#define MAX_DIM 4096 /* bound on the row width, for the zero row standing in for empty entries */
+
+typedef struct {
+    const uint16_t *q;     /* [n, heads, dim] */
+    const uint16_t *rows;  /* [*, rows_stride] */
+    const int64_t *slots;  /* [n, width], -1 = empty */
+    uint16_t *out;         /* out[i * out_q_stride + h * out_h_stride + d], d < value_dim */
+    int64_t n, heads, dim, width, value_dim, q_stride, rows_stride, out_q_stride, out_h_stride;
+    float scale;
+    int64_t next; /* next query to take, shared by the workers */
+} Job;
+
+#if HAVE_BF16_KERNEL
+static const uint16_t zero_row[MAX_DIM] __attribute__((aligned(64)));
+
+static const uint16_t *row_of(const Job *job, int64_t i, int64_t k) {
+    int64_t slot = job->slots[i * job->width + k];
+    return slot < 0 ? NULL : job->rows + slot * job->rows_stride;
+}
+
+/* e^x for x <= 0 (x = -inf gives 0): 2^n by scalef, e^f on |f| <= ln2/2 by a degree-6 polynomial. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+typedef struct {
+    __m512i *q_pairs;  /* [groups][dim / 2]: lane h holds (q[h][2p], q[h][2p+1]) */
+    float *acc;        /* [heads][value_dim], columns in unpack order (see finish_bf16) */
+    float *maximum;    /* [heads] running maximum */
+    float *total;      /* [heads] running sum */
+    float *scores;     /* [BLOCK][16] */
+    uint32_t *pairs;   /* [BLOCK / 2][16]: lane h holds (p[h][2r], p[h][2r+1]) as bf16 */
+    float *rescale;    /* [16] */
+} Scratch;
+
+static void score_block(const __m512i *q_pairs, const uint16_t *const *rows, int64_t count, int64_t pairs,
+                        float scale, float *scores) {
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t r0 = 0; r0 < count; r0 += 8) {
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+        const int32_t *a0 = (const int32_t *)rows[r0], *a1 = (const int32_t *)rows[r0 + 1];
+        const int32_t *a2 = (const int32_t *)rows[r0 + 2], *a3 = (const int32_t *)rows[r0 + 3];
+        const int32_t *a4 = (const int32_t *)rows[r0 + 4], *a5 = (const int32_t *)rows[r0 + 5];
+        const int32_t *a6 = (const int32_t *)rows[r0 + 6], *a7 = (const int32_t *)rows[r0 + 7];
+        for (int64_t p = 0; p < pairs; p++) {
+            __m512bh qv = (__m512bh)_mm512_load_si512(q_pairs + p);
+            s0 = _mm512_dpbf16_ps(s0, qv, (__m512bh)_mm512_set1_epi32(a0[p]));
+            s1 = _mm512_dpbf16_ps(s1, qv, (__m512bh)_mm512_set1_epi32(a1[p]));
+            s2 = _mm512_dpbf16_ps(s2, qv, (__m512bh)_mm512_set1_epi32(a2[p]));
+            s3 = _mm512_dpbf16_ps(s3, qv, (__m512bh)_mm512_set1_epi32(a3[p]));
+            s4 = _mm512_dpbf16_ps(s4, qv, (__m512bh)_mm512_set1_epi32(a4[p]));
+            s5 = _mm512_dpbf16_ps(s5, qv, (__m512bh)_mm512_set1_epi32(a5[p]));
+            s6 = _mm512_dpbf16_ps(s6, qv, (__m512bh)_mm512_set1_epi32(a6[p]));
+            s7 = _mm512_dpbf16_ps(s7, qv, (__m512bh)_mm512_set1_epi32(a7[p]));
+        }
+        _mm512_store_ps(scores + (r0 + 0) * 16, _mm512_mul_ps(s0, scale_v));
+        _mm512_store_ps(scores + (r0 + 1) * 16, _mm512_mul_ps(s1, scale_v));
+        _mm512_store_ps(scores + (r0 + 2) * 16, _mm512_mul_ps(s2, scale_v));
+        _mm512_store_ps(scores + (r0 + 3) * 16, _mm512_mul_ps(s3, scale_v));
+        _mm512_store_ps(scores + (r0 + 4) * 16, _mm512_mul_ps(s4, scale_v));
+        _mm512_store_ps(scores + (r0 + 5) * 16, _mm512_mul_ps(s5, scale_v));
+        _mm512_store_ps(scores + (r0 + 6) * 16, _mm512_mul_ps(s6, scale_v));
+        _mm512_store_ps(scores + (r0 + 7) * 16, _mm512_mul_ps(s7, scale_v));
+    }
+}
+
+/* Online softmax step for 16 heads: turns the block's scores into bf16 probability pairs relative
+ * to the new running maximum, and returns in `rescale` what the accumulator must be multiplied by. */
+static void softmax_block(float *scores, const int *valid, int64_t count, float *maximum, float *total,
+                          uint32_t *pairs, float *rescale) {
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    __m512 block_max = neg_inf;
+    for (int64_t r = 0; r < count; r++) {
+        if (!valid[r]) _mm512_store_ps(scores + r * 16, neg_inf);
+        block_max = _mm512_max_ps(block_max, _mm512_load_ps(scores + r * 16));
+    }
+    __m512 old_max = _mm512_loadu_ps(maximum);
+    __m512 new_max = _mm512_max_ps(old_max, block_max);
+    /* No valid score yet: shift by 0 so that exp(-inf - shift) stays 0 rather than NaN. */
+    __m512 shift = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(new_max, neg_inf, _CMP_EQ_OQ), new_max,
+                                        _mm512_setzero_ps());
+    __m512 alpha = exp_nonpositive(_mm512_sub_ps(old_max, shift));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t r = 0; r < count; r += 2) {
+        __m512 p0 = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(scores + r * 16), shift));
+        __m512 p1 = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(scores + (r + 1) * 16), shift));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+        __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1)), 16);
+        _mm512_store_si512((__m512i *)(pairs + (r / 2) * 16), _mm512_or_si512(lo, hi));
+    }
+    _mm512_storeu_ps(total, _mm512_fmadd_ps(_mm512_loadu_ps(total), alpha, sum));
+    _mm512_storeu_ps(maximum, new_max);
+    _mm512_store_ps(rescale, alpha);
+}
+
+/* acc[h] = acc[h] * rescale[h] + Σ_r p[h][r] · rows[r][:V] for 8 heads, 32 value columns at a time. */
+static void value_block(const uint16_t *const *rows, int64_t count, const uint32_t *pairs, int64_t head0,
+                        const float *rescale, float *acc, int64_t value_dim) {
+    for (int64_t d0 = 0; d0 < value_dim; d0 += 32) {
+        __m512 a[8][2];
+        for (int k = 0; k < 8; k++) {
+            __m512 r = _mm512_set1_ps(rescale[head0 % 16 + k]);
+            a[k][0] = _mm512_mul_ps(_mm512_load_ps(acc + (head0 + k) * value_dim + d0), r);
+            a[k][1] = _mm512_mul_ps(_mm512_load_ps(acc + (head0 + k) * value_dim + d0 + 16), r);
+        }
+        for (int64_t r = 0; r < count; r += 2) {
+            __m512i x = _mm512_loadu_si512(rows[r] + d0), y = _mm512_loadu_si512(rows[r + 1] + d0);
+            __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+            const uint32_t *p = pairs + (r / 2) * 16 + head0 % 16;
+            for (int k = 0; k < 8; k++) {
+                __m512bh pk = (__m512bh)_mm512_set1_epi32((int32_t)p[k]);
+                a[k][0] = _mm512_dpbf16_ps(a[k][0], lo, pk);
+                a[k][1] = _mm512_dpbf16_ps(a[k][1], hi, pk);
+            }
+        }
+        for (int k = 0; k < 8; k++) {
+            _mm512_store_ps(acc + (head0 + k) * value_dim + d0, a[k][0]);
+            _mm512_store_ps(acc + (head0 + k) * value_dim + d0 + 16, a[k][1]);
+        }
+    }
+}
+
+/* Accumulator columns come in unpack order: within 32 columns, register 0 lane 4L+k is column
+ * 8L+k and register 1 lane 4L+k is column 8L+4+k (L = 128-bit lane, k < 4). */
+static void finish_bf16(const Job *job, int64_t i, const Scratch *s) {
+    __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const int64_t V = job->value_dim;
+    for (int64_t h = 0; h < job->heads; h++) {
+        __m512 inv = _mm512_set1_ps(s->total[h] > 0.f ? 1.f / s->total[h] : 0.f);
+        uint16_t *o = job->out + i * job->out_q_stride + h * job->out_h_stride;
+        for (int64_t d0 = 0; d0 < V; d0 += 32) {
+            __m512 r0 = _mm512_load_ps(s->acc + h * V + d0), r1 = _mm512_load_ps(s->acc + h * V + d0 + 16);
+            __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(r0, first, r1), inv);
+            __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(r0, second, r1), inv);
+            _mm256_storeu_si256((__m256i *)(o + d0), (__m256i)_mm512_cvtneps_pbh(lo));
+            _mm256_storeu_si256((__m256i *)(o + d0 + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+        }
+    }
+}
+
+static void attend_bf16(const Job *job, int64_t i, Scratch *s) {
+    const int64_t H = job->heads, D = job->dim, K = job->width, V = job->value_dim, pairs = D / 2;
+    const uint16_t *q = job->q + i * job->q_stride;
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t p = 0; p < pairs; p++)
+            ((uint32_t *)s->q_pairs)[((h / 16) * pairs + p) * 16 + h % 16] = ((const uint32_t *)(q + h * D))[p];
+    for (int64_t h = 0; h < H; h++) {
+        s->maximum[h] = -INFINITY;
+        s->total[h] = 0.f;
+    }
+    memset(s->acc, 0, H * V * sizeof(float));
+    const uint16_t *rows[BLOCK];
+    int valid[BLOCK];
+    for (int64_t k0 = 0; k0 < K; k0 += BLOCK) {
+        int64_t count = K - k0 < BLOCK ? K - k0 : BLOCK;
+        for (int64_t r = 0; r < count; r++) {
+            rows[r] = row_of(job, i, k0 + r);
+            valid[r] = rows[r] != NULL;
+            if (!valid[r]) rows[r] = zero_row;
+        }
+        int64_t padded = (count + 7) & ~(int64_t)7; /* scores go 8 rows at a time */
+        for (int64_t r = count; r < padded; r++) {
+            rows[r] = zero_row;
+            valid[r] = 0;
+        }
+        for (int64_t r = 0; r < count && k0 + BLOCK + r < K; r++) { /* the next block's rows, ahead */
+            const char *next = (const char *)(row_of(job, i, k0 + BLOCK + r));
+            if (next)
+                for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+        }
+        for (int64_t g = 0; g < H / 16; g++) {
+            score_block(s->q_pairs + g * pairs, rows, padded, pairs, job->scale, s->scores);
+            softmax_block(s->scores, valid, padded, s->maximum + g * 16, s->total + g * 16, s->pairs, s->rescale);
+            value_block(rows, padded, s->pairs, g * 16, s->rescale, s->acc, V);
+            value_block(rows, padded, s->pairs, g * 16 + 8, s->rescale, s->acc, V);
+        }
+    }
+    finish_bf16(job, i, s);
+}
+
+static void *worker(void *arg) {
+    Job *job = (Job *)arg;
+    Scratch s;
+    void *mem[7] = {0};
+    int ok = !posix_memalign(&mem[0], 64, (job->heads / 16) * (job->dim / 2) * 64) &&
+             !posix_memalign(&mem[1], 64, job->heads * job->value_dim * sizeof(float)) &&
+             !posix_memalign(&mem[2], 64, job->heads * sizeof(float)) &&
+             !posix_memalign(&mem[3], 64, job->heads * sizeof(float)) &&
+             !posix_memalign(&mem[4], 64, BLOCK * 16 * sizeof(float)) &&
+             !posix_memalign(&mem[5], 64, BLOCK / 2 * 16 * sizeof(uint32_t)) &&
+             !posix_memalign(&mem[6], 64, 16 * sizeof(float));
+    if (ok) {
+        s.q_pairs = mem[0], s.acc = mem[1], s.maximum = mem[2], s.total = mem[3];
+        s.scores = mem[4], s.pairs = mem[5], s.rescale = mem[6];
+        for (int64_t i; (i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n;) attend_bf16(job, i, &s);
+    }
+    for (int k = 0; k < 7; k++) free(mem[k]);
+    return ok ? NULL : (void *)1;
+}
+#endif
+
+/* 1 when this CPU and compiler gave the kernel its AVX-512 BF16 instructions; without them it is not built. */
+int dsaserve_has_bf16_kernel(void) { return HAVE_BF16_KERNEL; }
+
+/* Shapes the kernel takes: whole groups of 16 heads, value columns in 32s, row pairs. */
+int dsaserve_selected_rows_fits(int64_t heads, int64_t dim, int64_t value_dim) {
+    return HAVE_BF16_KERNEL && heads % 16 == 0 && value_dim % 32 == 0 && value_dim <= dim && dim % 2 == 0 &&
+           dim <= MAX_DIM;
+}
+
+/* Returns 0 on success, 1 when scratch memory could not be allocated, 2 for a shape or CPU it does
+ * not handle (see dsaserve_selected_rows_fits). */
+int dsaserve_attend_selected_rows(const uint16_t *q, int64_t q_stride, const uint16_t *rows, int64_t rows_stride,
+                                  const int64_t *slots, int64_t n, int64_t heads, int64_t dim, int64_t width,
+                                  int64_t value_dim, float scale, uint16_t *out, int64_t out_q_stride,
+                                  int64_t out_h_stride, int threads) {
+    if (!dsaserve_selected_rows_fits(heads, dim, value_dim)) return 2;
+#if HAVE_BF16_KERNEL
+    Job job = {q, rows, slots, out, n, heads, dim, width, value_dim, q_stride, rows_stride, out_q_stride,
+               out_h_stride, scale, 0};
+    if (threads < 1) threads = 1;
+    if (threads > n) threads = (int)(n > 0 ? n : 1);
+    pthread_t helpers[threads > 1 ? threads - 1 : 1];
+    int started = 0;
+    for (int t = 1; t < threads; t++)
+        if (!pthread_create(&helpers[started], NULL, worker, &job)) started++;
+    int failed = worker(&job) != NULL;
+    for (int t = 0; t < started; t++) {
+        void *result;
+        pthread_join(helpers[t], &result);
+        failed |= result != NULL;
+    }
+    return failed;
+#else
+    return 2;
+#endif
+}

@@ -1,0 +1,97 @@
+"""The native selected-rows kernel against fp32 attention, its use by the sparse backend, and the
+torch fallback where it cannot be built."""
+
+import torch
+
+from dsaserve import native
+from dsaserve.attention import SparseAttention, sparse
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.native.selected_rows import attend_selected_rows, fits, has_bf16_kernel
+
+
+def reference(query, rows, slots, scale, value_dim):
+    """fp32 softmax attention of each query over its own rows (-1 slots left out)."""
+    out = torch.empty(query.shape[0], query.shape[1], value_dim)
+    for i in range(query.shape[0]):
+        keys = rows[slots[i][slots[i] >= 0]].float()
+        probs = torch.softmax(query[i].float() @ keys.T * scale, dim=-1)
+        out[i] = probs @ keys[:, :value_dim]
+    return out
+
+
+def random_case(seed, n, heads, dim, width, pool):
+    g = torch.Generator().manual_seed(seed)
+    query = (torch.randn(n, heads, dim, generator=g) * 3).bfloat16()  # sharp: the online rescaling matters
+    rows = torch.randn(pool, dim, generator=g).bfloat16()
+    slots = torch.stack([torch.randperm(pool, generator=g)[:width] for _ in range(n)])
+    return query, rows, slots
+
+
+def test_kernel_is_built_on_a_machine_with_a_compiler_and_avx512_bf16():
+    flags = native.cpu_signature()
+    if "avx512_bf16" in flags and "avx512bw" in flags:
+        assert has_bf16_kernel()
+        assert fits(16, 576, 512) and fits(64, 576, 512)
+    assert not fits(4, 576, 512) and not fits(16, 576, 500)  # other shapes keep the torch path
+
+
+def test_selected_rows_equal_fp32_attention_within_bf16_rounding():
+    # 150 rows: two whole blocks of 64 and a ragged one, with empty (-1) entries in every block.
+    for heads, dim, value_dim in ((16, 72, 64), (32, 40, 32)):
+        query, rows, slots = random_case(0, 5, heads, dim, 150, 400)
+        slots[1, ::7] = -1
+        slots[3, 64:] = -1  # only the first block valid
+        wide = torch.zeros(5, heads, dim, dtype=torch.bfloat16)  # written through a strided view
+        used = attend_selected_rows(query, rows, slots, 0.2, wide[..., :value_dim])
+        assert used == has_bf16_kernel()
+        if used:
+            expected = reference(query, rows, slots, 0.2, value_dim)
+            out = wide[..., :value_dim].float()
+            assert (out - expected).abs().max() <= 0.02 * expected.abs().max()
+            assert not wide[..., value_dim:].any()  # columns past the values are left alone
+
+
+def test_a_query_whose_best_rows_come_late_is_rescaled_correctly():
+    """The running maximum grows in a later block: earlier blocks' sums must be scaled down."""
+    query, rows, slots = random_case(1, 2, 16, 72, 200, 300)
+    rows[slots[:, 180:].flatten()] = (query[0, 0].float() * 2).bfloat16()  # dominant rows in the last block
+    out = torch.empty(2, 16, 64, dtype=torch.bfloat16)
+    if attend_selected_rows(query, rows, slots, 0.2, out):
+        expected = reference(query, rows, slots, 0.2, 64)
+        assert (out.float() - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_sparse_backend_takes_the_kernel_for_bf16_per_query_rows(monkeypatch):
+    block, heads, rank, rope = 16, 16, 64, 8
+    g = torch.Generator().manual_seed(3)
+    context, new = 300, 20
+    blocks = -(-(context + new) // block)
+    cache = torch.randn(blocks + 2, block, rank + rope, generator=g).bfloat16()
+    table = torch.randperm(blocks + 2, generator=g)[:blocks].tolist()
+    meta = BatchMetadata.build([[1] * new], [context], [table], block, [])
+    query = torch.randn(new, heads, rank + rope, generator=g).bfloat16()
+    topk = torch.stack([torch.randperm(int(p) + 1, generator=g)[:100] for p in meta.positions]).to(torch.int32)
+    topk[0, 90:] = -1
+    calls = []
+    real = sparse.attend_selected_rows
+    monkeypatch.setattr(sparse, "attend_selected_rows", lambda *a: calls.append(real(*a)) or calls[-1])
+    monkeypatch.setattr(sparse, "UNION_LIMIT", 0)  # the per-query path
+    out = SparseAttention().forward(query, cache, meta, 0.2, rank, topk).float()
+    assert calls and all(used == has_bf16_kernel() for used in calls)
+    rows = cache.view(-1, rank + rope)
+    slots = torch.stack([meta.slots(0, torch.tensor([max(int(p), 0) for p in topk[t].tolist()]))
+                         for t in range(new)])
+    slots[topk.long() < 0] = -1
+    expected = reference(query, rows, slots, 0.2, rank)
+    assert (out - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_without_a_compiler_the_library_is_none_and_attention_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("DSASERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert native.library() is None
+    query, rows, slots = random_case(2, 2, 16, 72, 80, 100)
+    out = torch.empty(2, 16, 64, dtype=torch.bfloat16)
+    assert attend_selected_rows(query, rows, slots, 0.2, out) is False
