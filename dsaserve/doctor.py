@@ -51,6 +51,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None) 
     for warning in sched.warnings:
         lines.append(f"  WARNING: {warning}")
     lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
+    lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
     dense = sum(t == "dense" for t in cfg.mlp_layer_types)
     lines.append(f"mlp layers: {dense} dense + {cfg.num_hidden_layers - dense} MoE")
     rope = cfg.rope
@@ -82,6 +83,17 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None) 
     lines += _component_table(sizes, source)
     lines += _kv_lines(cfg, max_model_len)
     return "\n".join(lines), ok
+
+
+def _selected_rows_path(cfg: ModelConfig) -> str:
+    """Which implementation the sparse backend uses for queries whose selections hardly overlap."""
+    from dsaserve.native.selected_rows import fits, has_bf16_kernel
+
+    if fits(cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank):
+        return "native AVX-512 BF16 kernel (bf16 models on this CPU)"
+    if has_bf16_kernel():
+        return f"torch ({cfg.num_attention_heads} heads, rank {cfg.kv_lora_rank}: the native kernel needs heads in 16s, rank in 32s)"
+    return "torch (no native kernel here: it needs a C compiler and AVX-512 BF16; DSASERVE_NATIVE=0 turns it off)"
 
 
 def _schedule_check(cfg: ModelConfig, infos) -> list[str]:
