@@ -63,10 +63,13 @@ def test_streaming_indexer_matches_direct_topk(monkeypatch, context, new):
     assert got == expected
 
 
-def test_bf16_scoring_selects_within_rounding_of_fp32_scores():
-    """bf16 models score q·k in bf16 (fp32 accumulation, per-head scores rounded to bf16). A key that
-    beats the k-th fp32 score by more than twice the rounding bound must be selected, and none that
-    trails it by more may be."""
+@pytest.mark.parametrize("native_kernel", [True, False], ids=["native-where-built", "torch"])
+def test_bf16_scoring_selects_within_rounding_of_fp32_scores(native_kernel, monkeypatch):
+    """bf16 models score q·k from bf16 inputs with fp32 accumulation (the torch path also rounds each
+    head's score to bf16). A key that beats the k-th fp32 score by more than twice the rounding bound
+    must be selected, and none that trails it by more may be."""
+    if not native_kernel:
+        monkeypatch.setattr(indexer.native_scores, "fits", lambda heads, dim: False)
     cache, meta, keys, q, weights = random_context(3, 600, 40, heads=8)
     q, keys = q.bfloat16(), keys.bfloat16()
     bf16_cache = IndexerKeyCache(cache.data.shape[0], BS, DIM, "auto", torch.bfloat16, torch.device("cpu"))

@@ -1,11 +1,13 @@
-"""The native selected-rows kernel against fp32 attention, its use by the sparse backend, and the
-torch fallback where it cannot be built."""
+"""The native kernels (selected-rows attention, indexer scores) against fp32 computations, their use
+by the sparse backend and the indexer, and the torch fallback where they cannot be built."""
 
 import torch
 
 from dsaserve import native
 from dsaserve.attention import SparseAttention, sparse
 from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.model.indexer import ScoreScratch, Selection
+from dsaserve.native import index_scores as native_scores
 from dsaserve.native.selected_rows import attend_selected_rows, fits, has_bf16_kernel
 
 
@@ -32,7 +34,9 @@ def test_kernel_is_built_on_a_machine_with_a_compiler_and_avx512_bf16():
     if "avx512_bf16" in flags and "avx512bw" in flags:
         assert has_bf16_kernel()
         assert fits(16, 576, 512) and fits(64, 576, 512)
+        assert native_scores.fits(32, 128)
     assert not fits(4, 576, 512) and not fits(16, 576, 500)  # other shapes keep the torch path
+    assert not native_scores.fits(6, 128)
 
 
 def test_selected_rows_equal_fp32_attention_within_bf16_rounding():
@@ -95,3 +99,28 @@ def test_without_a_compiler_the_library_is_none_and_attention_falls_back(monkeyp
     query, rows, slots = random_case(2, 2, 16, 72, 80, 100)
     out = torch.empty(2, 16, 64, dtype=torch.bfloat16)
     assert attend_selected_rows(query, rows, slots, 0.2, out) is False
+
+
+def test_index_scores_equal_relu_weighted_head_sum_in_fp32():
+    # 150 keys: two whole groups of 64 and a ragged one ending inside a 16-key register.
+    g = torch.Generator().manual_seed(4)
+    for heads, dim, keys in ((8, 128, 150), (32, 128, 64), (4, 16, 3)):
+        q = torch.randn(6, heads, dim, generator=g).bfloat16()
+        weights = torch.randn(6, heads, generator=g) * 0.1
+        key_rows = torch.randn(keys, dim, generator=g).bfloat16()
+        if not native_scores.fits(heads, dim):
+            assert not has_bf16_kernel()
+            continue
+        out = torch.full((6, keys + 9), 7.0)
+        packed = native_scores.pack_keys(key_rows, torch.empty(native_scores.packed_size(keys, dim), dtype=torch.int32))
+        native_scores.index_scores(q, weights, packed, keys, out)
+        expected = ((q.float() @ key_rows.float().T).relu() * weights[:, :, None]).sum(1)
+        assert torch.allclose(out[:, :keys], expected, atol=1e-4, rtol=1e-4)
+        assert (out[:, keys:] == 7.0).all()  # nothing written past the keys
+
+
+def test_indexer_scratch_takes_the_kernel_for_bf16_on_this_cpu():
+    scratch = ScoreScratch(64, 32, 128, 64, Selection(2048), torch.bfloat16, torch.device("cpu"))
+    assert scratch.native == native_scores.fits(32, 128)
+    fp32 = ScoreScratch(64, 32, 128, 64, Selection(2048), torch.float32, torch.device("cpu"))
+    assert not fp32.native  # fp32 models score exactly as the reference, in torch

@@ -5,7 +5,9 @@ mask applied before any reduction. Keys go to this layer's own paged key cache.
 
 Scoring streams: a tile of queries meets the context a few whole KV blocks at a time and keeps a
 running top-k, merged after every window of candidates, in buffers allocated once per call, so its
-scratch memory is bounded by the tile, the chunk and the window, never by the context length.
+scratch memory is bounded by the tile, the chunk and the window, never by the context length. On
+CPUs with AVX-512 BF16, a native kernel computes a chunk's relu'd, head-summed scores in registers
+(native/index_scores.c); elsewhere torch materializes the per-head scores of the chunk.
 Selection is either token top-k (the model's trained semantics) or, for the page backend, whole
 pages ranked by the best visible token inside each.
 """
@@ -20,6 +22,7 @@ from torch import nn
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.model.layers import apply_rope
+from dsaserve.native import index_scores as native_scores
 
 # Upper bound on score elements materialized at once ([query tile, index heads, key chunk]); with
 # the tile and chunk below it, the bound on scratch memory.
@@ -93,18 +96,18 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: BatchMetadat
         out[start:split] = all_visible(meta.positions[start:split], width)
         for t0 in range(split, end, QUERY_TILE):
             t1 = min(t0 + QUERY_TILE, end)
-            scratch = scratch or ScoreScratch(min(QUERY_TILE, q.shape[0]), q.shape[1], meta.block_size, selection,
-                                              score_dtype(q), q.device)
+            scratch = scratch or ScoreScratch(min(QUERY_TILE, q.shape[0]), q.shape[1], q.shape[2], meta.block_size,
+                                              selection, score_dtype(q), q.device)
             out[t0:t1] = stream_select(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection,
                                        (meta.position_of(i, t0), meta.position_of(i, t1 - 1)), scratch)
     return out
 
 
 def score_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype of q·k: bf16 in bf16 models (bf16 inputs, fp32 accumulation, each head's score
-    rounded to bf16 before the fp32 head sum; 1.6× faster than fp32 on CPU, top-k recall against fp32
-    scoring ≈ 0.999, where production DSA kernels score in fp8), fp32 otherwise, exactly as the
-    reference computes it."""
+    """The dtype of q·k's inputs: bf16 in bf16 models (fp32 accumulation; 1.6× faster than fp32 on
+    CPU, top-k recall against fp32 scoring ≈ 0.999, where production DSA kernels score in fp8), fp32
+    otherwise, exactly as the reference computes it. The native kernel keeps each head's score in
+    fp32 through the relu and head sum; the torch path rounds it to bf16 first."""
     return torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
 
 
@@ -118,17 +121,23 @@ class ScoreScratch:
     """The scoring buffers, allocated once per select() and reused by every query tile: a fresh
     multi-MiB allocation per tile costs page faults comparable to the scoring matmul itself."""
 
-    def __init__(self, tile: int, heads: int, block_size: int, selection: Selection, score_dtype: torch.dtype,
-                 device):
+    def __init__(self, tile: int, heads: int, head_dim: int, block_size: int, selection: Selection,
+                 score_dtype: torch.dtype, device):
         self.chunk_blocks = key_chunk_blocks(tile, heads, block_size)
         chunk = self.chunk_blocks * block_size
         self.window_blocks = self.chunk_blocks * max(1, MERGE_WINDOW // chunk)
         self.keep = selection.pages or selection.index_topk
         self.score_dtype = score_dtype
-        self.per_head = torch.empty(tile * heads * chunk, device=device)  # fp32: the head sum's input
-        self.per_head_low = (torch.empty(tile * heads * chunk, dtype=score_dtype, device=device)
-                             if score_dtype != torch.float32 else None)
         self.scores = torch.empty(tile * chunk, device=device)
+        # The native kernel (bf16 on CPUs with AVX-512 BF16) sums heads in registers and needs only the
+        # keys repacked; the torch path materializes the per-head scores.
+        self.native = score_dtype == torch.bfloat16 and device.type == "cpu" and native_scores.fits(heads, head_dim)
+        if self.native:
+            self.packed_keys = torch.empty(native_scores.packed_size(chunk, head_dim), dtype=torch.int32)
+        else:
+            self.per_head = torch.empty(tile * heads * chunk, device=device)  # fp32: the head sum's input
+            self.per_head_low = (torch.empty(tile * heads * chunk, dtype=score_dtype, device=device)
+                                 if score_dtype != torch.float32 else None)
         # Columns [0, keep) hold the running best; a window's candidates are appended after them.
         candidates = self.window_blocks * (1 if selection.pages else block_size)
         self.merged = torch.empty(tile * (self.keep + candidates), device=device)
@@ -141,7 +150,7 @@ def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: Batch
     `position_range` (the tile's smallest and largest position, known on the host) saves device syncs."""
     bs = meta.block_size
     t, heads = q.shape[0], q.shape[1]
-    scratch = scratch or ScoreScratch(t, heads, bs, selection, score_dtype(q), q.device)
+    scratch = scratch or ScoreScratch(t, heads, q.shape[2], bs, selection, score_dtype(q), q.device)
     keep = scratch.keep
     first_position, last_position = position_range or (int(positions.min()), int(positions.max()))
     visible_blocks = last_position // bs + 1  # later blocks are in every query's future
@@ -188,6 +197,11 @@ def score_chunk(q: torch.Tensor, weights: torch.Tensor, key_cache, table: torch.
     t, heads = weights.shape
     keys = key_cache.read_blocks(table[b0:b1], scratch.score_dtype)  # [(b1-b0) * block_size, D]
     c = keys.shape[0]
+    if scratch.native:
+        scores = scratch.scores[: t * c].view(t, c)
+        native_scores.index_scores(q.view(t, heads, -1), weights, native_scores.pack_keys(keys, scratch.packed_keys),
+                                   c, scores)
+        return scores
     per_head = scratch.per_head[: t * heads * c].view(t * heads, c)
     if scratch.per_head_low is None:
         torch.mm(q, keys.T, out=per_head).relu_()

@@ -15,8 +15,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("selected_rows.c")
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread"]
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # one shared library for all of them
+# -fopenmp links libgomp.so.1 by soname: after `import torch` that is torch's own copy, so the kernels'
+# parallel regions run on torch's threads instead of competing with them for the cores.
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp"]
 
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -40,7 +42,7 @@ def cpu_signature() -> str:
 def build(compiler: str | None = None) -> Path:
     """Compile the kernels (or reuse the cached build) and return the shared library's path."""
     compiler = compiler or os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode() + cpu_signature().encode()).hexdigest()[:16]
     target = cache_dir() / f"dsaserve_native_{key}.so"
     if target.exists():
@@ -49,8 +51,8 @@ def build(compiler: str | None = None) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", partial, "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
         os.replace(partial, target)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(partial):

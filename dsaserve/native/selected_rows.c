@@ -5,7 +5,8 @@
  * bf16 inputs and outputs, fp32 accumulation. A slot of -1 is an empty selection entry. Rows are
  * taken BLOCK at a time: scored, folded into an online softmax (running maximum and sum per head,
  * accumulator rescaled when the maximum grows) and multiplied into the values while they are still
- * in cache, so each selected row is read from memory once and never copied.
+ * in cache, so each selected row is read from memory once and never copied. Queries are shared out
+ * over OpenMP threads: torch's own pool, since torch's libgomp is the one already loaded.
  *
  * The products use AVX-512 BF16 (vdpbf16ps, 32 multiply-adds per instruction): the score pass holds
  * 16 heads in one register (pairs of q columns against a broadcast pair of row columns), the value
@@ -14,7 +15,6 @@
  * its torch path.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -261,18 +261,10 @@ int dsaserve_attend_selected_rows(const uint16_t *q, int64_t q_stride, const uin
 #if HAVE_BF16_KERNEL
     Job job = {q, rows, slots, out, n, heads, dim, width, value_dim, q_stride, rows_stride, out_q_stride,
                out_h_stride, scale, 0};
-    if (threads < 1) threads = 1;
     if (threads > n) threads = (int)(n > 0 ? n : 1);
-    pthread_t helpers[threads > 1 ? threads - 1 : 1];
-    int started = 0;
-    for (int t = 1; t < threads; t++)
-        if (!pthread_create(&helpers[started], NULL, worker, &job)) started++;
-    int failed = worker(&job) != NULL;
-    for (int t = 0; t < started; t++) {
-        void *result;
-        pthread_join(helpers[t], &result);
-        failed |= result != NULL;
-    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(| : failed)
+    failed |= worker(&job) != NULL;
     return failed;
 #else
     return 2;

@@ -1,0 +1,59 @@
+"""Python side of index_scores.c: the indexer's fused q·k, relu and weighted head sum."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dsaserve import native
+
+KEY_GROUP = 64  # the kernel's keys per work item; packed keys are padded to a multiple of it
+
+
+def _function():
+    lib = native.library()
+    if lib is None:
+        return None
+    fn = lib.dsaserve_index_scores
+    if fn.argtypes is None:  # first use
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def fits(heads: int, dim: int) -> bool:
+    """Whether the kernel takes bf16 queries of `heads` × `dim` on this machine."""
+    lib = native.library()
+    return lib is not None and bool(lib.dsaserve_index_scores_fits(heads, dim))
+
+
+def packed_size(keys: int, dim: int) -> int:
+    """int32 elements of the packed form of `keys` keys of width `dim`."""
+    return -(-keys // KEY_GROUP) * KEY_GROUP * dim // 2
+
+
+def pack_keys(keys: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """keys bf16 [c, dim] → int32 [c' / 16, dim / 2, 16] in `buffer`: column pairs of 16 keys at a
+    time, zero keys up to c' (the next multiple of KEY_GROUP)."""
+    c, dim = keys.shape
+    padded = -(-c // KEY_GROUP) * KEY_GROUP
+    if padded != c:
+        keys = torch.cat([keys, keys.new_zeros(padded - c, dim)])
+    packed = buffer[: packed_size(c, dim)].view(padded // 16, dim // 2, 16)
+    return packed.copy_(keys.view(torch.int32).view(padded // 16, 16, dim // 2).transpose(1, 2))
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor, keys: int, out: torch.Tensor) -> None:
+    """out[i, s] = Σ_h weights[i, h] · relu(q[i, h] · key[s]) for s < keys: q bf16 [t, heads, dim],
+    weights fp32 [t, heads], packed from pack_keys, out fp32 [t, ≥ keys] (unit column stride).
+    Only for shapes `fits` accepts."""
+    t, heads, dim = q.shape
+    q, weights = q.contiguous(), weights.to(torch.float32).contiguous()
+    if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
+        raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
+    fn = _function()
+    if fn(q.data_ptr(), weights.data_ptr(), packed.data_ptr(), t, heads, dim, keys, out.data_ptr(), out.stride(0),
+          torch.get_num_threads()):
+        raise AssertionError("index scores: the kernel refused a shape fits() accepted")
