@@ -1,7 +1,7 @@
 """`dsaserve bench longctx`: decode ms/token and prefill time-to-first-token against context length,
 for the dense, sparse and page attention backends, as a table, JSON and (with matplotlib) a PNG plot.
-The backends' engines are all loaded at once (each with its own KV cache) and take turns at every
-point; decode points report the median step.
+The backends' engines are all loaded at once (each with its own KV cache), each runs an untimed
+decode and prefill first, and they take turns at every point; decode points report the median step.
 
 Decode points fill the KV cache (latents and indexer keys) with synthetic values instead of running a
 prefill, so 64K contexts are measurable on a CPU; the output says so. Prefill points run a real
@@ -119,7 +119,11 @@ def run(model: str, backends: list[str], decode_lens: list[int], prefill_lens: l
     engines = {b: LLMEngine(model, attention_backend=b, progress=False, enable_prefix_caching=False, **engine_args)
                for b in backends}
     for backend, engine in engines.items():
-        synthetic_decode_ms(engine, decode_lens[0] if decode_lens else 256, 2)  # warm-up
+        # Warm-up, untimed: oneDNN builds its kernels per matmul shape on first use, in the process,
+        # so without it the first backend to reach a shape pays for all of them.
+        synthetic_decode_ms(engine, decode_lens[0] if decode_lens else 256, 2)
+        if prefill_lens:
+            prefill(engine, min(prefill_lens), seed=1)
         results["decode_ms_per_token"][backend] = {}
         results["prefill_ttft_s"][backend], results["prefill_peak_scratch_mib"][backend] = {}, {}
     for n in decode_lens:

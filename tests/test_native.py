@@ -9,6 +9,7 @@ from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.model.indexer import ScoreScratch, Selection
 from dsaserve.native import index_scores as native_scores
 from dsaserve.native.selected_rows import attend_selected_rows, fits, has_bf16_kernel
+from dsaserve.native.topk import topk_rows
 
 
 def reference(query, rows, slots, scale, value_dim):
@@ -124,3 +125,22 @@ def test_indexer_scratch_takes_the_kernel_for_bf16_on_this_cpu():
     assert scratch.native == native_scores.fits(32, 128)
     fp32 = ScoreScratch(64, 32, 128, 64, Selection(2048), torch.float32, torch.device("cpu"))
     assert not fp32.native  # fp32 models score exactly as the reference, in torch
+
+
+def test_topk_rows_match_torch_topk_sets_with_masked_and_tied_values():
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(7, 3000, generator=g)
+    x = wide[:, 100:2900]  # strided rows
+    x[1, 40:] = float("-inf")  # fewer finite values than k: -inf fills the rest
+    x[2] = torch.randint(0, 5, (2800,), generator=g).float()  # ties at the k-th value
+    x[3, ::2] = -0.0
+    x[3, 1::2] = 0.0
+    for k in (1, 300, 2800):
+        values, indices = topk_rows(x, k)
+        expected = x.topk(k, dim=1, sorted=False).values
+        assert torch.equal(values.sort(dim=1).values, expected.sort(dim=1).values)
+        assert torch.equal(torch.gather(x, 1, indices), values)
+        assert all(len(set(row.tolist())) == k for row in indices)  # k distinct columns per row
+    untied = torch.randn(3, 500, generator=g)
+    assert torch.equal(topk_rows(untied, 50)[1].sort(dim=1).values,
+                       untied.topk(50, dim=1).indices.sort(dim=1).values)

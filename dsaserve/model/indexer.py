@@ -23,6 +23,7 @@ from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.model.layers import apply_rope
 from dsaserve.native import index_scores as native_scores
+from dsaserve.native.topk import topk_rows
 
 # Upper bound on score elements materialized at once ([query tile, index heads, key chunk]); with
 # the tile and chunk below it, the bound on scratch memory.
@@ -173,10 +174,10 @@ def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: Batch
             merged[:, keep + (b0 - w0) * per_block: keep + (b1 - w0) * per_block] = scores
         candidates = (w1 - w0) * per_block
         if w0 == 0 and candidates >= keep:  # nothing kept yet: rank the first window alone
-            best, order = merged[:, keep:keep + candidates].topk(keep, dim=1, sorted=False)
+            best, order = topk_rows(merged[:, keep:keep + candidates], keep)
             best_ids = order
         else:
-            best, order = merged[:, : keep + candidates].topk(keep, dim=1, sorted=False)
+            best, order = topk_rows(merged[:, : keep + candidates], keep)
             # Column c < keep is the previous best_ids[c]; later columns count candidates from w0 on.
             best_ids = torch.where(order < keep, best_ids.gather(1, order.clamp(max=keep - 1)),
                                    order - keep + w0 * per_block)

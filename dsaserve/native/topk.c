@@ -1,0 +1,81 @@
+/* Top-k of each row of an fp32 matrix, unsorted, like torch.topk(k, sorted=False): the k largest
+ * values of every row and their column indices (ties at the k-th value broken by lowest column).
+ *
+ * Per row, a radix select finds the k-th largest value: floats map to order-preserving 32-bit keys,
+ * a histogram of the top 11 bits finds the bucket holding it, the bucket's keys are set apart and
+ * histograms of the next 11 and the last 10 bits pin it down. One more pass collects the columns
+ * above it and, up to k, those equal to it. Two passes over the row and no data-dependent branches
+ * in them, where torch's selection for large k sorts. Rows are shared out over OpenMP threads
+ * (torch's pool, since torch's libgomp is the one already loaded).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Order-preserving map of floats to unsigned integers: a > b exactly when key(a) > key(b). */
+static inline uint32_t key_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* In a histogram of `bins` buckets, the bucket holding the `need`-th largest element (1-based);
+ * `need` becomes that element's rank inside the bucket. */
+static uint32_t bucket_of(const uint32_t *hist, uint32_t bins, int64_t *need) {
+    uint32_t b = bins - 1;
+    while ((int64_t)hist[b] < *need) *need -= hist[b--];
+    return b;
+}
+
+static void topk_row(const float *x, int64_t n, int64_t k, uint32_t *candidates, float *values, int64_t *indices) {
+    uint32_t hist[2048];
+    int64_t need = k;
+    memset(hist, 0, sizeof hist);
+    for (int64_t c = 0; c < n; c++) hist[key_of(x[c]) >> 21]++;
+    uint32_t top = bucket_of(hist, 2048, &need);
+    int64_t m = 0;
+    for (int64_t c = 0; c < n; c++) {
+        uint32_t key = key_of(x[c]);
+        candidates[m] = key;
+        m += (key >> 21) == top;
+    }
+    memset(hist, 0, sizeof hist);
+    for (int64_t c = 0; c < m; c++) hist[(candidates[c] >> 10) & 2047]++;
+    uint32_t middle = bucket_of(hist, 2048, &need);
+    memset(hist, 0, 1024 * sizeof(uint32_t));
+    for (int64_t c = 0; c < m; c++)
+        if (((candidates[c] >> 10) & 2047) == middle) hist[candidates[c] & 1023]++;
+    uint32_t threshold = (top << 21) | (middle << 10) | bucket_of(hist, 1024, &need);
+    /* Everything above the k-th value (branch-free: always write, advance when taken), then `need`
+     * of the values equal to it. */
+    int64_t taken = 0;
+    for (int64_t c = 0; c < n && taken < k; c++) {
+        values[taken] = x[c];
+        indices[taken] = c;
+        taken += key_of(x[c]) > threshold;
+    }
+    for (int64_t c = 0; c < n && need > 0; c++) {
+        if (key_of(x[c]) == threshold) {
+            values[taken] = x[c];
+            indices[taken++] = c;
+            need--;
+        }
+    }
+}
+
+/* Returns 0 on success, 1 when scratch memory could not be allocated, 2 when k is not in [1, n]. */
+int dsaserve_topk_rows(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t k, float *values,
+                       int64_t *indices, int threads) {
+    if (k < 1 || k > n) return 2;
+    int failed = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(| : failed)
+    {
+        uint32_t *scratch = malloc((n + 1) * sizeof(uint32_t));
+        if (!scratch) failed = 1;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t r = 0; r < rows; r++)
+            if (scratch) topk_row(x + r * row_stride, n, k, scratch, values + r * k, indices + r * k);
+        free(scratch);
+    }
+    return failed;
+}
