@@ -52,6 +52,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None) 
         lines.append(f"  WARNING: {warning}")
     lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
     lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
+    lines.append(f"indexer scoring: {_index_scores_path(cfg)}")
     dense = sum(t == "dense" for t in cfg.mlp_layer_types)
     lines.append(f"mlp layers: {dense} dense + {cfg.num_hidden_layers - dense} MoE")
     rope = cfg.rope
@@ -94,6 +95,15 @@ def _selected_rows_path(cfg: ModelConfig) -> str:
     if has_bf16_kernel():
         return f"torch ({cfg.num_attention_heads} heads, rank {cfg.kv_lora_rank}: the native kernel needs heads in 16s, rank in 32s)"
     return "torch (no native kernel here: it needs a C compiler and AVX-512 BF16; DSASERVE_NATIVE=0 turns it off)"
+
+
+def _index_scores_path(cfg: ModelConfig) -> str:
+    """Which implementations the indexer uses for its scores and its running top-k."""
+    from dsaserve import native
+    from dsaserve.native.index_scores import fits
+
+    scores = "native AVX-512 BF16 kernel (bf16 models)" if fits(cfg.index_n_heads, cfg.index_head_dim) else "torch"
+    return f"scores: {scores}; top-k: {'native radix select' if native.library() else 'torch'}"
 
 
 def _schedule_check(cfg: ModelConfig, infos) -> list[str]:
