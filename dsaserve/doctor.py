@@ -52,7 +52,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None) 
         lines.append(f"  WARNING: {warning}")
     lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
     lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
-    lines.append(f"indexer scoring: {_index_scores_path(cfg)}")
+    lines.append(f"indexer kernels: {_index_scores_path(cfg)}")
     dense = sum(t == "dense" for t in cfg.mlp_layer_types)
     lines.append(f"mlp layers: {dense} dense + {cfg.num_hidden_layers - dense} MoE")
     rope = cfg.rope
