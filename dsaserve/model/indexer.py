@@ -94,7 +94,8 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: BatchMetadat
     for i in range(meta.num_reqs):
         start, end = meta.query_range(i)
         split = meta.split_at_position(i, width)  # rows before it see ≤ width tokens
-        out[start:split] = all_visible(meta.positions[start:split], width)
+        if split > start:
+            out[start:split] = all_visible(meta.positions[start:split], width)
         for t0 in range(split, end, QUERY_TILE):
             t1 = min(t0 + QUERY_TILE, end)
             scratch = scratch or ScoreScratch(min(QUERY_TILE, q.shape[0]), q.shape[1], q.shape[2], meta.block_size,
@@ -157,38 +158,64 @@ def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache, meta: Batch
     visible_blocks = last_position // bs + 1  # later blocks are in every query's future
     per_block = 1 if selection.pages else bs  # candidates per block
     q = q.to(scratch.score_dtype).reshape(t * heads, -1)
-    width = keep + scratch.window_blocks * per_block
-    merged = scratch.merged[: t * width].view(t, width)
-    merged[:, :keep] = float("-inf")
-    best_ids = torch.full((t, keep), -1, dtype=torch.long, device=q.device)
-    for w0 in range(0, visible_blocks, scratch.window_blocks):
-        w1 = min(w0 + scratch.window_blocks, visible_blocks)
-        for b0 in range(w0, w1, scratch.chunk_blocks):
-            b1 = min(b0 + scratch.chunk_blocks, w1)
-            scores = score_chunk(q, weights, key_cache, meta.block_tables[i], (b0, b1), bs, scratch)
-            if b1 * bs - 1 > first_position:  # some key of this chunk is in some query's future
-                key_pos = torch.arange(b0 * bs, b1 * bs, device=q.device)
-                scores.masked_fill_(invisible(key_pos, positions), float("-inf"))  # masks before any max/top-k
-            if selection.pages:
-                scores = scores.view(t, b1 - b0, bs).amax(dim=-1)  # best visible token per page
-            merged[:, keep + (b0 - w0) * per_block: keep + (b1 - w0) * per_block] = scores
-        candidates = (w1 - w0) * per_block
-        if w0 == 0 and candidates >= keep:  # nothing kept yet: rank the first window alone
-            best, order = topk_rows(merged[:, keep:keep + candidates], keep)
-            best_ids = order
-        else:
-            best, order = topk_rows(merged[:, : keep + candidates], keep)
-            # Column c < keep is the previous best_ids[c]; later columns count candidates from w0 on.
-            best_ids = torch.where(order < keep, best_ids.gather(1, order.clamp(max=keep - 1)),
-                                   order - keep + w0 * per_block)
-        merged[:, :keep] = best
-    chosen = torch.where(merged[:, :keep] == float("-inf"), -1, best_ids)
+
+    def candidates_of(b0: int, b1: int) -> torch.Tensor:
+        return chunk_candidates(q, weights, key_cache, meta.block_tables[i], (b0, b1), bs, scratch, positions,
+                                first_position, selection)
+
+    if visible_blocks <= scratch.chunk_blocks and visible_blocks * per_block >= keep:
+        # One chunk holds every visible key (decode at a few thousand tokens): rank it directly.
+        best, best_ids = topk_rows(candidates_of(0, visible_blocks), keep)
+    else:
+        best, best_ids = running_top_k(candidates_of, visible_blocks, per_block, t, scratch)
+    chosen = torch.where(best == float("-inf"), -1, best_ids)
     if not selection.pages:
         return chosen.to(torch.int32)
     # Pages → their tokens, each query keeping only the ones it may see.
     tokens = chosen[:, :, None] * bs + torch.arange(bs, device=q.device)
     tokens = torch.where((chosen[:, :, None] >= 0) & (tokens <= positions[:, None, None]), tokens, -1)
     return tokens.view(t, -1).to(torch.int32)
+
+
+def running_top_k(candidates_of, visible_blocks: int, per_block: int, t: int,
+                  scratch: ScoreScratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [t, keep] of the best candidates over all visible blocks, merging a window of
+    chunks at a time into the running best."""
+    keep = scratch.keep
+    width = keep + scratch.window_blocks * per_block
+    merged = scratch.merged[: t * width].view(t, width)
+    merged[:, :keep] = float("-inf")
+    best_ids = torch.full((t, keep), -1, dtype=torch.long, device=merged.device)
+    for w0 in range(0, visible_blocks, scratch.window_blocks):
+        w1 = min(w0 + scratch.window_blocks, visible_blocks)
+        for b0 in range(w0, w1, scratch.chunk_blocks):
+            b1 = min(b0 + scratch.chunk_blocks, w1)
+            merged[:, keep + (b0 - w0) * per_block: keep + (b1 - w0) * per_block] = candidates_of(b0, b1)
+        candidates = (w1 - w0) * per_block
+        if w0 == 0 and candidates >= keep:  # nothing kept yet: rank the first window alone
+            best, best_ids = topk_rows(merged[:, keep:keep + candidates], keep)
+        else:
+            best, order = topk_rows(merged[:, : keep + candidates], keep)
+            # Column c < keep is the previous best_ids[c]; later columns count candidates from w0 on.
+            best_ids = torch.where(order < keep, best_ids.gather(1, order.clamp(max=keep - 1)),
+                                   order - keep + w0 * per_block)
+        merged[:, :keep] = best
+    return merged[:, :keep], best_ids
+
+
+def chunk_candidates(q: torch.Tensor, weights: torch.Tensor, key_cache, table: torch.Tensor, blocks: tuple[int, int],
+                     block_size: int, scratch: ScoreScratch, positions: torch.Tensor, first_position: int,
+                     selection: Selection) -> torch.Tensor:
+    """Masked candidate scores [t, tokens or pages] of whole blocks: invisible keys are -inf before
+    any maximum or top-k, and in page mode each page scores as its best visible token."""
+    b0, b1 = blocks
+    scores = score_chunk(q, weights, key_cache, table, blocks, block_size, scratch)
+    if b1 * block_size - 1 > first_position:  # some key of this chunk is in some query's future
+        key_pos = torch.arange(b0 * block_size, b1 * block_size, device=q.device)
+        scores.masked_fill_(invisible(key_pos, positions), float("-inf"))
+    if selection.pages:
+        scores = scores.view(scores.shape[0], b1 - b0, block_size).amax(dim=-1)
+    return scores
 
 
 def score_chunk(q: torch.Tensor, weights: torch.Tensor, key_cache, table: torch.Tensor, blocks: tuple[int, int],
