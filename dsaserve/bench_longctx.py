@@ -1,7 +1,8 @@
 """`dsaserve bench longctx`: decode ms/token and prefill time-to-first-token against context length,
 for the dense, sparse and page attention backends, as a table, JSON and (with matplotlib) a PNG plot.
 The backends' engines are all loaded at once (each with its own KV cache), each runs an untimed
-decode and prefill first, and they take turns at every point; decode points report the median step.
+decode first and an untimed prefill before the prefill points, and they take turns at every point;
+decode points report the median step.
 
 Decode points fill the KV cache (latents and indexer keys) with synthetic values instead of running a
 prefill, so 64K contexts are measurable on a CPU; the output says so. Prefill points run a real
@@ -119,16 +120,18 @@ def run(model: str, backends: list[str], decode_lens: list[int], prefill_lens: l
     engines = {b: LLMEngine(model, attention_backend=b, progress=False, enable_prefix_caching=False, **engine_args)
                for b in backends}
     for backend, engine in engines.items():
-        # Warm-up, untimed: oneDNN builds its kernels per matmul shape on first use, in the process,
-        # so without it the first backend to reach a shape pays for all of them.
-        synthetic_decode_ms(engine, decode_lens[0] if decode_lens else 256, 2)
-        if prefill_lens:
-            prefill(engine, min(prefill_lens), seed=1)
+        synthetic_decode_ms(engine, decode_lens[0] if decode_lens else 256, 2)  # warm-up
         results["decode_ms_per_token"][backend] = {}
         results["prefill_ttft_s"][backend], results["prefill_peak_scratch_mib"][backend] = {}, {}
     for n in decode_lens:
         for backend, engine in engines.items():
             results["decode_ms_per_token"][backend][n] = synthetic_decode_ms(engine, n, steps)
+    # Untimed prefill per engine right before the prefill points: oneDNN builds its kernels per
+    # matmul shape on first use, and the first prefill after the long-context decodes re-faults the
+    # heap the allocator gave back; without it the first backend at the first point pays for that.
+    for engine in engines.values():
+        if prefill_lens:
+            prefill(engine, min(prefill_lens), seed=1)
     for n in prefill_lens:
         for backend, engine in engines.items():
             ttft, extra = prefill(engine, n)
