@@ -1,0 +1,92 @@
+"""The native CPU kernels against the torch paths they replace, on the same random data.
+
+    python benchmarks/native_kernels.py
+
+- selected rows: 64 queries × 16 heads, each over its own 2,048 rows of 576 (bf16) picked from a
+  16K-row cache; torch gathers two queries' rows at a time and runs two bmm (the sparse backend's
+  fallback), the kernel reads the rows in place.
+- indexer scores: 64 queries × 32 heads × 128 against 2,048 keys; torch: mm, fp32 copy, relu and the
+  weighted head sum as a bmm (the indexer's fallback); the kernel: the same sum in registers.
+- top-k: 64 rows of 16K fp32 scores, k = 2,048, unsorted.
+Medians of repeated calls; it prints ms per call (µs per query for selected rows).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from dsaserve.attention.dense import attend_own_keys
+from dsaserve.native import index_scores, selected_rows
+from dsaserve.native.topk import topk_rows
+
+
+def median_ms(fn, repeats: int = 15) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bench_selected_rows(g: torch.Generator) -> None:
+    n, heads, dim, value_dim, width, pool = 64, 16, 576, 512, 2048, 16384
+    q = torch.randn(n, heads, dim, generator=g).bfloat16()
+    rows = torch.randn(pool, dim, generator=g).bfloat16()
+    slots = torch.stack([torch.randperm(pool, generator=g)[:width] for _ in range(n)])
+    out = torch.empty(n, heads, value_dim, dtype=torch.bfloat16)
+    wide = torch.empty(n, heads, dim, dtype=torch.bfloat16)
+    buffer = torch.empty(2 * width, dim, dtype=torch.bfloat16)
+
+    def torch_path():
+        scaled = q * 0.1
+        for a in range(0, n, 2):
+            keys = torch.index_select(rows, 0, slots[a:a + 2].reshape(-1), out=buffer)
+            attend_own_keys(scaled[a:a + 2], keys.view(2, width, dim), None, out=wide[a:a + 2])
+
+    native = median_ms(lambda: selected_rows.attend_selected_rows(q, rows, slots, 0.1, out))
+    print(f"selected rows   native {native * 1e3 / n:7.0f} µs/query   torch {median_ms(torch_path) * 1e3 / n:7.0f} µs/query")
+
+
+def bench_index_scores(g: torch.Generator) -> None:
+    t, heads, dim, keys = 64, 32, 128, 2048
+    q = torch.randn(t, heads, dim, generator=g).bfloat16()
+    weights = torch.randn(t, heads, generator=g) * 0.03
+    key_rows = torch.randn(keys, dim, generator=g).bfloat16()
+    packed = torch.empty(index_scores.packed_size(keys, dim), dtype=torch.int32)
+    out = torch.empty(t, keys)
+    low, per_head = torch.empty(t * heads, keys, dtype=torch.bfloat16), torch.empty(t * heads, keys)
+    flat = q.reshape(t * heads, dim)
+
+    def torch_path():
+        per_head.copy_(torch.mm(flat, key_rows.T, out=low)).relu_()
+        torch.bmm(weights[:, None, :], per_head.view(t, heads, keys), out=out.view(t, 1, keys))
+
+    def native_path():
+        index_scores.index_scores(q, weights, index_scores.pack_keys(key_rows, packed), keys, out)
+
+    print(f"indexer scores  native {median_ms(native_path):7.2f} ms         torch {median_ms(torch_path):7.2f} ms")
+
+
+def bench_topk(g: torch.Generator) -> None:
+    scores = torch.randn(64, 16384, generator=g)
+    native = median_ms(lambda: topk_rows(scores, 2048))
+    print(f"top-k           native {native:7.2f} ms         torch {median_ms(lambda: scores.topk(2048, dim=1, sorted=False)):7.2f} ms")
+
+
+def main() -> None:
+    if not (selected_rows.has_bf16_kernel() and index_scores.fits(32, 128)):
+        raise SystemExit("the native kernels are not built here (they need a C compiler and AVX-512 BF16)")
+    g = torch.Generator().manual_seed(0)
+    print(f"{torch.get_num_threads()} threads")
+    bench_selected_rows(g)
+    bench_index_scores(g)
+    bench_topk(g)
+
+
+if __name__ == "__main__":
+    main()
