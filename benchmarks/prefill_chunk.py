@@ -17,8 +17,8 @@ import torch
 
 from dsaserve.attention.dense import DenseAttention
 from dsaserve.attention.sparse import SparseAttention
+from dsaserve.bench_longctx import start_with_synthetic_prefix
 from dsaserve.engine.engine import LLMEngine
-from dsaserve.engine.request import RequestStatus
 from dsaserve.model.indexer import Indexer
 from dsaserve.model.moe import MoE
 from dsaserve.sampling_params import SamplingParams
@@ -42,23 +42,12 @@ def timed(cls, method: str, label: str) -> None:
 def last_chunk(engine: LLMEngine, prefix: int, chunk: int, seed: int) -> float:
     """Seconds for the engine step that prefills tokens [prefix, prefix + chunk) of a random prompt."""
     g = torch.Generator().manual_seed(seed)
-    cfg, block_size = engine.config, engine.kv.block_size
-    ids = torch.randint(100, cfg.vocab_size, (prefix + chunk,), generator=g).tolist()
+    ids = torch.randint(100, engine.config.vocab_size, (prefix + chunk,), generator=g).tolist()
     request = engine._new_sequence("chunk", None, ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                                    1, index=0)
     if not engine.kv.allocate(request, prefix + chunk + 1):
         raise SystemExit("not enough KV blocks; raise --kv-cache-memory")
-    blocks = torch.tensor(request.block_table[: -(-prefix // block_size)])
-    for latent in engine.kv_cache.latent:
-        latent[blocks] = torch.randn(latent[blocks].shape, generator=g).to(latent.dtype)
-    positions = torch.arange(prefix)
-    slots = blocks[positions // block_size] * block_size + positions % block_size
-    for keys in engine.kv_cache.indexer.values():
-        keys.write(slots, torch.randn(prefix, cfg.index_head_dim, generator=g))
-    request.num_computed_tokens = prefix
-    request.status = RequestStatus.RUNNING
-    engine.groups["chunk"] = [request]
-    engine.scheduler.running.append(request)
+    start_with_synthetic_prefix(engine, request, prefix, g)
     start = time.perf_counter()
     engine.step()
     elapsed = time.perf_counter() - start

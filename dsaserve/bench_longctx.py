@@ -65,6 +65,23 @@ class HeapSampler:
         return self.peak - self.base
 
 
+def start_with_synthetic_prefix(engine, request, length: int, g: torch.Generator) -> None:
+    """Fill the first `length` positions of an allocated request's cache with synthetic latents and
+    indexer keys, mark them computed and put the request in the running queue."""
+    block_size = engine.kv.block_size
+    blocks = torch.tensor(request.block_table[: -(-length // block_size)])
+    for latent in engine.kv_cache.latent:  # normalized latent (RMS ~1) and a rotated rope key
+        latent[blocks] = torch.randn(latent[blocks].shape, generator=g).to(latent.dtype)
+    positions = torch.arange(length)
+    slots = blocks[positions // block_size] * block_size + positions % block_size
+    for keys in engine.kv_cache.indexer.values():
+        keys.write(slots, torch.randn(length, engine.config.index_head_dim, generator=g))
+    request.num_computed_tokens = length
+    request.status = RequestStatus.RUNNING
+    engine.groups[request.request_id] = [request]
+    engine.scheduler.running.append(request)
+
+
 def synthetic_decode_ms(engine, context: int, steps: int, seed: int = 0) -> float:
     """Median ms per decode step of one request whose first `context` tokens are already (synthetically) cached."""
     g = torch.Generator().manual_seed(seed)
@@ -74,18 +91,7 @@ def synthetic_decode_ms(engine, context: int, steps: int, seed: int = 0) -> floa
     request = engine._new_sequence("synthetic", None, ids, params, steps + 2, index=0)
     if not engine.kv.allocate(request, context + steps + 2):
         raise ValueError(f"not enough KV blocks for a {context}-token context; raise --kv-cache-memory")
-    blocks = torch.tensor(request.block_table[: -(-context // engine.kv.block_size)])
-    cache = engine.kv_cache
-    for latent in cache.latent:  # normalized latent (RMS ~1) and a rotated rope key
-        latent[blocks] = torch.randn(latent[blocks].shape, generator=g).to(latent.dtype)
-    slots = torch.arange(context)
-    physical = blocks[slots // engine.kv.block_size] * engine.kv.block_size + slots % engine.kv.block_size
-    for keys in cache.indexer.values():
-        keys.write(physical, torch.randn(context, cfg.index_head_dim, generator=g))
-    request.num_computed_tokens = context - 1
-    request.status = RequestStatus.RUNNING
-    engine.groups["synthetic"] = [request]
-    engine.scheduler.running.append(request)
+    start_with_synthetic_prefix(engine, request, context - 1, g)
     engine.step()  # computes the last prompt token: the first decode-shaped step
     step_ms = []
     for _ in range(steps):
