@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from dsaserve import native
 from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_device, resolve_dtype
 from dsaserve.engine.block_manager import KVCacheManager
@@ -91,6 +92,8 @@ class LLMEngine:
         self.model = load_model(self.config, model, self.dtype, self.device, attention_backend, progress=progress,
                                 page_budget=page_budget)
         with_indexer = self.model.backend.uses_indexer
+        if with_indexer and self.device.type == "cpu":
+            native.library()  # build (first time on this machine) or load the CPU kernels now, not in a step
         self.kv_layout = KVCacheLayout.of(self.config, self.dtype, indexer_cache_dtype, with_indexer)
         num_blocks = self._num_blocks(self.kv_layout, block_size, parse_bytes(kv_cache_memory), max_num_seqs)
         self._fit_max_model_len(num_blocks * block_size, explicit=max_model_len is not None)
