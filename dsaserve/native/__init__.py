@@ -20,6 +20,8 @@ SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # one shared library for al
 # parallel regions run on torch's threads instead of competing with them for the cores.
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp"]
 
+I64, PTR, INT, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -78,3 +80,15 @@ def library() -> ctypes.CDLL | None:
         return None
     _library = lib
     return lib
+
+
+def function(name: str, *argtypes):
+    """The kernels' C function `name` (returning int) with its argument types declared, or None when
+    the library is not available. Declaring them matters: an undeclared int64 goes in as a C int."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    if fn.argtypes is None:  # first use
+        fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return fn

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from dsaserve import native
@@ -11,22 +9,10 @@ from dsaserve import native
 KEY_GROUP = 64  # the kernel's keys per work item; packed keys are padded to a multiple of it
 
 
-def _function():
-    lib = native.library()
-    if lib is None:
-        return None
-    fn = lib.dsaserve_index_scores
-    if fn.argtypes is None:  # first use
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return fn
-
-
 def fits(heads: int, dim: int) -> bool:
     """Whether the kernel takes bf16 queries of `heads` × `dim` on this machine."""
-    lib = native.library()
-    return lib is not None and bool(lib.dsaserve_index_scores_fits(heads, dim))
+    fn = native.function("dsaserve_index_scores_fits", native.I64, native.I64)
+    return fn is not None and bool(fn(heads, dim))
 
 
 def packed_size(keys: int, dim: int) -> int:
@@ -53,7 +39,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor, k
     q, weights = q.contiguous(), weights.to(torch.float32).contiguous()
     if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
         raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
-    fn = _function()
+    I64, PTR = native.I64, native.PTR
+    fn = native.function("dsaserve_index_scores", PTR, PTR, PTR, I64, I64, I64, I64, PTR, I64, native.INT)
     if fn(q.data_ptr(), weights.data_ptr(), packed.data_ptr(), t, heads, dim, keys, out.data_ptr(), out.stride(0),
           torch.get_num_threads()):
         raise AssertionError("index scores: the kernel refused a shape fits() accepted")

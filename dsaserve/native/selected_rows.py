@@ -2,35 +2,21 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from dsaserve import native
 
 
-def _function():
-    lib = native.library()
-    if lib is None:
-        return None
-    fn = lib.dsaserve_attend_selected_rows
-    if fn.argtypes is None:  # first use
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return fn
-
-
 def has_bf16_kernel() -> bool:
     """True when this CPU and compiler built the kernel (it needs AVX-512 BF16)."""
-    lib = native.library()
-    return lib is not None and bool(lib.dsaserve_has_bf16_kernel())
+    fn = native.function("dsaserve_has_bf16_kernel")
+    return fn is not None and bool(fn())
 
 
 def fits(heads: int, dim: int, value_dim: int) -> bool:
     """Whether the kernel takes this shape on this machine."""
-    lib = native.library()
-    return lib is not None and bool(lib.dsaserve_selected_rows_fits(heads, dim, value_dim))
+    fn = native.function("dsaserve_selected_rows_fits", native.I64, native.I64, native.I64)
+    return fn is not None and bool(fn(heads, dim, value_dim))
 
 
 def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
@@ -47,7 +33,9 @@ def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.T
     n, heads, dim = query.shape
     if not fits(heads, dim, out.shape[-1]):
         return False
-    fn = _function()
+    I64, PTR = native.I64, native.PTR
+    fn = native.function("dsaserve_attend_selected_rows", PTR, I64, PTR, I64, PTR, I64, I64, I64, I64, I64,
+                         native.FLOAT, PTR, I64, I64, native.INT)
     query, rows, slots = query.contiguous(), rows.contiguous(), slots.to(torch.int64).contiguous()
     if rows.shape[1] != dim or slots.shape[0] != n or out.shape[:2] != (n, heads) or out.stride(-1) != 1:
         raise ValueError(f"selected rows: shapes query {tuple(query.shape)}, rows {tuple(rows.shape)}, "

@@ -2,23 +2,9 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from dsaserve import native
-
-
-def _function():
-    lib = native.library()
-    if lib is None:
-        return None
-    fn = lib.dsaserve_topk_rows
-    if fn.argtypes is None:  # first use
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return fn
 
 
 def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,7 +12,9 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     native kernel where it is built (2.4× faster than torch for 64 rows of 16K, k = 2,048);
     otherwise, or for anything else, by torch. The order of the k entries is unspecified, and so is
     which of several values tied at the k-th place is kept, as for torch."""
-    fn = _function() if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 else None
+    fn = (native.function("dsaserve_topk_rows", native.PTR, native.I64, native.I64, native.I64, native.I64,
+                          native.PTR, native.PTR, native.INT)
+          if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 else None)
     if fn is None or x.stride(1) != 1 or not 1 <= k <= x.shape[1]:
         return x.topk(k, dim=1, sorted=False)
     values = x.new_empty(x.shape[0], k)
