@@ -22,7 +22,7 @@ import torch
 
 from dsaserve.attention import make_attention_backend
 from dsaserve.attention.metadata import BatchMetadata
-from dsaserve.checkpoint_builder import small_config
+from dsaserve.demo.checkpoint_builder import small_config
 from dsaserve.config import ModelConfig
 from dsaserve.engine.kv_cache import KVCache
 from dsaserve.model.indexer import Selection, select

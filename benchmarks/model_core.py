@@ -32,7 +32,7 @@ PROMPT, OUTPUT, BATCH = 128, 128, 16
 def checkpoint_dir() -> str:
     import torch
 
-    from dsaserve.checkpoint_builder import build_checkpoint
+    from dsaserve.demo.checkpoint_builder import build_checkpoint
 
     path = os.path.join(os.environ.get("DSASERVE_BENCH_DIR", "/tmp/dsaserve-bench"), "glm52-geometry-215m")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):

@@ -16,7 +16,7 @@ import tempfile
 import torch
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.checkpoint_builder import build_checkpoint
+from dsaserve.demo.checkpoint_builder import build_checkpoint
 
 PROMPTS, LENGTH, TOPK, BLOCK = 4, 1024, 64, 16
 

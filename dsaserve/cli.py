@@ -83,7 +83,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_build_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from dsaserve.checkpoint_builder import build_checkpoint
+    from dsaserve.demo.checkpoint_builder import build_checkpoint
     from dsaserve.demo import DEMO_CONFIG
 
     build_checkpoint(args.path, seed=args.seed, dtype=getattr(torch, args.dtype), include_mtp=True, **DEMO_CONFIG)

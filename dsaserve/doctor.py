@@ -13,7 +13,7 @@ import torch
 
 from dsaserve.config import ModelConfig
 from dsaserve.engine.kv_cache import KVCacheLayout
-from dsaserve.loader import CheckpointError, check_tensors, checkpoint_files, read_tensor_infos
+from dsaserve.model.loader import CheckpointError, check_tensors, checkpoint_files, read_tensor_infos
 from dsaserve.model.checkpoint_layout import checkpoint_shapes, component_of, is_mtp_tensor
 
 _BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "U8": 1, "I8": 1}

@@ -65,7 +65,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template (or `chat_template`), then generate."""
-        from dsaserve.server.chat_template import ChatTemplate
+        from dsaserve.chat_template import ChatTemplate
 
         source = chat_template or self.tokenizer.chat_template
         if source is None:

@@ -15,7 +15,7 @@ REFERENCE_CONFIG = os.path.join(os.path.dirname(__file__), "data", "glm-5.2-conf
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory):
     """make_checkpoint(name, **kwargs) builds (once per session) a tiny checkpoint and returns its dir."""
-    from dsaserve.checkpoint_builder import build_checkpoint
+    from dsaserve.demo.checkpoint_builder import build_checkpoint
 
     built = {}
 

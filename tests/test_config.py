@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import REFERENCE_CONFIG
-from dsaserve.checkpoint_builder import small_config
+from dsaserve.demo.checkpoint_builder import small_config
 from dsaserve.config import ConfigError, ModelConfig
 from dsaserve.model.glm_moe_dsa import GlmMoeDsaForCausalLM
 from dsaserve.model.layers import attention_scale, rope_inv_freq

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsaserve.checkpoint_builder import quantize_fp8, random_weights
+from dsaserve.demo.checkpoint_builder import quantize_fp8, random_weights
 from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_dtype
-from dsaserve.loader import CheckpointError, dequantize_fp8
+from dsaserve.model.loader import CheckpointError, dequantize_fp8
 from dsaserve.model import load_model
 from dsaserve.model.checkpoint_layout import checkpoint_shapes
 

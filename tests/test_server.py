@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.server.chat_template import ChatTemplate
+from dsaserve.chat_template import ChatTemplate
 from dsaserve.server.parsers import GlmOutputParser
 from server_process import ServerProcess
 
@@ -363,7 +363,7 @@ def test_chat_template_override_file(tmp_path, offline):
 
 
 def test_chat_template_is_sandboxed(tmp_path):
-    from dsaserve.server.chat_template import ChatTemplate, ChatTemplateError
+    from dsaserve.chat_template import ChatTemplate, ChatTemplateError
 
     evil = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(ChatTemplateError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsaserve.config import ModelConfig
-from dsaserve.loader import load_checkpoint
+from dsaserve.model.loader import load_checkpoint
 from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
 
 

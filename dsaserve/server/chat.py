@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from dsaserve.server.chat_template import ChatTemplateError
+from dsaserve.chat_template import ChatTemplateError
 from dsaserve.server.parsers import CONTENT, REASONING, GlmOutputParser
 from dsaserve.server.parsers.glm import CALL_START, THINK_END, THINK_START
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice

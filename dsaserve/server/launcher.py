@@ -14,7 +14,7 @@ import uvicorn
 
 from dsaserve.engine.async_engine import AsyncLLMEngine
 from dsaserve.server.app import build_app
-from dsaserve.server.chat_template import ChatTemplate
+from dsaserve.chat_template import ChatTemplate
 from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.state import ServerConfig, ServerState
 

@@ -10,7 +10,7 @@ from dsaserve.engine.async_engine import AsyncLLMEngine
 from dsaserve.engine.scheduler import RequestRejected
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams, SamplingParamsError
-from dsaserve.server.chat_template import ChatTemplate
+from dsaserve.chat_template import ChatTemplate
 from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.protocol import APIError, SamplingFields
 

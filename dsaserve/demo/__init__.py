@@ -12,7 +12,7 @@ import tempfile
 
 import torch
 
-from dsaserve.checkpoint_builder import build_checkpoint
+from dsaserve.demo.checkpoint_builder import build_checkpoint
 
 DEMO_VERSION = 2
 DEMO_CONFIG = dict(

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsaserve.config import ModelConfig
-from dsaserve.demo_tokenizer import build_tokenizer, save_tokenizer, stop_token_ids
+from dsaserve.demo.tokenizer import build_tokenizer, save_tokenizer, stop_token_ids
 from dsaserve.model.checkpoint_layout import checkpoint_shapes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
