@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -26,19 +28,26 @@ class ForwardResult:
     topk: dict[int, list[set[int]]]  # full layer → per position, the selected visible positions
 
 
-def reference_forward(ref, ids: list[int]) -> ForwardResult:
-    captured = {}
+@contextmanager
+def indexer_hooks(model, hook):
+    """While open, every indexer's forward calls hook(layer_idx, module, args, kwargs, output); the
+    reference's and dsaserve's models both name it `model.layers[i].self_attn.indexer`."""
     hooks = [
-        layer.self_attn.indexer.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0]))
-        for i, layer in enumerate(ref.model.layers)
+        layer.self_attn.indexer.register_forward_hook(partial(hook, i), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)
         if layer.self_attn.indexer is not None
     ]
     try:
-        with torch.no_grad():
-            logits = ref(torch.tensor([ids])).logits[0].float()
+        yield
     finally:
         for h in hooks:
             h.remove()
+
+
+def reference_forward(ref, ids: list[int]) -> ForwardResult:
+    captured = {}
+    with indexer_hooks(ref, lambda i, m, args, kwargs, out: captured.__setitem__(i, out[0])), torch.no_grad():
+        logits = ref(torch.tensor([ids])).logits[0].float()
     topk = {i: [{p for p in row.tolist() if p <= t} for t, row in enumerate(idx)] for i, idx in captured.items()}
     return ForwardResult(logits.log_softmax(-1), topk)
 
@@ -60,7 +69,7 @@ def indexer_margin(ref, ids: list[int]) -> float:
     between the k-th and (k+1)-th indexer score. Tiny margins make top-k comparisons meaningless."""
     margins = []
 
-    def hook(module, args, kwargs, out):
+    def hook(layer, module, args, kwargs, out):
         hidden, q_resid, (cos, sin) = args[0], args[1], args[2]
         from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
@@ -78,17 +87,8 @@ def indexer_margin(ref, ids: list[int]) -> float:
             top = index[t, : t + 1].topk(module.index_topk + 1).values
             margins.append(float((top[-2] - top[-1]) / (top.abs().max() + 1e-12)))
 
-    hooks = [
-        layer.self_attn.indexer.register_forward_hook(hook, with_kwargs=True)
-        for layer in ref.model.layers
-        if layer.self_attn.indexer is not None
-    ]
-    try:
-        with torch.no_grad():
-            ref(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
+    with indexer_hooks(ref, hook), torch.no_grad():
+        ref(torch.tensor([ids]))
     return min(margins) if margins else float("inf")
 
 
@@ -100,10 +100,12 @@ def dsaserve_forward(model_dir: str, ids: list[int], attention_backend: str = "s
     nblocks = -(-len(ids) // block_size)
     cache = KVCache(cfg, 2 * nblocks + 1, block_size, torch.float32, torch.device("cpu"))
     table = list(range(2 * nblocks, 0, -2))  # physical order unrelated to logical order
-    captured = {}
-    model.topk_observer = lambda i, t: captured.__setitem__(i, t.clone())
     meta = BatchMetadata.build([ids], [0], [table], block_size, list(range(len(ids))))
-    logits = model.compute_logits(model(meta, cache.latent, cache.indexer))
+    # The indexers' outputs are the top-k each full layer produces (shared layers reuse it; the dense
+    # backend runs no indexer).
+    captured = {}
+    with indexer_hooks(model, lambda i, m, args, kwargs, out: captured.__setitem__(i, out.clone())):
+        logits = model.compute_logits(model(meta, cache.latent, cache.indexer))
     topk = {i: [{p for p in row.tolist() if p >= 0} for row in t] for i, t in captured.items()}
     return ForwardResult(logits.log_softmax(-1), topk)
 

@@ -1,15 +1,23 @@
 """The native kernels (selected-rows attention, indexer scores) against fp32 computations, their use
 by the sparse backend and the indexer, and the torch fallback where they cannot be built."""
 
+import os
+
+import pytest
 import torch
 
 from dsaserve import native
 from dsaserve.attention import SparseAttention, sparse
+from dsaserve.attention.indexer import ScoreScratch, Selection
 from dsaserve.attention.metadata import BatchMetadata
-from dsaserve.model.indexer import ScoreScratch, Selection
 from dsaserve.native import index_scores as native_scores
 from dsaserve.native.selected_rows import attend_selected_rows, fits, has_bf16_kernel
 from dsaserve.native.topk import topk_rows
+
+CPU_HAS_AVX512_BF16 = all(flag in native.cpu_signature() for flag in ("avx512_bf16", "avx512bw"))
+needs_bf16_kernel = pytest.mark.skipif(
+    not has_bf16_kernel(),  # builds the kernels here on first use
+    reason="no native AVX-512 BF16 kernel here (needs a C compiler, AVX-512 BF16 and DSASERVE_NATIVE unset or 1)")
 
 
 def reference(query, rows, slots, scale, value_dim):
@@ -30,16 +38,20 @@ def random_case(seed, n, heads, dim, width, pool):
     return query, rows, slots
 
 
+@pytest.mark.skipif(not CPU_HAS_AVX512_BF16 or os.environ.get("DSASERVE_NATIVE") == "0",
+                    reason="this CPU has no AVX-512 BF16, or DSASERVE_NATIVE=0 turns the kernels off")
 def test_kernel_is_built_on_a_machine_with_a_compiler_and_avx512_bf16():
-    flags = native.cpu_signature()
-    if "avx512_bf16" in flags and "avx512bw" in flags:
-        assert has_bf16_kernel()
-        assert fits(16, 576, 512) and fits(64, 576, 512)
-        assert native_scores.fits(32, 128)
-    assert not fits(4, 576, 512) and not fits(16, 576, 500)  # other shapes keep the torch path
+    assert has_bf16_kernel()
+    assert fits(16, 576, 512) and fits(64, 576, 512)
+    assert native_scores.fits(32, 128)
+
+
+def test_other_shapes_keep_the_torch_path():
+    assert not fits(4, 576, 512) and not fits(16, 576, 500)
     assert not native_scores.fits(6, 128)
 
 
+@needs_bf16_kernel
 def test_selected_rows_equal_fp32_attention_within_bf16_rounding():
     # 150 rows: two whole blocks of 64 and a ragged one, with empty (-1) entries in every block.
     for heads, dim, value_dim in ((16, 72, 64), (32, 40, 32)):
@@ -47,23 +59,22 @@ def test_selected_rows_equal_fp32_attention_within_bf16_rounding():
         slots[1, ::7] = -1
         slots[3, 64:] = -1  # only the first block valid
         wide = torch.zeros(5, heads, dim, dtype=torch.bfloat16)  # written through a strided view
-        used = attend_selected_rows(query, rows, slots, 0.2, wide[..., :value_dim])
-        assert used == has_bf16_kernel()
-        if used:
-            expected = reference(query, rows, slots, 0.2, value_dim)
-            out = wide[..., :value_dim].float()
-            assert (out - expected).abs().max() <= 0.02 * expected.abs().max()
-            assert not wide[..., value_dim:].any()  # columns past the values are left alone
+        assert attend_selected_rows(query, rows, slots, 0.2, wide[..., :value_dim])
+        expected = reference(query, rows, slots, 0.2, value_dim)
+        out = wide[..., :value_dim].float()
+        assert (out - expected).abs().max() <= 0.02 * expected.abs().max()
+        assert not wide[..., value_dim:].any()  # columns past the values are left alone
 
 
+@needs_bf16_kernel
 def test_a_query_whose_best_rows_come_late_is_rescaled_correctly():
     """The running maximum grows in a later block: earlier blocks' sums must be scaled down."""
     query, rows, slots = random_case(1, 2, 16, 72, 200, 300)
     rows[slots[:, 180:].flatten()] = (query[0, 0].float() * 2).bfloat16()  # dominant rows in the last block
     out = torch.empty(2, 16, 64, dtype=torch.bfloat16)
-    if attend_selected_rows(query, rows, slots, 0.2, out):
-        expected = reference(query, rows, slots, 0.2, 64)
-        assert (out.float() - expected).abs().max() <= 0.02 * expected.abs().max()
+    assert attend_selected_rows(query, rows, slots, 0.2, out)
+    expected = reference(query, rows, slots, 0.2, 64)
+    assert (out.float() - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
 def test_sparse_backend_takes_the_kernel_for_bf16_per_query_rows(monkeypatch):
@@ -102,6 +113,7 @@ def test_without_a_compiler_the_library_is_none_and_attention_falls_back(monkeyp
     assert attend_selected_rows(query, rows, slots, 0.2, out) is False
 
 
+@needs_bf16_kernel
 def test_index_scores_equal_relu_weighted_head_sum_in_fp32():
     # 150 keys: two whole groups of 64 and a ragged one ending inside a 16-key register.
     g = torch.Generator().manual_seed(4)
@@ -109,9 +121,7 @@ def test_index_scores_equal_relu_weighted_head_sum_in_fp32():
         q = torch.randn(6, heads, dim, generator=g).bfloat16()
         weights = torch.randn(6, heads, generator=g) * 0.1
         key_rows = torch.randn(keys, dim, generator=g).bfloat16()
-        if not native_scores.fits(heads, dim):
-            assert not has_bf16_kernel()
-            continue
+        assert native_scores.fits(heads, dim)
         out = torch.full((6, keys + 9), 7.0)
         packed = native_scores.pack_keys(key_rows, torch.empty(native_scores.packed_size(keys, dim), dtype=torch.int32))
         native_scores.index_scores(q, weights, packed, keys, out)

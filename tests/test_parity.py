@@ -117,7 +117,7 @@ def test_dense_backend_equals_reference_when_topk_covers_everything(make_checkpo
 
 
 def test_parity_check_fails_without_indexer_causal_mask(make_checkpoint, monkeypatch):
-    import dsaserve.model.indexer as indexer
+    import dsaserve.attention.indexer as indexer
 
     path = make_checkpoint("parity_mixed_FFSS", seed=0)
     ref = load_reference(path)

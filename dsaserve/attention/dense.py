@@ -38,9 +38,10 @@ def attend_own_keys(
 ) -> torch.Tensor:
     """Attention of queries [t, H, D], already multiplied by the softmax scale, over their own keys
     [t, K, D]; returns the products with whole rows [t, H, D], the value columns first (into `out`
-    when given). CPU costs that shaped it: keys · qᵀ (the long operand first) is 20% faster than
-    q · keysᵀ, whose key operand is repacked; the softmax reads the model-dtype scores and accumulates
-    in fp32 itself; and multiplying whole rows beats copying the value columns out first (2×)."""
+    when given). CPU costs that shaped it (measured in docs/design-notes.md): keys · qᵀ puts the long
+    operand first, so its keys are not repacked as in q · keysᵀ; the softmax reads the model-dtype
+    scores and accumulates in fp32 itself; and multiplying whole rows beats copying the value columns
+    out first."""
     scores = torch.bmm(keys, scaled_q.transpose(1, 2)).transpose(1, 2)  # [t, H, K]
     if invalid is not None:
         scores.masked_fill_(invalid.unsqueeze(1), float("-inf"))

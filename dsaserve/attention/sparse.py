@@ -109,10 +109,10 @@ def attend_own_rows(query: torch.Tensor, rows: torch.Tensor, slot_of: torch.Tens
     """When a tile's selections hardly overlap, the union is most of the context and scoring it costs
     as much as dense attention; each query then reads only its own rows. slot_of maps the request's
     positions to cache slots. The native kernel (bf16 with AVX-512 BF16) reads the rows in place and
-    writes the value columns of `wide`; 1.7-2× faster than the torch path below on 16 heads × 2,048
-    rows. That path gathers a few queries' rows at a time with index_select into one reused buffer
-    (advanced indexing into a fresh [q, K, D] tensor per step took 4× as long: 30 vs 7 ms per 64
-    queries) and writes whole-row products into `wide`."""
+    writes the value columns of `wide`, with no gathered copy. Elsewhere the torch path below gathers
+    a few queries' rows at a time with index_select into one reused buffer (advanced indexing would
+    allocate a fresh [q, K, D] tensor per step, which is much slower on CPU) and writes whole-row
+    products into `wide`. The measurements are in docs/design-notes.md."""
     t0, t1 = span
     width = topk.shape[1]
     selected = topk[t0:t1].long()

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaserve.attention.indexer_cache import IndexerKeyCache
 from dsaserve.config import ModelConfig
-from dsaserve.engine.indexer_cache import IndexerKeyCache
 
 
 @dataclass(frozen=True)

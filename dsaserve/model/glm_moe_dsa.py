@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from dsaserve.attention import make_attention_backend
+from dsaserve.attention.indexer import Selection
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import FULL, ModelConfig
-from dsaserve.model.indexer import Selection
 from dsaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from dsaserve.model.mla import MLAAttention
 from dsaserve.model.moe import MoE
@@ -64,8 +64,6 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.model = GlmMoeDsaModel(cfg, self.backend, self.selection)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
-        # Test hook: called as observer(layer_idx, topk) for every layer that produces top-k.
-        self.topk_observer: Callable[[int, torch.Tensor], None] | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -80,11 +78,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         topk = None
         for i, layer in enumerate(self.model.layers):
-            x, produced = layer(x, cos, sin, meta, kv_caches[i], indexer_caches.get(i), topk)
-            if produced is not topk and produced is not None:
-                topk = produced
-                if self.topk_observer is not None:
-                    self.topk_observer(i, topk)
+            x, topk = layer(x, cos, sin, meta, kv_caches[i], indexer_caches.get(i), topk)
         return self.model.norm(x[meta.logits_indices])
 
     @torch.inference_mode()

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.attention.indexer import Selection
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
-from dsaserve.model.indexer import Indexer, Selection
+from dsaserve.model.indexer import Indexer
 from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale
 
 

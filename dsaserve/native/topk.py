@@ -9,7 +9,7 @@ from dsaserve import native
 
 def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`x.topk(k, dim=1, sorted=False)` of a 2-D fp32 CPU matrix (rows may be strided), computed by the
-    native kernel where it is built (2.4× faster than torch for 64 rows of 16K, k = 2,048);
+    native kernel where it is built (faster than torch at the indexer's sizes; see docs/design-notes.md);
     otherwise, or for anything else, by torch. The order of the k entries is unspecified, and so is
     which of several values tied at the k-th place is kept, as for torch."""
     fn = (native.function("dsaserve_topk_rows", native.PTR, native.I64, native.I64, native.I64, native.I64,

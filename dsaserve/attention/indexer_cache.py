@@ -1,7 +1,9 @@
 """The indexer's paged key cache (full layers only), plain or quantized.
 
 `int8`: one int8 per dimension plus one fp16 scale per token (amax / 127). `fp8`: float8 e4m3 plus one
-fp32 scale per token (amax / 448). Scoring reads whole blocks and dequantizes only those, tile by tile.
+fp32 scale per token (amax / 448). Scoring (attention/indexer.py) reads whole blocks and dequantizes
+only those, tile by tile. The engine allocates one per full layer (engine/kv_cache.py); the model only
+hands it through to the scoring.
 """
 
 from __future__ import annotations

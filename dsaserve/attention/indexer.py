@@ -1,0 +1,226 @@
+"""The lightning indexer's selection: scores past tokens and picks what each query attends to.
+
+score(t, s) = Σ_h relu(q_h(t)·k(s)) · index_head_dim^-0.5 · w_h(t) · index_n_heads^-0.5, with the causal
+mask applied before any reduction. The projections that produce q, k and w are the model's
+(model/indexer.py); the keys live in the layer's own paged key cache (attention/indexer_cache.py).
+
+Scoring streams: a tile of queries meets the context a few whole KV blocks at a time and keeps a
+running top-k, merged after every window of candidates, in buffers allocated once per call, so its
+scratch memory is bounded by the tile, the chunk and the window, never by the context length. On
+CPUs with AVX-512 BF16, a native kernel computes a chunk's relu'd, head-summed scores in registers
+(native/index_scores.c); elsewhere torch materializes the per-head scores of the chunk.
+Selection is either token top-k (the model's trained semantics) or, for the page backend, whole
+pages ranked by the best visible token inside each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dsaserve.attention.indexer_cache import IndexerKeyCache
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.native import index_scores as native_scores
+from dsaserve.native.topk import topk_rows
+
+# Upper bound on score elements materialized at once ([query tile, index heads, key chunk]); with
+# the tile and chunk below it, the bound on scratch memory.
+INDEXER_SCORE_BUDGET = 1 << 22
+QUERY_TILE = 64
+MAX_KEY_CHUNK = 16384
+MERGE_WINDOW = 16384  # candidates scored between two running top-k merges (a merge is a top-k of keep + window)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the indexer returns per query: `index_topk` tokens, or `pages` whole pages."""
+
+    index_topk: int
+    pages: int | None = None  # page mode when set
+
+    def width(self, block_size: int) -> int:
+        """Positions per query row of the output."""
+        return self.pages * block_size if self.pages else self.index_topk
+
+
+def select_topk(keys: torch.Tensor, queries: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                key_cache: IndexerKeyCache, meta: BatchMetadata, selection: Selection) -> torch.Tensor:
+    """Write this step's indexer keys [T, D] at their slots; return the selected logical positions
+    int32 [T, width] (-1 = empty). `queries()` gives (q [T, H, D], weights [T, H] fp32) and is called
+    only when some request sees more than `width` tokens."""
+    key_cache.write(meta.slot_mapping, keys)
+    width = selection.width(meta.block_size)
+    if max(meta.seq_lens_host) <= width:
+        # Every request sees at most `width` tokens, so all of them are selected: no scoring.
+        return all_visible(meta.positions, width)
+    q, weights = queries()
+    return select(q, weights, key_cache, meta, selection)
+
+
+def invisible(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """[queries, keys] True where the key lies in the query's future (the causal mask)."""
+    return key_pos[None, :] > query_pos[:, None]
+
+
+def all_visible(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows selecting every causal-visible position, for queries that see at most `width` tokens."""
+    columns = torch.arange(width, device=positions.device)
+    return torch.where(columns[None, :] <= positions[:, None], columns[None, :], -1).to(torch.int32)
+
+
+def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
+           selection: Selection) -> torch.Tensor:
+    """Per query, the positions its attention reads. q [T, H, D], weights [T, H] fp32."""
+    width = selection.width(meta.block_size)
+    out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
+    scratch = None
+    for i in range(meta.num_reqs):
+        start, end = meta.query_range(i)
+        split = meta.split_at_position(i, width)  # rows before it see ≤ width tokens
+        if split > start:
+            out[start:split] = all_visible(meta.positions[start:split], width)
+        for t0 in range(split, end, QUERY_TILE):
+            t1 = min(t0 + QUERY_TILE, end)
+            scratch = scratch or ScoreScratch(min(QUERY_TILE, q.shape[0]), q.shape[1], q.shape[2], meta.block_size,
+                                              selection, score_dtype(q), q.device)
+            out[t0:t1] = stream_select(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection,
+                                       (meta.position_of(i, t0), meta.position_of(i, t1 - 1)), scratch)
+    return out
+
+
+def score_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype of q·k's inputs: bf16 in bf16 models (fp32 accumulation; faster than fp32 on CPU at a
+    top-k recall close to fp32 scoring's, where production DSA kernels score in fp8; measurements in
+    docs/design-notes.md), fp32 otherwise, exactly as the reference computes it. The native kernel
+    keeps each head's score in fp32 through the relu and head sum; the torch path rounds it to bf16
+    first."""
+    return torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+
+
+def key_chunk_blocks(tile: int, heads: int, block_size: int) -> int:
+    """Whole blocks per scoring chunk so that [tile, heads, chunk] stays within the budget."""
+    tokens = max(block_size, min(MAX_KEY_CHUNK, INDEXER_SCORE_BUDGET // max(1, tile * heads)))
+    return max(1, tokens // block_size)
+
+
+class ScoreScratch:
+    """The scoring buffers, allocated once per select() and reused by every query tile: a fresh
+    multi-MiB allocation per tile costs page faults comparable to the scoring matmul itself."""
+
+    def __init__(self, tile: int, heads: int, head_dim: int, block_size: int, selection: Selection,
+                 score_dtype: torch.dtype, device):
+        self.chunk_blocks = key_chunk_blocks(tile, heads, block_size)
+        chunk = self.chunk_blocks * block_size
+        self.window_blocks = self.chunk_blocks * max(1, MERGE_WINDOW // chunk)
+        self.keep = selection.pages or selection.index_topk
+        self.score_dtype = score_dtype
+        self.scores = torch.empty(tile * chunk, device=device)
+        # The native kernel (bf16 on CPUs with AVX-512 BF16) sums heads in registers and needs only the
+        # keys repacked; the torch path materializes the per-head scores.
+        self.native = score_dtype == torch.bfloat16 and device.type == "cpu" and native_scores.fits(heads, head_dim)
+        if self.native:
+            self.packed_keys = torch.empty(native_scores.packed_size(chunk, head_dim), dtype=torch.int32)
+        else:
+            self.per_head = torch.empty(tile * heads * chunk, device=device)  # fp32: the head sum's input
+            self.per_head_low = (torch.empty(tile * heads * chunk, dtype=score_dtype, device=device)
+                                 if score_dtype != torch.float32 else None)
+        # Columns [0, keep) hold the running best; a window's candidates are appended after them.
+        candidates = self.window_blocks * (1 if selection.pages else block_size)
+        self.merged = torch.empty(tile * (self.keep + candidates), device=device)
+
+
+def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata, i: int,
+                  positions: torch.Tensor, selection: Selection, position_range: tuple[int, int] | None = None,
+                  scratch: ScoreScratch | None = None) -> torch.Tensor:
+    """Running top-k (tokens or pages) of one query tile of request i over its visible blocks.
+    `position_range` (the tile's smallest and largest position, known on the host) saves device syncs."""
+    bs = meta.block_size
+    t, heads = q.shape[0], q.shape[1]
+    scratch = scratch or ScoreScratch(t, heads, q.shape[2], bs, selection, score_dtype(q), q.device)
+    keep = scratch.keep
+    first_position, last_position = position_range or (int(positions.min()), int(positions.max()))
+    visible_blocks = last_position // bs + 1  # later blocks are in every query's future
+    per_block = 1 if selection.pages else bs  # candidates per block
+    q = q.to(scratch.score_dtype).reshape(t * heads, -1)
+
+    def candidates_of(b0: int, b1: int) -> torch.Tensor:
+        return chunk_candidates(q, weights, key_cache, meta.block_tables[i], (b0, b1), bs, scratch, positions,
+                                first_position, selection)
+
+    if visible_blocks <= scratch.chunk_blocks and visible_blocks * per_block >= keep:
+        # One chunk holds every visible key (decode at a few thousand tokens): rank it directly.
+        best, best_ids = topk_rows(candidates_of(0, visible_blocks), keep)
+    else:
+        best, best_ids = running_top_k(candidates_of, visible_blocks, per_block, t, scratch)
+    chosen = torch.where(best == float("-inf"), -1, best_ids)
+    if not selection.pages:
+        return chosen.to(torch.int32)
+    # Pages → their tokens, each query keeping only the ones it may see.
+    tokens = chosen[:, :, None] * bs + torch.arange(bs, device=q.device)
+    tokens = torch.where((chosen[:, :, None] >= 0) & (tokens <= positions[:, None, None]), tokens, -1)
+    return tokens.view(t, -1).to(torch.int32)
+
+
+def running_top_k(candidates_of, visible_blocks: int, per_block: int, t: int,
+                  scratch: ScoreScratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [t, keep] of the best candidates over all visible blocks, merging a window of
+    chunks at a time into the running best."""
+    keep = scratch.keep
+    width = keep + scratch.window_blocks * per_block
+    merged = scratch.merged[: t * width].view(t, width)
+    merged[:, :keep] = float("-inf")
+    best_ids = torch.full((t, keep), -1, dtype=torch.long, device=merged.device)
+    for w0 in range(0, visible_blocks, scratch.window_blocks):
+        w1 = min(w0 + scratch.window_blocks, visible_blocks)
+        for b0 in range(w0, w1, scratch.chunk_blocks):
+            b1 = min(b0 + scratch.chunk_blocks, w1)
+            merged[:, keep + (b0 - w0) * per_block: keep + (b1 - w0) * per_block] = candidates_of(b0, b1)
+        candidates = (w1 - w0) * per_block
+        if w0 == 0 and candidates >= keep:  # nothing kept yet: rank the first window alone
+            best, best_ids = topk_rows(merged[:, keep:keep + candidates], keep)
+        else:
+            best, order = topk_rows(merged[:, : keep + candidates], keep)
+            # Column c < keep is the previous best_ids[c]; later columns count candidates from w0 on.
+            best_ids = torch.where(order < keep, best_ids.gather(1, order.clamp(max=keep - 1)),
+                                   order - keep + w0 * per_block)
+        merged[:, :keep] = best
+    return merged[:, :keep], best_ids
+
+
+def chunk_candidates(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, table: torch.Tensor,
+                     blocks: tuple[int, int], block_size: int, scratch: ScoreScratch, positions: torch.Tensor,
+                     first_position: int, selection: Selection) -> torch.Tensor:
+    """Masked candidate scores [t, tokens or pages] of whole blocks: invisible keys are -inf before
+    any maximum or top-k, and in page mode each page scores as its best visible token."""
+    b0, b1 = blocks
+    scores = score_chunk(q, weights, key_cache, table, blocks, block_size, scratch)
+    if b1 * block_size - 1 > first_position:  # some key of this chunk is in some query's future
+        key_pos = torch.arange(b0 * block_size, b1 * block_size, device=q.device)
+        scores.masked_fill_(invisible(key_pos, positions), float("-inf"))
+    if selection.pages:
+        scores = scores.view(scores.shape[0], b1 - b0, block_size).amax(dim=-1)
+    return scores
+
+
+def score_chunk(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, table: torch.Tensor,
+                blocks: tuple[int, int], block_size: int, scratch: ScoreScratch) -> torch.Tensor:
+    """Unmasked scores [t, c] of a query tile (q flattened to [t * heads, D]) against whole blocks."""
+    b0, b1 = blocks
+    t, heads = weights.shape
+    keys = key_cache.read_blocks(table[b0:b1], scratch.score_dtype)  # [(b1-b0) * block_size, D]
+    c = keys.shape[0]
+    if scratch.native:
+        scores = scratch.scores[: t * c].view(t, c)
+        native_scores.index_scores(q.view(t, heads, -1), weights, native_scores.pack_keys(keys, scratch.packed_keys),
+                                   c, scores)
+        return scores
+    per_head = scratch.per_head[: t * heads * c].view(t * heads, c)
+    if scratch.per_head_low is None:
+        torch.mm(q, keys.T, out=per_head).relu_()
+    else:
+        # The relu runs after the fp32 copy: on CPU, relu on fp32 is faster than on bf16 (same values).
+        per_head.copy_(torch.mm(q, keys.T, out=scratch.per_head_low[: t * heads * c].view(t * heads, c))).relu_()
+    scores = scratch.scores[: t * c].view(t, 1, c)
+    return torch.bmm(weights[:, None, :], per_head.view(t, heads, c), out=scores).view(t, c)
