@@ -17,8 +17,9 @@ import torch
 
 from dsaserve.attention.dense import DenseAttention
 from dsaserve.attention.sparse import SparseAttention
-from dsaserve.bench_longctx import start_with_synthetic_prefix
+from dsaserve.bench.longctx import fill_synthetic_prefix
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine_args import EngineArgs
 from dsaserve.model.indexer import Indexer
 from dsaserve.model.moe import MoE
 from dsaserve.sampling_params import SamplingParams
@@ -43,11 +44,8 @@ def last_chunk(engine: LLMEngine, prefix: int, chunk: int, seed: int) -> float:
     """Seconds for the engine step that prefills tokens [prefix, prefix + chunk) of a random prompt."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(100, engine.config.vocab_size, (prefix + chunk,), generator=g).tolist()
-    request = engine._new_sequence("chunk", None, ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                                   1, index=0)
-    if not engine.kv.allocate(request, prefix + chunk + 1):
-        raise SystemExit("not enough KV blocks; raise --kv-cache-memory")
-    start_with_synthetic_prefix(engine, request, prefix, g)
+    request = engine.make_request("chunk", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    engine.add_prefilled_request(request, prefix, lambda cache, table, n: fill_synthetic_prefix(cache, table, n, g))
     start = time.perf_counter()
     engine.step()
     elapsed = time.perf_counter() - start
@@ -68,9 +66,9 @@ def main() -> None:
         timed(cls, "forward", "attention")
     timed(Indexer, "forward", "indexer")
     timed(MoE, "forward", "moe")
-    engines = {b: LLMEngine(args.model, attention_backend=b, progress=False, enable_prefix_caching=False,
-                            max_model_len=args.prefix + args.chunk + 1, kv_cache_memory=args.kv_cache_memory,
-                            max_num_batched_tokens=args.chunk) for b in args.backends.split(",")}
+    engines = {b: LLMEngine(EngineArgs(args.model, attention_backend=b, progress=False, enable_prefix_caching=False,
+                                       max_model_len=args.prefix + args.chunk + 1, kv_cache_memory=args.kv_cache_memory,
+                                       max_num_batched_tokens=args.chunk)) for b in args.backends.split(",")}
     for repeat in range(args.repeats):
         for backend, engine in engines.items():
             sections.clear()

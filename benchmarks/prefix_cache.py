@@ -35,12 +35,14 @@ def measure(path: str, prefix_caching: bool) -> dict:
     start = time.perf_counter()
     for i in range(REQUESTS):
         engine.add_request(f"r{i}", prefix + own[i], params)
-    first = None
+    first, started = None, set()
     hits = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             hits = max(hits, out.metrics["num_prefix_hit_tokens"])
-        if first is None and all(len(s.output_token_ids) for g in engine.groups.values() for s in g):
+            if any(c.token_ids for c in out.outputs):
+                started.add(out.request_id)
+        if first is None and len(started) == REQUESTS:
             first = time.perf_counter()
     end = time.perf_counter()
     return {"prefix_caching": prefix_caching, "batch_ttft_s": (first or end) - start, "total_s": end - start,

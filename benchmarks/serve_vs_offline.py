@@ -28,7 +28,7 @@ ENGINE_ARGS = ["--max-model-len", "4096", "--kv-cache-memory", "256MiB", "--no-e
 
 def offline_throughput(path: str) -> float:
     from dsaserve import LLM, SamplingParams
-    from dsaserve.bench_serve import make_prompt
+    from dsaserve.bench.serve import make_prompt
 
     rng = random.Random(0)
     prompts = [make_prompt(rng, INPUT, "ids") for _ in range(STREAMS)]
@@ -44,7 +44,7 @@ def offline_throughput(path: str) -> float:
 
 
 def server_load(path: str, port: int = 8765) -> dict:
-    from dsaserve.bench_serve import run_load
+    from dsaserve.bench.serve import run_load
 
     proc = subprocess.Popen([sys.executable, "-m", "dsaserve", "serve", path, "--port", str(port),
                              "--served-model-name", "bench", *ENGINE_ARGS],

@@ -6,49 +6,15 @@ import argparse
 import logging
 import sys
 
-from dsaserve.attention import ATTENTION_BACKENDS
-from dsaserve.engine.indexer_cache import INDEXER_CACHE_DTYPES
-from dsaserve.bench import add_bench_args, cmd_bench
+from dsaserve.bench import add_bench_args
+from dsaserve.engine_args import EngineArgs
 from dsaserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the built-in demo model)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--attention-backend", default="sparse", choices=ATTENTION_BACKENDS)
-    p.add_argument("--page-budget", type=int, default=None,
-                   help="pages per query for --attention-backend page (default: index_topk / block size)")
-    p.add_argument("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES,
-                   help="indexer key cache: auto (model dtype), int8 (+fp16 scale per token) or fp8 (+fp32 scale)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: max-num-seqs × max-model-len tokens, up to 1 GiB; "
-                        "max-model-len is lowered to what the cache holds unless given)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn prefix caching off (on by default)")
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   help="turn chunked prefill off (on by default)")
-    p.add_argument("--hf-overrides", default=None, help="JSON object patched into config.json, e.g. '{\"index_topk_pattern\": \"FFSS\"}'")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-        page_budget=args.page_budget, indexer_cache_dtype=args.indexer_cache_dtype,
-        max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-        hf_overrides=args.hf_overrides,
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from dsaserve import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
@@ -65,7 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dsaserve.server.launcher import serve
 
     return serve(
-        args.model, engine_kwargs(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
+        EngineArgs.from_cli_args(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_request_body_bytes,
         idle_shutdown=args.idle_shutdown,
@@ -96,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (the demo model when no MODEL is given)")
-    add_engine_args(srv)
+    EngineArgs.add_cli_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
@@ -110,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion offline")
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -127,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--max-model-len", type=int, default=None)
     doc.set_defaults(func=cmd_doctor)
 
-    add_bench_args(sub, add_engine_args)
+    add_bench_args(sub)
 
     demo = sub.add_parser("build-demo", help="write the built-in demo checkpoint to a directory")
     demo.add_argument("path")
@@ -141,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        if args.command == "bench":
-            return cmd_bench(args, engine_kwargs)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

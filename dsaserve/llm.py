@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine_args import EngineArgs
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams
 
@@ -15,14 +16,15 @@ PromptType = str | dict | list[int]
 
 
 class LLM:
-    """Load a glm_moe_dsa checkpoint directory (or the built-in demo model when `model` is None)."""
+    """Load a glm_moe_dsa checkpoint directory (or the built-in demo model when `model` is None).
+    Keyword arguments are EngineArgs fields (the CLI flags' names)."""
 
     def __init__(self, model: str | None = None, **engine_args):
         if model is None:
             from dsaserve.demo import demo_model_dir
 
             model = demo_model_dir()
-        self.engine = LLMEngine(model, **engine_args)
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

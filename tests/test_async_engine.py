@@ -6,14 +6,16 @@ import pytest
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.async_engine import AsyncLLMEngine, EngineStepError
-from dsaserve.engine.scheduler import RequestRejected
+from dsaserve.engine.admission import RequestRejected
+from dsaserve.engine_args import EngineArgs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    eng = AsyncLLMEngine.from_model(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=256, progress=False)
+    eng = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=tiny_checkpoint, dtype="float32", block_size=16, max_model_len=256, progress=False))
     yield eng
     eng.shutdown()
 
@@ -43,12 +45,12 @@ def test_concurrent_streams_equal_offline(engine, tiny_checkpoint):
 
 
 def test_cancelled_consumers_free_their_blocks(engine, monkeypatch):
-    total = engine.engine.kv.num_blocks
+    total = engine.stats().num_blocks
     aborted = []
     original_abort = engine.engine.abort_request
 
     def record_abort(request_id):
-        if request_id in engine.engine.groups:
+        if request_id in engine.engine.unfinished_request_ids():
             aborted.append(request_id)
         original_abort(request_id)
 
@@ -71,14 +73,14 @@ def test_cancelled_consumers_free_their_blocks(engine, monkeypatch):
     async def main():
         await asyncio.gather(*(consume_two_then_cancel(i) for i in range(5)))
         for _ in range(100):
-            if engine.engine.num_free_blocks == total and not engine.engine.has_unfinished_requests():
+            if engine.stats().num_free_blocks == total and not engine.engine.has_unfinished_requests():
                 return
             await asyncio.sleep(0.05)
 
     asyncio.run(main())
     assert sorted(aborted) == [f"cancel{i}" for i in range(5)]  # aborted mid-generation, not run to the end
-    assert engine.engine.num_free_blocks == total
-    assert not engine.engine.groups
+    assert engine.stats().num_free_blocks == total
+    assert not engine.engine.unfinished_request_ids()
 
 
 def test_bad_request_fails_before_queueing(engine):
@@ -112,4 +114,4 @@ def test_step_exception_fails_running_requests_and_loop_survives(engine, monkeyp
 
     ids, _, last = asyncio.run(main())
     assert last.finished and len(ids) == 10
-    assert engine.engine.num_free_blocks == engine.engine.kv.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks

@@ -74,7 +74,7 @@ def test_requests_arriving_while_others_decode(path, ref):
     for rid, prompt in prompts.items():
         assert results[rid].outputs[0].token_ids == alone(path, prompt)
     assert results["c"].outputs[0].token_ids == reference_greedy(ref, prompts["c"], 12)
-    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -92,7 +92,7 @@ def test_preemption_recomputes_to_identical_output(path, ref, prefix_caching):
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == alone(path, prompt, params)
     assert outs[2].outputs[0].token_ids == reference_greedy(ref, prompts[2], 24)
-    assert llm.engine.num_free_blocks == 8
+    assert llm.engine.stats().num_free_blocks == 8
 
 
 @pytest.mark.parametrize("shared_len", [64, 70])  # ends on a block boundary / mid-block
@@ -104,7 +104,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_outputs(path, ref, shared_len):
     out = llm.generate(prompt_token_ids=second, sampling_params=GREEDY, use_tqdm=False)[0]
     assert out.metrics["num_prefix_hit_tokens"] == 64  # 4 full shared blocks
     assert out.outputs[0].token_ids == alone(path, second) == reference_greedy(ref, second, 12)
-    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
 
 
 def check_prefix_chaining(path, ref):
@@ -189,8 +189,8 @@ def test_corrupting_another_requests_blocks_leaves_this_one_unchanged(path):
                 results[out.request_id].add(out)
             else:
                 results[out.request_id] = out
-        for seq in engine.groups.get("b", []):
-            for block in seq.block_table:
+        if engine.scheduler.has_request("b"):
+            for block in engine.scheduler.requests["b"].block_table:
                 for t in engine.kv_cache.tensors():
                     t[block].normal_(0, 100)
     assert results["a"].outputs[0].token_ids == alone(path, a)
@@ -202,39 +202,46 @@ def test_corrupting_another_requests_blocks_leaves_this_one_unchanged(path):
 
 def test_abort_mid_prefill_and_mid_decode_frees_every_block(path):
     engine = make_llm(path, max_num_batched_tokens=20).engine
-    total = engine.kv.num_blocks
+    total = engine.stats().num_blocks
     engine.add_request("long", tokens(70, 90), GREEDY)
     engine.step()
-    assert engine.groups["long"][0].in_prompt and engine.num_free_blocks < total
+    assert engine.scheduler.requests["long"].in_prompt and engine.stats().num_free_blocks < total
     engine.abort_request("long")
-    assert engine.num_free_blocks == total and not engine.has_unfinished_requests()
+    assert engine.stats().num_free_blocks == total and not engine.has_unfinished_requests()
     engine.add_request("short", tokens(71, 10), GREEDY)
     engine.add_request("other", tokens(72, 12), GREEDY)
     for _ in range(4):
         engine.step()
-    assert not engine.groups["short"][0].in_prompt and len(engine.groups["short"][0].output_token_ids) > 1
+    short = engine.scheduler.requests["short"]
+    assert not short.in_prompt and len(short.output_token_ids) > 1
     engine.abort_request("short")
     drive(engine, {})
-    assert engine.num_free_blocks == total
+    assert engine.stats().num_free_blocks == total
 
 
 def test_non_finite_logits_fail_only_that_request(path, monkeypatch):
     engine = make_llm(path).engine
-    runner = engine.runner
-    original = runner.execute
+    runner, model = engine.runner, engine.runner.model
+    execute, compute_logits = runner.execute, model.compute_logits
+    bad_row = {}
 
-    def poison(batch):
-        result = original(batch)
-        for row, b in enumerate(result.sample_requests):
-            if batch.requests[b].request_id == "bad":
-                result.sample_logits[row] = float("nan")
-        return result
+    def find_bad_row(scheduler_output):  # without prompt logprobs, logits rows are the sampling requests in order
+        sampling = [s.request_id for s in scheduler_output.scheduled if s.sample]
+        bad_row["row"] = sampling.index("bad") if "bad" in sampling else None
+        return execute(scheduler_output)
 
-    monkeypatch.setattr(runner, "execute", poison)
+    def poison(hidden):
+        logits = compute_logits(hidden)
+        if bad_row["row"] is not None:
+            logits[bad_row["row"]] = float("nan")
+        return logits
+
+    monkeypatch.setattr(runner, "execute", find_bad_row)
+    monkeypatch.setattr(model, "compute_logits", poison)
     results = drive(engine, {0: [("bad", tokens(80, 20), GREEDY), ("good", tokens(81, 20), GREEDY)]})
     assert results["bad"].outputs[0].finish_reason == "error" and "non-finite" in results["bad"].error
     assert results["good"].outputs[0].token_ids == alone(path, tokens(81, 20))
-    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 # ---- the block manager on its own --------------------------------------------------------------------
@@ -243,7 +250,7 @@ def test_non_finite_logits_fail_only_that_request(path, monkeypatch):
 def seq(ids):
     from dsaserve.engine.request import Request
 
-    return Request("x", None, list(ids), SamplingParams(), frozenset(), 4, detokenizer=None)
+    return Request("x", list(ids), SamplingParams(), frozenset(), 4)
 
 
 def computed(kv, request):
@@ -283,7 +290,7 @@ def test_stop_string_frees_blocks_in_the_same_step(path):
         if outs and outs[0].finished:
             break
     assert outs[0].outputs[0].finish_reason == "stop"
-    assert engine.num_free_blocks == engine.kv.num_blocks and not engine.has_unfinished_requests()
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks and not engine.has_unfinished_requests()
 
 
 def test_fully_cached_prompt_still_computes_its_last_token(path):

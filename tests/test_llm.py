@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.scheduler import RequestRejected
+from dsaserve.engine.admission import RequestRejected
 from dsaserve.sampling_params import SamplingParamsError
 
 
@@ -105,21 +105,21 @@ def test_seeded_sampling_is_reproducible(llm):
 
 
 def test_too_long_request_rejected_and_pool_untouched(llm):
-    free = llm.engine.num_free_blocks
+    free = llm.engine.stats().num_free_blocks
     with pytest.raises(RequestRejected, match="exceeds max_model_len=512"):
         llm.generate(prompt_token_ids=[5] * 500, sampling_params=SamplingParams(max_tokens=20), use_tqdm=False)
     with pytest.raises(RequestRejected, match="outside the vocabulary"):
         llm.generate(prompt_token_ids=[10**6], sampling_params=GREEDY, use_tqdm=False)
     with pytest.raises(RequestRejected, match="empty"):
         llm.generate(prompt_token_ids=[[1, 2], []], sampling_params=GREEDY, use_tqdm=False)
-    assert llm.engine.num_free_blocks == free and not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats().num_free_blocks == free and not llm.engine.has_unfinished_requests()
 
 
 def test_blocks_return_to_the_pool(llm):
-    free = llm.engine.num_free_blocks
-    assert free == llm.engine.kv.num_blocks
+    free = llm.engine.stats().num_free_blocks
+    assert free == llm.engine.stats().num_blocks
     llm.generate(["x" * 40, "y", "z z z"], SamplingParams(max_tokens=20, temperature=0.7), use_tqdm=False)
-    assert llm.engine.num_free_blocks == free
+    assert llm.engine.stats().num_free_blocks == free
 
 
 def test_max_tokens_none_runs_to_max_model_len(tiny_checkpoint):
@@ -167,8 +167,8 @@ def test_kv_cache_memory_sets_the_pool_size(tiny_checkpoint):
     small = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, kv_cache_memory="1MiB", progress=False)
     cfg = small.engine.config
     per_block = 16 * 4 * (cfg.num_hidden_layers * cfg.kv_cache_dim + len(cfg.full_layers) * cfg.index_head_dim)
-    assert small.engine.kv.num_blocks == (1 << 20) // per_block
-    assert small.engine.kv_cache.nbytes() == small.engine.kv.num_blocks * per_block
+    assert small.engine.stats().num_blocks == (1 << 20) // per_block
+    assert small.engine.kv_cache.nbytes() == small.engine.stats().num_blocks * per_block
     with pytest.raises(ValueError, match="max_model_len=512 needs 512 tokens of KV cache but the cache holds 32"):
         LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, kv_cache_memory=per_block * 2, progress=False)
     fitted = LLM(tiny_checkpoint, dtype="float32", block_size=16, kv_cache_memory=per_block * 2, progress=False)

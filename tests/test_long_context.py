@@ -5,13 +5,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import dsaserve.model.indexer as indexer
+import dsaserve.attention.indexer as indexer
 from dsaserve import LLM, SamplingParams
+from dsaserve.attention.indexer import Selection, select, stream_select
+from dsaserve.attention.indexer_cache import IndexerKeyCache
 from dsaserve.attention.metadata import BatchMetadata
-from dsaserve.bench_longctx import HeapSampler
-from dsaserve.engine.indexer_cache import IndexerKeyCache
+from dsaserve.bench.longctx import HeapSampler
 from dsaserve.engine.kv_cache import KVCacheLayout
-from dsaserve.model.indexer import Selection, select, stream_select
+from dsaserve.native import index_scores as native_scores
 from reference import load_reference, reference_greedy
 
 HEADS, DIM, BS = 4, 16, 16
@@ -63,13 +64,20 @@ def test_streaming_indexer_matches_direct_topk(monkeypatch, context, new):
     assert got == expected
 
 
-@pytest.mark.parametrize("native_kernel", [True, False], ids=["native-where-built", "torch"])
+@pytest.mark.parametrize("native_kernel", [
+    pytest.param(True, id="native", marks=pytest.mark.skipif(
+        not native_scores.fits(8, DIM), reason="no native index-scores kernel here (needs AVX-512 BF16)")),
+    pytest.param(False, id="torch"),
+])
 def test_bf16_scoring_selects_within_rounding_of_fp32_scores(native_kernel, monkeypatch):
     """bf16 models score q·k from bf16 inputs with fp32 accumulation (the torch path also rounds each
     head's score to bf16). A key that beats the k-th fp32 score by more than twice the rounding bound
     must be selected, and none that trails it by more may be."""
     if not native_kernel:
         monkeypatch.setattr(indexer.native_scores, "fits", lambda heads, dim: False)
+    kernel_calls = []
+    real_kernel = native_scores.index_scores
+    monkeypatch.setattr(native_scores, "index_scores", lambda *a: kernel_calls.append(1) or real_kernel(*a))
     cache, meta, keys, q, weights = random_context(3, 600, 40, heads=8)
     q, keys = q.bfloat16(), keys.bfloat16()
     bf16_cache = IndexerKeyCache(cache.data.shape[0], BS, DIM, "auto", torch.bfloat16, torch.device("cpu"))
@@ -77,6 +85,7 @@ def test_bf16_scoring_selects_within_rounding_of_fp32_scores(native_kernel, monk
     assert indexer.score_dtype(q) == torch.bfloat16
     k = 64
     out = select(q, weights, bf16_cache, meta, Selection(k))
+    assert bool(kernel_calls) == native_kernel  # the path this case is about is the one that ran
     per_head = q.float() @ keys.float().T  # [t, H, S], exact products of the bf16 inputs
     exact = direct_scores(keys, q, weights, meta.positions)
     # bf16 rounds each head's score by ≤ 2^-9 relative; per query, the worst key bounds the error

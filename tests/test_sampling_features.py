@@ -6,7 +6,7 @@ import torch
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.logits_processors import process_logits
-from dsaserve.engine.request import Request
+from dsaserve.engine.runner_state import RunnerRequest
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +29,23 @@ def test_n_samples_share_the_prompt_and_differ(llm):
     assert gen(llm, prompt, n=3, temperature=1.0, seed=11, max_tokens=10).outputs == out.outputs
     greedy = gen(llm, prompt, n=2, max_tokens=8)
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == gen(llm, prompt, max_tokens=8).outputs[0].token_ids
-    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
 
 
-def test_forked_samples_share_full_prompt_blocks(llm):
+def test_n_samples_share_full_prompt_blocks(llm):
     engine = llm.engine
     prompt = list(range(40, 90))  # 50 tokens: 3 full blocks + a partial one
     engine.add_request("fork", prompt, SamplingParams(n=3, temperature=1.0, max_tokens=4, seed=1))
-    engine.step()
-    group = engine.groups["fork"]
-    assert len(group) == 3
+    engine.step()  # sample 0 computes the prompt
+    engine.step()  # samples 1 and 2 are admitted on its cached blocks
+    group = [engine.scheduler.requests[f"fork#{i}"] for i in range(3)]
     shared = group[0].block_table[:3]
     assert all(s.block_table[:3] == shared for s in group)
-    assert all(engine.kv.ref_counts[b] == 3 for b in shared)
+    assert all(engine.scheduler.kv.ref_counts[b] == 3 for b in shared)
+    assert [s.num_prefix_hit_tokens for s in group] == [0, 48, 48]
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 def test_seed_gives_same_output_in_any_company(llm):
@@ -54,10 +55,8 @@ def test_seed_gives_same_output_in_any_company(llm):
     assert crowd[1].outputs[0].token_ids == alone
 
 
-def request_for(prompt_ids, output_ids, **params) -> Request:
-    req = Request("r", None, prompt_ids, SamplingParams(**params), frozenset({0}), 10, detokenizer=None)
-    req.output_token_ids = list(output_ids)
-    return req
+def request_for(prompt_ids, output_ids, **params) -> RunnerRequest:
+    return RunnerRequest(SamplingParams(**params), prompt_ids, frozenset({0}), None, False, list(output_ids))
 
 
 def test_presence_and_frequency_penalties_follow_openai():

@@ -392,8 +392,8 @@ def test_an_error_inside_a_started_stream_is_reported_and_the_stream_ends():
     from dsaserve.server.completions import PreparedPrompt, completion_stream
     from dsaserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
-    async def failing_generate(ids, params, request_id):
-        yield RequestOutput(request_id, None, ids, [CompletionOutput(0, "Hi", [5])], finished=False)
+    async def failing_generate(request):
+        yield RequestOutput("id", None, [1, 2], [CompletionOutput(0, "Hi", [5])], finished=False)
         raise EngineStepError("simulated device error")
 
     state = SimpleNamespace(generate=failing_generate, config=SimpleNamespace(model_name="tiny"))

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
+import dataclasses
 import statistics
 import threading
 import time
 
 import torch
 
-from dsaserve.engine.request import RequestStatus
+from dsaserve.bench.common import write_json
+from dsaserve.engine_args import EngineArgs
 from dsaserve.sampling_params import SamplingParams
 
 
@@ -65,33 +66,25 @@ class HeapSampler:
         return self.peak - self.base
 
 
-def start_with_synthetic_prefix(engine, request, length: int, g: torch.Generator) -> None:
-    """Fill the first `length` positions of an allocated request's cache with synthetic latents and
-    indexer keys, mark them computed and put the request in the running queue."""
-    block_size = engine.kv.block_size
-    blocks = torch.tensor(request.block_table[: -(-length // block_size)])
-    for latent in engine.kv_cache.latent:  # normalized latent (RMS ~1) and a rotated rope key
+def fill_synthetic_prefix(kv_cache, block_table: list[int], length: int, g: torch.Generator) -> None:
+    """Write synthetic latents and indexer keys into the first `length` positions of these blocks."""
+    block_size = kv_cache.block_size
+    blocks = torch.tensor(block_table[: -(-length // block_size)])
+    for latent in kv_cache.latent:  # normalized latent (RMS ~1) and a rotated rope key
         latent[blocks] = torch.randn(latent[blocks].shape, generator=g).to(latent.dtype)
     positions = torch.arange(length)
     slots = blocks[positions // block_size] * block_size + positions % block_size
-    for keys in engine.kv_cache.indexer.values():
-        keys.write(slots, torch.randn(length, engine.config.index_head_dim, generator=g))
-    request.num_computed_tokens = length
-    request.status = RequestStatus.RUNNING
-    engine.groups[request.request_id] = [request]
-    engine.scheduler.running.append(request)
+    for keys in kv_cache.indexer.values():
+        keys.write(slots, torch.randn(length, keys.dim, generator=g))
 
 
 def synthetic_decode_ms(engine, context: int, steps: int, seed: int = 0) -> float:
     """Median ms per decode step of one request whose first `context` tokens are already (synthetically) cached."""
     g = torch.Generator().manual_seed(seed)
-    cfg = engine.config
-    ids = torch.randint(100, cfg.vocab_size, (context,), generator=g).tolist()
+    ids = torch.randint(100, engine.config.vocab_size, (context,), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
-    request = engine._new_sequence("synthetic", None, ids, params, steps + 2, index=0)
-    if not engine.kv.allocate(request, context + steps + 2):
-        raise ValueError(f"not enough KV blocks for a {context}-token context; raise --kv-cache-memory")
-    start_with_synthetic_prefix(engine, request, context - 1, g)
+    request = engine.make_request("synthetic", ids, params)
+    engine.add_prefilled_request(request, context - 1, lambda cache, table, n: fill_synthetic_prefix(cache, table, n, g))
     engine.step()  # computes the last prompt token: the first decode-shaped step
     step_ms = []
     for _ in range(steps):
@@ -115,15 +108,16 @@ def prefill(engine, length: int, seed: int = 0) -> tuple[float, int]:
     return ttft, heap.extra
 
 
-def run(model: str, backends: list[str], decode_lens: list[int], prefill_lens: list[int], steps: int,
-        engine_args: dict) -> dict:
+def run(engine_args: EngineArgs, backends: list[str], decode_lens: list[int], prefill_lens: list[int],
+        steps: int) -> dict:
     from dsaserve.engine.engine import LLMEngine
 
     results = {"decode_ms_per_token": {}, "prefill_ttft_s": {}, "prefill_peak_scratch_mib": {},
                "note": "median of the decode steps; decode points use synthetic cached latents and indexer keys (no prefill)"}
     # Every backend's engine stays loaded and they take turns at each point, so a slow phase of a
     # shared machine lands on all of them instead of on whichever backend ran then.
-    engines = {b: LLMEngine(model, attention_backend=b, progress=False, enable_prefix_caching=False, **engine_args)
+    engines = {b: LLMEngine(dataclasses.replace(engine_args, attention_backend=b, progress=False,
+                                                enable_prefix_caching=False))
                for b in backends}
     for backend, engine in engines.items():
         synthetic_decode_ms(engine, decode_lens[0] if decode_lens else 256, 2)  # warm-up
@@ -181,9 +175,9 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def add_longctx_args(kinds: argparse._SubParsersAction, add_engine_args) -> None:
+def add_longctx_args(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("longctx", help="decode and prefill cost against context length per attention backend")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p, skip=("attention_backend", "enable_prefix_caching"))
     p.add_argument("--backends", default="dense,sparse,page")
     p.add_argument("--decode-lens", default="2048,8192,32768,65536")
     p.add_argument("--prefill-lens", default="2048,4096,8192")
@@ -192,21 +186,17 @@ def add_longctx_args(kinds: argparse._SubParsersAction, add_engine_args) -> None
     p.add_argument("--output-json", default=None)
 
 
-def cmd_longctx(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    engine_kwargs = {k: v for k, v in engine_kwargs.items()
-                     if k not in ("attention_backend", "enable_prefix_caching")}
+def cmd_longctx(args: argparse.Namespace) -> int:
     lens = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    model = args.model
-    if model is None:
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.model is None:
         from dsaserve.demo import demo_model_dir
 
-        model = demo_model_dir()
-    results = run(model, args.backends.split(","), lens(args.decode_lens), lens(args.prefill_lens),
-                  args.decode_steps, engine_kwargs)
+        engine_args = dataclasses.replace(engine_args, model=demo_model_dir())
+    results = run(engine_args, args.backends.split(","), lens(args.decode_lens), lens(args.prefill_lens),
+                  args.decode_steps)
     print_results(results)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.output_json, results)
     if args.plot:
         plot(results, args.plot)
         print(f"plot written to {args.plot}")

@@ -1,5 +1,4 @@
-"""`dsaserve bench throughput` and `dsaserve bench latency`: offline measurements of the engine
-(`dsaserve bench serve` loads a server over HTTP: see bench_serve.py).
+"""`dsaserve bench throughput` and `dsaserve bench latency`: offline measurements of the engine.
 
 Prompts are random token ids (so any checkpoint works without a dataset); generation ignores eos so
 every request produces exactly --output-len tokens.
@@ -8,28 +7,17 @@ every request produces exactly --output-len tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
-import torch
 from tqdm import tqdm
 
-
-def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    low = min(100, vocab // 2)
-    return torch.randint(low, vocab, (num, length), generator=g).tolist()
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+from dsaserve.bench.common import percentile, print_table, random_prompts, write_json
+from dsaserve.engine_args import EngineArgs
+from dsaserve.sampling_params import SamplingParams
 
 
 def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
-    from dsaserve import SamplingParams
-
     prompts = random_prompts(num_prompts, input_len, llm.engine.config.vocab_size, seed)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
@@ -45,8 +33,6 @@ def run_throughput(llm, num_prompts: int, input_len: int, output_len: int, seed:
 
 def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int, warmup: int, seed: int) -> dict:
     """TTFT: from submission to the step that produced the first token. TPOT: mean time per later token."""
-    from dsaserve import SamplingParams
-
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     ttfts, tpots = [], []
@@ -55,10 +41,10 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
         start = time.perf_counter()
         for i, p in enumerate(prompts):
             engine.add_request(f"lat-{it}-{i}", p, params)
-        first = None
+        first, started = None, set()
         while engine.has_unfinished_requests():
-            engine.step()
-            if first is None and all(len(s.output_token_ids) > 0 for g in engine.groups.values() for s in g):
+            started.update(out.request_id for out in engine.step() if any(c.token_ids for c in out.outputs))
+            if first is None and len(started) == len(prompts):
                 first = time.perf_counter()
         end = time.perf_counter()
         first = first or end
@@ -74,28 +60,13 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
     }
 
 
-def print_table(title: str, result: dict) -> None:
-    print(title)
-    width = max(len(k) for k in result)
-    for key, value in result.items():
-        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-        print(f"  {key:<{width}}  {shown}")
-
-
-def add_bench_args(sub: argparse._SubParsersAction, add_engine_args) -> None:
-    from dsaserve.bench_longctx import add_longctx_args
-    from dsaserve.bench_serve import add_serve_bench_args
-
-    bench = sub.add_parser("bench", help="measure throughput, latency or long context offline, or load a server")
-    kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    add_serve_bench_args(kinds)
-    add_longctx_args(kinds, add_engine_args)
+def add_offline_args(kinds: argparse._SubParsersAction) -> None:
     for kind in ("throughput", "latency"):
         p = kinds.add_parser(kind)
-        add_engine_args(p)
+        EngineArgs.add_cli_args(p)
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=128)
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
         p.add_argument("--output-json", default=None, help="also write the result to this file")
         if kind == "throughput":
             p.add_argument("--num-prompts", type=int, default=16)
@@ -105,19 +76,11 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args) -> None:
             p.add_argument("--num-iters-warmup", type=int, default=1)
 
 
-def cmd_bench(args: argparse.Namespace, make_engine_kwargs) -> int:
+def cmd_offline(args: argparse.Namespace) -> int:
     from dsaserve import LLM
 
-    if args.bench_kind == "serve":
-        from dsaserve.bench_serve import cmd_bench_serve
-
-        return cmd_bench_serve(args)
-    engine_kwargs = make_engine_kwargs(args)
-    if args.bench_kind == "longctx":
-        from dsaserve.bench_longctx import cmd_longctx
-
-        return cmd_longctx(args, engine_kwargs)
-    llm = LLM(args.model, **engine_kwargs)
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**vars(engine_args))
     if args.bench_kind == "throughput":
         result = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
     else:
@@ -126,7 +89,5 @@ def cmd_bench(args: argparse.Namespace, make_engine_kwargs) -> int:
     result["dtype"] = str(llm.engine.dtype).removeprefix("torch.")
     result["attention_backend"] = llm.engine.model.backend.name
     print_table(f"dsaserve bench {args.bench_kind}: {llm.engine.model_dir}", result)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.output_json, result)
     return 0

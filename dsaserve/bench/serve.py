@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-from dsaserve.bench import percentile, print_table
+from dsaserve.bench.common import percentile, print_table, write_json
 
 WORDS = ("the of and to in is that for it as with was on be by at this are from or have an they which one "
          "you were all we when there can been has more if no would what their about out up into them time").split()
@@ -142,7 +142,5 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     result = asyncio.run(run_load(args.base_url, model, args.num_prompts, args.input_len, args.output_len,
                                   args.max_concurrency, args.request_rate, args.api_key, args.prompt_format, args.seed))
     print_table(f"dsaserve bench serve: {args.base_url} ({model})", result)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.output_json, result)
     return 0 if result["errors"] == 0 else 1

@@ -4,8 +4,8 @@
     async for out in engine.generate(prompt, params, request_id):
         ...  # out carries what is new since the previous output
 
-Requests are validated in the caller (so bad input fails before anything is queued), then handed to
-the stepping thread through a queue; only that thread touches the engine's state. By default a
+Requests pass the engine's admission check in the caller (`make_request`, so bad input fails before
+anything is queued), then are handed to the stepping thread through a queue; only that thread touches the engine's state. By default a
 background thread steps the engine. A server should instead call `run()` on the main thread and
 put its event loop on another thread: torch's OpenMP parallel regions started from a non-main
 thread cost ~50 µs more each here, which slowed whole decode steps by ~20%. Cancelling or closing
@@ -24,7 +24,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from dsaserve.engine.admission import EngineRequest
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.stats import EngineStats
+from dsaserve.engine_args import EngineArgs
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams
 
@@ -62,8 +65,8 @@ class AsyncLLMEngine:
             self._thread.start()
 
     @classmethod
-    def from_model(cls, model: str, start_thread: bool = True, **engine_args) -> "AsyncLLMEngine":
-        return cls(LLMEngine(model, **engine_args), start_thread=start_thread)
+    def from_engine_args(cls, args: EngineArgs, start_thread: bool = True) -> "AsyncLLMEngine":
+        return cls(LLMEngine(args), start_thread=start_thread)
 
     @property
     def is_running(self) -> bool:
@@ -74,20 +77,42 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_dir(self) -> str:
+        return self.engine.model_dir
+
+    @property
     def num_unfinished(self) -> int:
+        """Requests with a consumer, queued or running."""
         return len(self._streams)
 
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> EngineRequest:
+        """The engine's admission check (raises RequestRejected); safe on any thread."""
+        return self.engine.make_request(request_id, prompt, params)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        async for out in self.stream(self.make_request(request_id, prompt, params)):
+            yield out
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Run an admitted request; yields its outputs until it finishes."""
         if self._stopped.is_set():
             raise EngineStepError("the engine has stopped")
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.engine.validate(ids, params)  # raises RequestRejected before anything is queued
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._submit(("add", request_id, ids, text, params))
+        self._submit(("add", request))
         finished = False
         try:
             while True:
@@ -123,7 +148,7 @@ class AsyncLLMEngine:
             self._loop(should_stop or (lambda: False))
         finally:
             self._running = False
-            for request_id in list(self.engine.groups):
+            for request_id in self.engine.unfinished_request_ids():
                 self.engine.abort_request(request_id)
             for stream in list(self._streams.values()):
                 stream.put(EngineStepError("the engine stopped"))
@@ -157,21 +182,20 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if op[0] == "add":
-                _, request_id, ids, text, params = op
-                if request_id not in self._streams:  # cancelled before it started
+                request = op[1]
+                if request.request_id not in self._streams:  # cancelled before it started
                     continue
                 try:
-                    self.engine.add_request(request_id, ids, params, prompt_text=text)
+                    self.engine.enqueue(request)
                 except Exception as e:
-                    stream = self._streams.get(request_id)
+                    stream = self._streams.get(request.request_id)
                     if stream is not None:
                         stream.put(e)
             else:
                 self.engine.abort_request(op[1])
 
     def _fail_running(self, error: Exception) -> None:
-        running = {r.request_id for r in self.engine.scheduler.running}
-        for request_id in running:
+        for request_id in self.engine.running_request_ids():
             self.engine.abort_request(request_id)
             stream = self._streams.get(request_id)
             if stream is not None:

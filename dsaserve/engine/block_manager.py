@@ -70,7 +70,7 @@ class KVCacheManager:
     def cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix. The last token is always left to compute: its
         logits are needed, and recomputing it must not write into a shared block."""
-        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.want_prompt_logprobs:
             return []  # prompt logprobs need every prompt position computed
         self._update_keys(request, request.num_tokens)
         usable = (request.num_tokens - 1) // self.block_size
@@ -127,17 +127,6 @@ class KVCacheManager:
             self.block_keys[block] = None
         self.ref_counts[block] = 1
         return block
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Let child share parent's full blocks. Child recomputes the tokens of parent's partial last
-        block itself (fewer than block_size tokens), so no block is ever written by two sequences."""
-        full = parent.num_computed_tokens // self.block_size
-        for block in parent.block_table[:full]:
-            self.ref_counts[block] += 1
-        child.block_table = list(parent.block_table[:full])
-        child.block_keys = list(parent.block_keys[:full])
-        child.num_cached_blocks = min(parent.num_cached_blocks, full)
-        child.num_computed_tokens = full * self.block_size
 
     def free(self, request: Request) -> None:
         """Drop the request's references. Uncached blocks go to the front of the queue (reused first);

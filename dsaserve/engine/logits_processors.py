@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.engine.request import Request
+from dsaserve.engine.runner_state import RunnerRequest
 
 
-def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logits [N, V] fp32, one row per request (rows may repeat a request's logits for its samples)."""
+def process_logits(logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
+    """logits [N, V] fp32, one row per request."""
     if not any(_needs_processing(r) for r in requests):
         return logits
     logits = logits.clone()
@@ -32,12 +32,12 @@ def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
     return logits
 
 
-def _needs_processing(request: Request) -> bool:
+def _needs_processing(request: RunnerRequest) -> bool:
     params = request.params
     return bool(params.logit_bias) or params.has_penalties or len(request.output_token_ids) < params.min_tokens
 
 
-def _apply_penalties(row: torch.Tensor, request: Request) -> None:
+def _apply_penalties(row: torch.Tensor, request: RunnerRequest) -> None:
     params = request.params
     vocab = row.shape[0]
     if request.output_token_ids:

@@ -1,7 +1,8 @@
-"""A sequence as the engine schedules it: tokens, cache blocks, progress, and what it has produced.
+"""A sequence as the scheduler sees it: tokens, cache blocks, progress, and why it ended.
 
-A client request with `n` parallel samples becomes `n` sequences sharing one request id; sample 0
-prefills the prompt and the others fork from it (sharing its full blocks) when it first samples.
+A client request with `n` parallel samples becomes `n` of these, one per sample, sharing a parent id;
+samples 1…n-1 wait until sample 0 has computed the prompt, then find its full blocks in the prefix cache.
+Text, logprobs and output assembly live in the output processor; sampling state in the model runner.
 """
 
 from __future__ import annotations
@@ -9,10 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
-from dsaserve.engine.detokenizer import IncrementalDetokenizer
-from dsaserve.outputs import PositionLogprobs
+from dsaserve.engine.admission import EngineRequest
 from dsaserve.sampling_params import SamplingParams
 
 
@@ -24,15 +22,14 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    request_id: str
-    prompt: str | None
+    request_id: str  # unique per sequence (the parent id when n == 1)
     prompt_token_ids: list[int]
     params: SamplingParams
-    stop_token_ids: frozenset[int]
+    stop_token_ids: frozenset[int]  # eos ids unless ignore_eos, plus params.stop_token_ids
     max_tokens: int  # resolved against max_model_len
-    detokenizer: IncrementalDetokenizer
-    index: int = 0  # which of the request's n samples this is
-    arrival_time: float = 0.0
+    index: int = 0  # which of the parent's n samples this is
+    want_prompt_logprobs: bool = False
+    waits_for: Request | None = None  # a sibling whose prompt blocks this one will reuse
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
@@ -40,19 +37,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
-    error: str | None = None
-    cumulative_logprob: float = 0.0
-    logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    generator: torch.Generator | None = None
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0
-    first_token_time: float | None = None
-    # What the last output already reported, so outputs carry only what is new.
-    num_reported_tokens: int = 0
-    num_reported_logprobs: int = 0
-    finish_reported: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,6 +53,10 @@ class Request:
         """Still computing tokens it already knows (prompt, or prompt + outputs after a preemption)."""
         return self.num_computed_tokens < self.num_tokens - 1
 
+    @property
+    def prompt_computed(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""
         p = len(self.prompt_token_ids)
@@ -77,3 +67,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+
+def samples_of(request: EngineRequest, eos_token_ids) -> list[Request]:
+    """One sequence per sample (ids `ID#i` when n > 1); samples 1…n-1 wait for sample 0's prompt blocks."""
+    params = request.params
+    ids = [request.request_id] if params.n == 1 else [f"{request.request_id}#{i}" for i in range(params.n)]
+    stop = frozenset(params.stop_token_ids or ()) | frozenset(() if params.ignore_eos else eos_token_ids)
+    sequences = [Request(sid, request.prompt_token_ids, params, stop, request.max_tokens, index=i,
+                         want_prompt_logprobs=i == 0 and params.prompt_logprobs is not None)
+                 for i, sid in enumerate(ids)]
+    for sibling in sequences[1:]:
+        sibling.waits_for = sequences[0]
+    return sequences

@@ -1,60 +1,104 @@
-"""Turns a scheduled batch into BatchMetadata, runs the model, and returns the logits rows asked for."""
+"""ModelRunner: one step of the model on a SchedulerOutput, sampled into a ModelRunnerOutput.
+
+It owns the batch metadata, the logits processors and the sampler, and knows requests only by id: no
+scheduler or block-manager state, so the same runner can run on every rank of a parallel executor.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.kv_cache import KVCache
-from dsaserve.engine.scheduler import ScheduledBatch
+from dsaserve.engine.logits_processors import process_logits
+from dsaserve.engine.runner_output import ModelRunnerOutput, TokenLogprobs
+from dsaserve.engine.runner_state import RunnerRequest
+from dsaserve.engine.sampler import TopLogprobs, sample, top_logprobs
+from dsaserve.engine.scheduler_output import SchedulerOutput
 
-
-@dataclass
-class RunnerOutput:
-    sample_logits: torch.Tensor  # [len(sample_requests), V] fp32, one row per request that samples now
-    sample_requests: list[int]  # batch positions of those requests
-    # batch position → (first position p, [k, V] rows predicting prompt tokens p+1 … p+k)
-    prompt_logits: dict[int, tuple[int, torch.Tensor]]
+NON_FINITE = "the model produced non-finite logits for this request"
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model, kv_cache: KVCache, device: torch.device, seed: int = 0):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.requests: dict[str, RunnerRequest] = {}
+        self.rng = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
 
-    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        token_ids, context_lens, tables, logits_rows = [], [], [], []
-        sample_requests, sample_rows, prompt_rows = [], [], {}
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in scheduler_output.new_requests:
+            self.requests[new.request_id] = RunnerRequest.from_new(new, self.device)
+        output = ModelRunnerOutput()
+        if not scheduler_output.scheduled:
+            return output
+        logits_rows, sample_ids, sample_rows, prompt_rows = [], [], [], {}
         offset = 0
-        for b, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            start = request.num_computed_tokens
-            token_ids.append(request.token_ids(start, start + n))
-            context_lens.append(start)
-            tables.append(request.block_table)
-            if request.prompt_logprobs is not None:
-                # Row at position p predicts prompt token p + 1; skip positions already recorded
+        for s in scheduler_output.scheduled:
+            n = len(s.token_ids)
+            state = self.requests[s.request_id]
+            if state.want_prompt_logprobs:
+                # Row at position p predicts prompt token p + 1; positions already returned are skipped
                 # (a preempted request recomputes its prompt).
-                first = max(start, len(request.prompt_logprobs) - 1)
-                last = min(start + n, request.num_prompt_tokens - 1)
+                first = max(s.num_computed_tokens, state.num_prompt_logprobs)
+                last = min(s.num_computed_tokens + n, len(state.prompt_token_ids) - 1)
                 if last > first:
-                    prompt_rows[b] = (first, list(range(len(logits_rows), len(logits_rows) + last - first)))
-                    logits_rows.extend(range(offset + first - start, offset + last - start))
-            if start + n == request.num_tokens:
-                sample_requests.append(b)
+                    prompt_rows[s.request_id] = (first, range(len(logits_rows), len(logits_rows) + last - first))
+                    logits_rows.extend(range(offset + first - s.num_computed_tokens, offset + last - s.num_computed_tokens))
+            if s.sample:
+                sample_ids.append(s.request_id)
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(offset + n - 1)
             offset += n
         meta = BatchMetadata.build(
-            token_ids, context_lens, tables, self.kv_cache.block_size, logits_rows, device=self.device
+            [s.token_ids for s in scheduler_output.scheduled],
+            [s.num_computed_tokens for s in scheduler_output.scheduled],
+            [s.block_table for s in scheduler_output.scheduled],
+            self.kv_cache.block_size, logits_rows, device=self.device,
         )
         hidden = self.model(meta, self.kv_cache.latent, self.kv_cache.indexer)
         logits = self.model.compute_logits(hidden)
-        return RunnerOutput(
-            sample_logits=logits[sample_rows],
-            sample_requests=sample_requests,
-            prompt_logits={b: (first, logits[rows]) for b, (first, rows) in prompt_rows.items()},
-        )
+        for request_id, (first, rows) in prompt_rows.items():
+            output.prompt_logprobs[request_id] = self._prompt_logprobs(self.requests[request_id], first, logits[list(rows)])
+        if sample_ids:
+            self._sample(sample_ids, logits[sample_rows], output)
+        return output
 
+    def _sample(self, request_ids: list[str], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for request_id, ok in zip(request_ids, finite):
+            if not ok:
+                output.errors[request_id] = NON_FINITE
+        keep = [i for i, ok in enumerate(finite) if ok]
+        if not keep:
+            return
+        request_ids = [request_ids[i] for i in keep]
+        states = [self.requests[r] for r in request_ids]
+        raw = logits[keep]
+        processed = process_logits(raw, states)
+        tokens = sample(processed, [s.params for s in states], [s.generator or self.rng for s in states])
+        want = [s.params.logprobs is not None for s in states]
+        top = None
+        if any(want):
+            top = top_logprobs(raw.log_softmax(-1), tokens, max(s.params.logprobs or 0 for s in states))
+        for j, (request_id, state, token) in enumerate(zip(request_ids, states, tokens.tolist())):
+            state.output_token_ids.append(token)
+            output.sampled_token_ids[request_id] = [token]
+            if want[j]:
+                output.logprobs[request_id] = [position_logprobs(top, j, token, state.params.logprobs)]
+
+    def _prompt_logprobs(self, state: RunnerRequest, first: int, logits: torch.Tensor) -> list[TokenLogprobs]:
+        targets = state.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
+        state.num_prompt_logprobs = first + len(targets)
+        n = state.params.prompt_logprobs
+        top = top_logprobs(logits.log_softmax(-1), torch.tensor(targets, device=logits.device), n)
+        return [position_logprobs(top, j, token, n) for j, token in enumerate(targets)]
+
+
+def position_logprobs(top: TopLogprobs, j: int, token: int, n: int) -> TokenLogprobs:
+    return TokenLogprobs(token, top.chosen_logprob[j].item(), int(top.chosen_rank[j]),
+                         top.top_ids[j, :n].tolist(), top.top_logprobs[j, :n].tolist())

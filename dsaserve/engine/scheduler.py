@@ -1,4 +1,4 @@
-"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+"""Continuous batching: which sequences run in the next step, and what a step's results do to them.
 
 There are no prefill and decode phases, only a per-step token budget. Running sequences come first,
 decodes before those still in their prompt, in admission order; then waiting sequences are admitted
@@ -6,24 +6,22 @@ decodes before those still in their prompt, in admission order; then waiting seq
 than the remaining budget is computed in chunks over several steps. Blocks are allocated as tokens
 need them; when none is free, the most recently admitted running sequence is preempted: its blocks
 are released and it is recomputed later, producing the same output.
+
+After the step, `update_from_output` advances progress, registers full blocks for prefix caching,
+appends the sampled tokens and applies the token-level stops (stop ids after min_tokens, max_tokens,
+max_model_len); a finished sequence's blocks are freed in that same step.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dsaserve.engine.block_manager import KVCacheManager
-from dsaserve.engine.kv_cache import blocks_needed
 from dsaserve.engine.request import Request, RequestStatus
-
-
-class RequestRejected(ValueError):
-    """The request can never run with this engine's limits."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+from dsaserve.engine.request_update import RequestUpdate
+from dsaserve.engine.runner_output import ModelRunnerOutput
+from dsaserve.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -34,59 +32,43 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
-@dataclass
-class ScheduledBatch:
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
+        self.requests: dict[str, Request] = {}  # every unfinished sequence
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        self.num_generation_tokens = 0
+        self._sent_to_runner: set[str] = set()
+        self._finished_ids: list[str] = []  # to tell the runner in the next output
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise RequestRejected if a request of this size could never be scheduled."""
-        limit = self.config.max_model_len
-        if num_prompt_tokens + max_tokens > limit:
-            raise RequestRejected(
-                "max_tokens",
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} "
-                f"exceeds max_model_len={limit}; shorten the prompt or lower max_tokens",
-            )
-        need = blocks_needed(num_prompt_tokens + max_tokens, self.kv.block_size)
-        if need > self.kv.num_blocks:
-            raise RequestRejected(
-                "max_tokens",
-                f"the request needs {need} KV blocks but the whole cache has {self.kv.num_blocks}; "
-                "raise kv_cache_memory or lower max_tokens",
-            )
-        if not self.config.enable_chunked_prefill and num_prompt_tokens + max_tokens > self.config.max_num_batched_tokens:
-            raise RequestRejected(
-                "prompt",
-                f"without chunked prefill a request must fit max_num_batched_tokens="
-                f"{self.config.max_num_batched_tokens}; enable chunked prefill or raise the budget",
-            )
-
-    def add(self, request: Request) -> None:
-        self.check_fits(request.num_prompt_tokens, request.max_tokens)
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def add_running(self, request: Request) -> None:
-        """A forked sample joins right after its parent was admitted; it already holds blocks."""
+    def add_computed(self, request: Request, num_computed_tokens: int) -> None:
+        """Start a request whose first num_computed_tokens tokens the caller has already written into
+        its blocks (synthetic contexts for benchmarks). Allocates its whole length now."""
+        if not self.kv.allocate(request, request.num_prompt_tokens + request.max_tokens):
+            raise ValueError(f"not enough KV blocks for {request.num_prompt_tokens} tokens; raise kv_cache_memory")
+        self.requests[request.request_id] = request
+        request.num_computed_tokens = num_computed_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    # ---- scheduling ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         preempted = False
@@ -108,8 +90,18 @@ class Scheduler:
             else:
                 scheduled[request] = n
                 budget -= n
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if not preempted:
+            self._admit(scheduled, budget)
+        return self._output(scheduled)
+
+    def _admit(self, scheduled: dict[Request, int], budget: int) -> None:
+        not_ready = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            sibling = request.waits_for
+            if sibling and self.kv.enable_prefix_caching and not (sibling.finished or sibling.prompt_computed):
+                not_ready.append(self.waiting.popleft())  # its sibling's prompt blocks are not cached yet
+                continue
             prefix = self.kv.cached_prefix(request)
             cached_tokens = len(prefix) * self.kv.block_size
             request.num_computed_tokens = cached_tokens
@@ -118,13 +110,14 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             request.num_prefix_hit_tokens = cached_tokens
+            request.waits_for = None
             self.kv.record_admission(request, cached_tokens)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request] = n
             budget -= n
-        return ScheduledBatch(list(scheduled), list(scheduled.values()))
+        self.waiting.extendleft(reversed(not_ready))
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -141,11 +134,78 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request) -> None:
-        """Release a finished or aborted sequence's blocks."""
+    def _output(self, scheduled: dict[Request, int]) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        for request, n in scheduled.items():
+            start = request.num_computed_tokens
+            if request.request_id not in self._sent_to_runner:
+                self._sent_to_runner.add(request.request_id)
+                seed = None if request.params.seed is None else request.params.seed + request.index
+                out.new_requests.append(NewRequestData(
+                    request.request_id, request.prompt_token_ids, request.params, request.stop_token_ids, seed,
+                    request.want_prompt_logprobs))
+            out.scheduled.append(ScheduledRequest(
+                request.request_id, request.token_ids(start, start + n), start, list(request.block_table),
+                sample=start + n == request.num_tokens))
+        return out
+
+    # ---- after the step --------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        updates = []
+        for s in scheduler_output.scheduled:
+            request = self.requests[s.request_id]
+            request.num_computed_tokens += len(s.token_ids)
+            self.kv.cache_computed_blocks(request)
+            update = RequestUpdate(s.request_id, prompt_logprobs=runner_output.prompt_logprobs.get(s.request_id),
+                                   num_prefix_hit_tokens=request.num_prefix_hit_tokens,
+                                   num_preemptions=request.num_preemptions)
+            error = runner_output.errors.get(s.request_id)
+            if error is not None:
+                update.error = error
+                self._finish(request, "error", update)
+            else:
+                logprobs = runner_output.logprobs.get(s.request_id)
+                for i, token in enumerate(runner_output.sampled_token_ids.get(s.request_id, ())):
+                    self._append(request, token, update, None if logprobs is None else logprobs[i])
+                    if request.finished:
+                        break
+            updates.append(update)
+        return updates
+
+    def _append(self, request: Request, token: int, update: RequestUpdate, logprob) -> None:
+        request.output_token_ids.append(token)
+        self.num_generation_tokens += 1
+        update.new_token_ids.append(token)
+        if logprob is not None:
+            update.new_logprobs = (update.new_logprobs or []) + [logprob]
+        if len(request.output_token_ids) >= request.params.min_tokens and token in request.stop_token_ids:
+            update.stopped_on_token = True
+            update.stop_reason = token if token in (request.params.stop_token_ids or ()) else None
+            self._finish(request, "stop", update)
+        elif len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            self._finish(request, "length", update)
+
+    def _finish(self, request: Request, reason: str, update: RequestUpdate | None = None) -> None:
+        request.finish_reason = reason
+        if update is not None:
+            update.finish_reason = reason
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        self.kv.free(request)  # in the step that finished it
         request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]
+        if request.request_id in self._sent_to_runner:
+            self._sent_to_runner.discard(request.request_id)
+            self._finished_ids.append(request.request_id)
+
+    def finish_requests(self, request_ids, reason: str) -> None:
+        """End these sequences (abort, or a stop string the output processor found); unknown or
+        already finished ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, reason)

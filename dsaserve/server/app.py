@@ -13,10 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsaserve.engine.scheduler import RequestRejected
+from dsaserve.engine.admission import RequestRejected
 from dsaserve.sampling_params import SamplingParamsError
-from dsaserve.server.chat import chat_full, chat_params, chat_stream, prepare_chat
-from dsaserve.server.completions import completion_full, completion_stream, prepare_prompts, prompt_params
+from dsaserve.server.chat import admit_chat, chat_full, chat_stream, prepare_chat
+from dsaserve.server.completions import admit_prompts, completion_full, completion_stream, prepare_prompts
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from dsaserve.server.responses import new_id, now
 from dsaserve.server.state import ServerState
@@ -170,28 +170,28 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{
             "id": state.config.model_name, "object": "model", "created": now(), "owned_by": "dsaserve",
-            "root": state.engine.engine.model_dir, "max_model_len": state.max_model_len,
+            "root": state.engine.model_dir, "max_model_len": state.max_model_len,
         }]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         request_id = new_id("chatcmpl")
         prepared = prepare_chat(state, body)
-        params = chat_params(state, body, prepared)  # parameter errors are a 400 before anything streams
+        admitted = admit_chat(state, body, prepared, request_id)  # a 400 before anything streams
         if body.stream:
-            return StreamingResponse(chat_stream(state, body, request_id, prepared, params),
+            return StreamingResponse(chat_stream(state, body, request_id, prepared, admitted),
                                      media_type="text/event-stream")
-        return JSONResponse(await until_disconnect(request, chat_full(state, body, request_id, prepared, params)))
+        return JSONResponse(await until_disconnect(request, chat_full(state, body, request_id, prepared, admitted)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         request_id = new_id("cmpl")
         prompts = prepare_prompts(state, body)
-        params = [prompt_params(state, body, p) for p in prompts]  # a 400 before anything streams
+        admitted = admit_prompts(state, body, prompts, request_id)  # a 400 before anything streams
         if body.stream:
-            return StreamingResponse(completion_stream(state, body, request_id, prompts, params),
+            return StreamingResponse(completion_stream(state, body, request_id, prompts, admitted),
                                      media_type="text/event-stream")
-        return JSONResponse(await until_disconnect(request, completion_full(state, body, request_id, prompts, params)))
+        return JSONResponse(await until_disconnect(request, completion_full(state, body, request_id, prompts, admitted)))
 
     return app
 

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from dsaserve.chat_template import ChatTemplateError
+from dsaserve.engine.admission import EngineRequest
 from dsaserve.server.parsers import CONTENT, REASONING, GlmOutputParser
 from dsaserve.server.parsers.glm import CALL_START, THINK_END, THINK_START
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
@@ -60,10 +61,10 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
     return PreparedChat(ids, parser_args)
 
 
-def chat_params(state: ServerState, req: ChatCompletionRequest, prepared: PreparedChat):
+def admit_chat(state: ServerState, req: ChatCompletionRequest, prepared: PreparedChat, request_id: str) -> EngineRequest:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return state.sampling_params(req, prepared.prompt_ids, req.max_completion_tokens or req.max_tokens, "messages",
-                                 logprobs=logprobs)
+    return state.admit(request_id, req, prepared.prompt_ids, req.max_completion_tokens or req.max_tokens, "messages",
+                       logprobs=logprobs)
 
 
 def _finish_reason(engine_reason: str | None, made_tool_calls: bool) -> str | None:
@@ -73,9 +74,9 @@ def _finish_reason(engine_reason: str | None, made_tool_calls: bool) -> str | No
 
 
 async def chat_full(state: ServerState, req: ChatCompletionRequest, request_id: str, prepared: PreparedChat,
-                    params) -> dict:
+                    admitted: EngineRequest) -> dict:
     final = None
-    async for out in state.generate(prepared.prompt_ids, params, request_id):
+    async for out in state.generate(admitted):
         if out.error:
             raise APIError(500, f"generation failed: {out.error}", type_="internal_error")
         if final is None:
@@ -103,7 +104,7 @@ async def chat_full(state: ServerState, req: ChatCompletionRequest, request_id: 
 
 
 async def chat_stream(state: ServerState, req: ChatCompletionRequest, request_id: str,
-                      prepared: PreparedChat, params) -> AsyncIterator[str]:
+                      prepared: PreparedChat, admitted: EngineRequest) -> AsyncIterator[str]:
     created, model = now(), state.config.model_name
     parsers = [GlmOutputParser(**prepared.parser_args) for _ in range(req.n)]
     calls_made = [0] * req.n
@@ -119,7 +120,7 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest, request_id
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
     try:
-        async for out in state.generate(prepared.prompt_ids, params, request_id):
+        async for out in state.generate(admitted):
             if out.error:
                 yield sse(APIError(500, f"generation failed: {out.error}", type_="internal_error").body())
                 break

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from dsaserve.engine.admission import EngineRequest
 from dsaserve.outputs import RequestOutput
 from dsaserve.server.protocol import APIError, CompletionRequest
 from dsaserve.server.responses import completion_logprobs, now, sse, stream_error, usage
@@ -15,7 +16,7 @@ from dsaserve.server.state import ServerState
 @dataclass
 class PreparedPrompt:
     ids: list[int]
-    text: str
+    text: str | None  # None until admitted, for token-id prompts
 
 
 def prepare_prompts(state: ServerState, req: CompletionRequest) -> list[PreparedPrompt]:
@@ -35,38 +36,39 @@ def prepare_prompts(state: ServerState, req: CompletionRequest) -> list[Prepared
         if isinstance(item, str):
             prepared.append(PreparedPrompt(tokenizer.encode(item), item))
         else:
-            vocab = state.engine.engine.config.vocab_size
-            if not item or any(t < 0 or t >= vocab for t in item):
-                raise APIError(400, f"prompt token ids must be non-empty and within [0, {vocab})", param="prompt")
-            prepared.append(PreparedPrompt(list(item), tokenizer.decode(item, skip_special_tokens=False)))
-    if any(not p.ids for p in prepared):
-        raise APIError(400, "a prompt encodes to no tokens", param="prompt")
+            prepared.append(PreparedPrompt(list(item), None))  # decoded for echo once admitted
     return prepared
 
 
-def prompt_params(state: ServerState, req: CompletionRequest, prompt: PreparedPrompt):
+def admit_prompts(state: ServerState, req: CompletionRequest, prompts: list[PreparedPrompt],
+                  request_id: str) -> list[EngineRequest]:
+    """One engine request per prompt, each through the admission check (a 400 before anything streams)."""
     extra = {"logprobs": req.logprobs}
     if req.echo and req.logprobs is not None:
         extra["prompt_logprobs"] = req.logprobs
-    return state.sampling_params(req, prompt.ids, req.max_tokens, "prompt", **extra)
+    admitted = [state.admit(f"{request_id}-{i}", req, p.ids, req.max_tokens, "prompt", **extra)
+                for i, p in enumerate(prompts)]
+    for prompt in prompts:
+        if prompt.text is None:
+            prompt.text = state.engine.tokenizer.decode(prompt.ids, skip_special_tokens=False)
+    return admitted
 
 
-async def merged(state: ServerState, prompts: list[PreparedPrompt], params: list,
-                 request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(state: ServerState, admitted: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Generate every prompt concurrently; yield (prompt index, output) as they come."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in state.generate(prompts[i].ids, params[i], f"{request_id}-{i}"):
+            async for out in state.generate(admitted[i]):
                 await queue.put((i, out))
         except Exception as e:  # surfaced to the consumer below
             await queue.put((i, e))
         await queue.put((i, None))
 
-    tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(admitted))]
     try:
-        remaining = len(prompts)
+        remaining = len(admitted)
         while remaining:
             i, item = await queue.get()
             if item is None:
@@ -96,9 +98,9 @@ def _logprobs(state, req: CompletionRequest, prompt: PreparedPrompt, out: Reques
 
 
 async def completion_full(state: ServerState, req: CompletionRequest, request_id: str,
-                          prompts: list[PreparedPrompt], params: list) -> dict:
+                          prompts: list[PreparedPrompt], admitted: list[EngineRequest]) -> dict:
     finals: dict[int, RequestOutput] = {}
-    async for i, out in merged(state, prompts, params, request_id):
+    async for i, out in merged(state, admitted):
         if out.error:
             raise APIError(500, f"generation failed: {out.error}", type_="internal_error")
         if i in finals:
@@ -117,13 +119,13 @@ async def completion_full(state: ServerState, req: CompletionRequest, request_id
 
 
 async def completion_stream(state: ServerState, req: CompletionRequest, request_id: str,
-                            prompts: list[PreparedPrompt], params: list) -> AsyncIterator[str]:
+                            prompts: list[PreparedPrompt], admitted: list[EngineRequest]) -> AsyncIterator[str]:
     created, model, n = now(), state.config.model_name, req.n
     started = set()
     offsets = [0] * (len(prompts) * n)
     completion_tokens = 0
     try:
-        async for i, out in merged(state, prompts, params, request_id):
+        async for i, out in merged(state, admitted):
             if out.error:
                 yield sse(APIError(500, f"generation failed: {out.error}", type_="internal_error").body())
                 break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -12,9 +13,11 @@ import time
 
 import uvicorn
 
-from dsaserve.engine.async_engine import AsyncLLMEngine
-from dsaserve.server.app import build_app
 from dsaserve.chat_template import ChatTemplate
+from dsaserve.demo import demo_model_dir
+from dsaserve.engine.async_engine import AsyncLLMEngine
+from dsaserve.engine_args import EngineArgs
+from dsaserve.server.app import build_app
 from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.state import ServerConfig, ServerState
 
@@ -39,7 +42,7 @@ async def watch_idle(state: ServerState, server: uvicorn.Server, idle: float) ->
     """Ask uvicorn to exit once nothing has run, waited or arrived for `idle` seconds."""
     while not server.should_exit:
         await asyncio.sleep(min(1.0, idle / 4))
-        busy = state.in_flight > 0 or state.engine.num_unfinished > 0 or state.engine.engine.has_unfinished_requests()
+        busy = state.in_flight > 0 or state.engine.num_unfinished > 0 or state.engine.has_unfinished_requests()
         quiet_since = max(state.last_activity, state.engine.last_activity)
         if not busy and time.monotonic() - quiet_since >= idle:
             logger.info("idle for %.0fs: shutting down", idle)
@@ -60,23 +63,22 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(model: str | None, engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000,
+def serve(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, api_key: str | None = None, chat_template: str | None = None,
           reasoning_parser: str = "glm45", tool_call_parser: str = "glm47", max_body_bytes: int = 8 << 20,
           idle_shutdown: float | None = None, graceful_timeout: float = 30.0) -> int:
-    if model is None:
-        from dsaserve.demo import demo_model_dir
-
-        model = demo_model_dir()
+    if engine_args.model is None:
+        engine_args = dataclasses.replace(engine_args, model=demo_model_dir())
         served_model_name = served_model_name or DEMO_MODEL_NAME
-    engine = AsyncLLMEngine.from_model(model, start_thread=False, **engine_kwargs)
+    model = engine_args.model
+    engine = AsyncLLMEngine.from_engine_args(engine_args, start_thread=False)
     config = ServerConfig(
         model_name=served_model_name or model, api_key=api_key or os.environ.get("DSASERVE_API_KEY") or None,
         max_body_bytes=max_body_bytes, reasoning_parser=None if reasoning_parser == "none" else reasoning_parser,
         tool_call_parser=None if tool_call_parser == "none" else tool_call_parser, idle_shutdown=idle_shutdown,
     )
     state = ServerState(engine, config, load_chat_template(engine, chat_template),
-                        ServerMetrics(engine.engine, config.model_name))
+                        ServerMetrics(engine.stats, config.model_name))
     server: uvicorn.Server | None = None
 
     @contextlib.asynccontextmanager

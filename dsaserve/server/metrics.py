@@ -5,17 +5,19 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from dsaserve.engine.engine import LLMEngine
+from collections.abc import Callable
+
+from dsaserve.engine.stats import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
 
 
 class EngineCollector:
-    """Reads the engine's counters when scraped, so the step loop does no metrics work."""
+    """Reads the engine's stats snapshot when scraped, so the step loop does no metrics work."""
 
-    def __init__(self, engine: LLMEngine, model_name: str):
-        self.engine = engine
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+        self.stats = stats
         self.labels = {"model_name": model_name}
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -29,25 +31,26 @@ class EngineCollector:
         return c
 
     def collect(self):
-        engine, scheduler, kv = self.engine, self.engine.scheduler, self.engine.kv
-        yield self._gauge("dsaserve:num_requests_running", "Sequences in the running batch.", len(scheduler.running))
-        yield self._gauge("dsaserve:num_requests_waiting", "Sequences waiting to be scheduled.", len(scheduler.waiting))
-        yield self._gauge("dsaserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv.usage)
+        stats = self.stats()
+        yield self._gauge("dsaserve:num_requests_running", "Sequences in the running batch.", stats.num_running)
+        yield self._gauge("dsaserve:num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
+        yield self._gauge("dsaserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.kv_cache_usage)
         yield self._gauge("dsaserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / queried.",
-                          kv.stats.hit_rate)
+                          stats.prefix_cache_hit_rate)
         yield self._counter("dsaserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                            kv.stats.queried_tokens)
-        yield self._counter("dsaserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.stats.hit_tokens)
-        yield self._counter("dsaserve:prompt_tokens", "Prompt tokens admitted.", engine.num_prompt_tokens)
-        yield self._counter("dsaserve:generation_tokens", "Tokens generated.", engine.num_generation_tokens)
+                            stats.prefix_cache_queried_tokens)
+        yield self._counter("dsaserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                            stats.prefix_cache_hit_tokens)
+        yield self._counter("dsaserve:prompt_tokens", "Prompt tokens admitted.", stats.num_prompt_tokens)
+        yield self._counter("dsaserve:generation_tokens", "Tokens generated.", stats.num_generation_tokens)
         yield self._counter("dsaserve:num_preemptions", "Sequences preempted for lack of KV blocks.",
-                            scheduler.num_preemptions)
+                            stats.num_preemptions)
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(stats, model_name))
         labels = ["model_name"]
         self.ttft = Histogram("dsaserve:time_to_first_token_seconds", "Time from request arrival to first token.",
                               labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from dsaserve.engine.scheduler import RequestRejected
+from dsaserve.engine.admission import RequestRejected
 from dsaserve.outputs import PositionLogprobs
 from dsaserve.server.protocol import APIError
 

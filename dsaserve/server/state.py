@@ -6,8 +6,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from dsaserve.engine.admission import EngineRequest, RequestRejected
 from dsaserve.engine.async_engine import AsyncLLMEngine
-from dsaserve.engine.scheduler import RequestRejected
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams, SamplingParamsError
 from dsaserve.chat_template import ChatTemplate
@@ -36,17 +36,18 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.config.model_name}`",
                            param="model", type_="NotFoundError", code="model_not_found")
 
-    def sampling_params(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, prompt_param: str,
-                        **extra) -> SamplingParams:
-        """max_tokens is capped so prompt + output fits max_model_len; a prompt that alone fills it is a 400.
-        Everything the engine would refuse is refused here, before a response (or a stream) starts."""
+    def admit(self, request_id: str, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+              prompt_param: str, **extra) -> EngineRequest:
+        """The request's SamplingParams, through the engine's one admission check. max_tokens is capped so
+        prompt + output fits max_model_len; a prompt that alone fills it is a 400. Everything the engine
+        would refuse is refused here, before a response (or a stream) starts."""
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and the prompt "
@@ -65,18 +66,17 @@ class ServerState:
                 skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
                 **extra,
             )
-            self.engine.engine.validate(prompt_ids, params)  # reads only fixed limits: safe off the engine thread
-            return params
+            return self.engine.make_request(request_id, prompt_ids, params)  # fixed limits only: safe off the engine thread
         except SamplingParamsError as e:
             raise APIError(400, str(e), param=e.param) from e
         except RequestRejected as e:
             raise APIError(400, str(e), param=prompt_param if e.param == "prompt" else e.param) from e
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Engine outputs with TTFT / inter-token latency recorded."""
         start = time.monotonic()
         last = None
-        async for out in self.engine.generate(prompt_ids, params, request_id):
+        async for out in self.engine.stream(request):
             t = time.monotonic()
             if any(c.token_ids for c in out.outputs):
                 if last is None:

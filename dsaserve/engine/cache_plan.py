@@ -1,0 +1,36 @@
+"""How many KV blocks to allocate, and the max_model_len that fits them: decided once at load time."""
+
+from __future__ import annotations
+
+import logging
+
+from dsaserve.engine.kv_cache import KVCacheLayout, blocks_needed
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when the caller does not say
+
+
+def plan_num_blocks(layout: KVCacheLayout, block_size: int, memory: int | None, max_model_len: int,
+                    max_num_seqs: int) -> int:
+    per_block = layout.bytes_per_token * block_size
+    if memory is None:
+        wanted = blocks_needed(max_model_len, block_size) * max_num_seqs
+        return max(1, min(wanted, DEFAULT_KV_CACHE_MEMORY // per_block))
+    if memory < per_block:
+        raise ValueError(f"kv_cache_memory={memory} bytes is smaller than one KV block ({per_block} bytes)")
+    return memory // per_block
+
+
+def fit_max_model_len(max_model_len: int, capacity: int, bytes_per_token: int, explicit: bool) -> int:
+    """One sequence of max_model_len tokens must fit in the cache, or no long request could ever run."""
+    if max_model_len <= capacity:
+        return max_model_len
+    if explicit:
+        raise ValueError(
+            f"max_model_len={max_model_len} needs {max_model_len} tokens of KV cache but the cache holds {capacity} "
+            f"({bytes_per_token} bytes per token); raise kv_cache_memory or lower max_model_len"
+        )
+    logger.info("max_model_len lowered from %d to %d, what the KV cache holds (set kv_cache_memory for more)",
+                max_model_len, capacity)
+    return capacity

@@ -1,0 +1,33 @@
+"""What the model runner keeps per request between steps: sampling inputs that outlive one step.
+
+The generator and the output history stay across preemption (a recomputed request continues its seeded
+draws and its penalties where it left off); the state is dropped when the scheduler reports the request
+finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsaserve.engine.scheduler_output import NewRequestData
+from dsaserve.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class RunnerRequest:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    want_prompt_logprobs: bool
+    output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already returned
+
+    @classmethod
+    def from_new(cls, new: NewRequestData, device: torch.device) -> "RunnerRequest":
+        generator = None
+        if new.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(new.seed)
+        return cls(new.params, new.prompt_token_ids, new.stop_token_ids, generator, new.want_prompt_logprobs)

@@ -1,0 +1,101 @@
+"""EngineArgs: every engine option, defined once, for `LLM(...)`, `serve`, `generate` and every `bench`.
+
+Each field is both a keyword of `LLM(model, **kwargs)` and a CLI flag of the same name with dashes
+(`max_num_seqs` ↔ `--max-num-seqs`), as in vLLM. Boolean options that default to on get vLLM's
+`--no-…` spelling to turn them off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from dsaserve.attention import ATTENTION_BACKENDS
+from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """A size as bytes: an int, or a string such as '512MiB', '4GiB', '1.5GB'."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"kv_cache_memory={value!r} is not a size; use bytes or e.g. '512MiB', '4GiB'")
+    base = 1024 if m.group(3) or not m.group(2) else 1000
+    power = " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * base**power)
+
+
+# Not flags: commands use --seed for their own seeds (of a request, of random prompts), and the CLI
+# always shows load progress.
+NOT_ON_CLI = ("seed", "progress")
+
+
+def _help(text: str, **extra) -> dict:
+    return {"help": text, **extra}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = field(default=None, metadata=_help("checkpoint directory (default: the built-in demo model)"))
+    dtype: str = field(default="auto", metadata=_help("auto | float32 | bfloat16 | float16"))
+    device: str | None = field(default=None, metadata=_help("cpu | cuda (default: cuda when available)"))
+    attention_backend: str = field(default="sparse", metadata=_help(
+        "sparse (the model's token top-k), page (whole pages, approximate) or dense (indexer skipped)",
+        choices=ATTENTION_BACKENDS))
+    page_budget: int | None = field(default=None, metadata=_help(
+        "pages per query for --attention-backend page (default: index_topk / block size)"))
+    indexer_cache_dtype: str = field(default="auto", metadata=_help(
+        "indexer key cache: auto (model dtype), int8 (+fp16 scale per token) or fp8 (+fp32 scale)",
+        choices=INDEXER_CACHE_DTYPES))
+    max_model_len: int | None = field(default=None, metadata=_help("longest prompt + output, in tokens"))
+    block_size: int = field(default=64, metadata=_help("tokens per KV cache block"))
+    kv_cache_memory: int | str | None = field(default=None, metadata=_help(
+        "KV cache size, e.g. 2GiB (default: max-num-seqs × max-model-len tokens, up to 1 GiB; max-model-len is "
+        "lowered to what the cache holds unless given)"))
+    max_num_seqs: int = field(default=256, metadata=_help("most sequences in one batch"))
+    max_num_batched_tokens: int = field(default=8192, metadata=_help("token budget of one step"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help("turn prefix caching off (on by default)"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_help("turn chunked prefill off (on by default)"))
+    tensor_parallel_size: int = field(default=1, metadata=_help("devices to split the model over (only 1 so far)"))
+    hf_overrides: dict | str | None = field(default=None, metadata=_help(
+        "JSON object patched into config.json, e.g. '{\"index_topk_pattern\": \"FFSS\"}'"))
+    seed: int = field(default=0, metadata=_help("seed of the sampler for requests without their own seed"))
+    progress: bool = field(default=True, metadata=_help("show a progress bar while loading weights"))
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is supported so far")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.page_budget is not None and self.page_budget < 1:
+            raise ValueError(f"page_budget={self.page_budget} must be at least 1 page")
+        parse_bytes(self.kv_cache_memory)  # a bad size fails here, before anything loads
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        return parse_bytes(self.kv_cache_memory)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """One flag per field (the model as a positional argument), except `skip` and NOT_ON_CLI."""
+        for f in dataclasses.fields(cls):
+            if f.name in skip or f.name in NOT_ON_CLI:
+                continue
+            meta = dict(f.metadata)
+            if f.name == "model":
+                parser.add_argument("model", nargs="?", default=None, **meta)
+            elif f.type == "bool" and f.default is True:
+                parser.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false", **meta)
+            else:
+                kind = int if f.type in ("int", "int | None") else str
+                parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=f.default, **meta)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace, **overrides) -> "EngineArgs":
+        values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)
+                  if f.name not in NOT_ON_CLI and hasattr(namespace, f.name)}
+        return cls(**{**values, **overrides})
