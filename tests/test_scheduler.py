@@ -93,6 +93,15 @@ def test_decodes_come_before_prefills():
     assert scheduled(out)[0] == ("a", 1)  # still first, before b's next chunk
 
 
+def test_decodes_go_first_whatever_the_admission_order():
+    s = make_scheduler(budget=10)
+    (b,) = add(s, "b", range(200, 203))
+    (a,) = add(s, "a", range(100, 130))
+    step(s)  # b: whole prompt, now decoding; a: 7 of 30
+    s.running[:] = [a, b]  # as if a had been admitted first
+    assert scheduled(step(s)[0]) == [("b", 1), ("a", 9)]
+
+
 def test_max_num_seqs_limits_admission():
     s = make_scheduler(max_num_seqs=2)
     for i in range(3):

@@ -28,8 +28,8 @@ from dsaserve.sampling_params import SamplingParams
 
 class HeapSampler:
     """Peak of glibc's in-use heap bytes, sampled on a side thread. mallinfo2 walks the allocator's
-    free lists under its lock and took ~0.3 ms per call late in a prefill; sampled every millisecond it
-    slowed the measured prefill by half, so the pause between samples is 50× the last call (≥ 1 ms)."""
+    free lists under its lock, and its cost grows during a prefill; sampling too often slows the prefill
+    being measured, so the pause between samples is 50× the last call, at least 1 ms."""
 
     class _Info(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

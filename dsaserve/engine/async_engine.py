@@ -1,17 +1,18 @@
 """AsyncLLMEngine: the engine stepping in a background thread, streaming to asyncio consumers.
 
-    engine = AsyncLLMEngine.from_model(path, ...)
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=path, ...))
     async for out in engine.generate(prompt, params, request_id):
         ...  # out carries what is new since the previous output
 
-Requests pass the engine's admission check in the caller (`make_request`, so bad input fails before
-anything is queued), then are handed to the stepping thread through a queue; only that thread touches the engine's state. By default a
-background thread steps the engine. A server should instead call `run()` on the main thread and
-put its event loop on another thread: torch's OpenMP parallel regions started from a non-main
-thread cost ~50 µs more each here, which slowed whole decode steps by ~20%. Cancelling or closing
-the consumer aborts the request and frees its blocks. A request whose logits go non-finite ends with
-finish_reason "error"; an exception inside a step fails every running request (the step does not say
-which one broke it) and the loop carries on with the waiting ones and new arrivals.
+A server calls `make_request` first (the engine's one admission check, so bad input fails before a
+response starts), then `stream(request)`; `generate` does both. Requests reach the stepping thread
+through a queue; only that thread touches the engine's state. By default a background thread steps
+the engine. A server should instead call `run()` on the main thread and put its event loop on another
+thread: torch's OpenMP parallel regions cost more when started from a non-main thread, enough to slow
+whole decode steps (docs/design-notes.md has the numbers). Cancelling or closing the consumer aborts
+the request and frees its blocks. A request whose logits go non-finite ends with finish_reason
+"error"; an exception inside a step fails every running request (the step does not say which one
+broke it) and the loop carries on with the waiting ones and new arrivals.
 """
 
 from __future__ import annotations

@@ -107,6 +107,13 @@ async def until_disconnect(request: Request, coro):
             task.cancel()
 
 
+async def respond(request: Request, stream: bool, streamed, full, args: tuple):
+    """Server-sent events from streamed(*args) when streaming, else full(*args) as one JSON body."""
+    if stream:
+        return StreamingResponse(streamed(*args), media_type="text/event-stream")
+    return JSONResponse(await until_disconnect(request, full(*args)))
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
@@ -178,20 +185,15 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         request_id = new_id("chatcmpl")
         prepared = prepare_chat(state, body)
         admitted = admit_chat(state, body, prepared, request_id)  # a 400 before anything streams
-        if body.stream:
-            return StreamingResponse(chat_stream(state, body, request_id, prepared, admitted),
-                                     media_type="text/event-stream")
-        return JSONResponse(await until_disconnect(request, chat_full(state, body, request_id, prepared, admitted)))
+        return await respond(request, body.stream, chat_stream, chat_full, (state, body, request_id, prepared, admitted))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         request_id = new_id("cmpl")
         prompts = prepare_prompts(state, body)
         admitted = admit_prompts(state, body, prompts, request_id)  # a 400 before anything streams
-        if body.stream:
-            return StreamingResponse(completion_stream(state, body, request_id, prompts, admitted),
-                                     media_type="text/event-stream")
-        return JSONResponse(await until_disconnect(request, completion_full(state, body, request_id, prompts, admitted)))
+        return await respond(request, body.stream, completion_stream, completion_full,
+                             (state, body, request_id, prompts, admitted))
 
     return app
 
