@@ -98,3 +98,38 @@ def test_bench_throughput_and_latency_report(tiny_checkpoint, tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads((tmp_path / "l.json").read_text())
     assert data["iters"] == 2 and data["ttft_ms_mean"] > 0 and data["tpot_ms_mean"] > 0
+
+
+def test_engine_options_are_the_same_flags_everywhere():
+    import dataclasses
+
+    from dsaserve.cli import build_parser
+    from dsaserve.engine_args import NOT_ON_CLI, EngineArgs
+
+    parser = build_parser()
+    for command in (["serve"], ["generate"], ["bench", "throughput"], ["bench", "latency"]):
+        args = EngineArgs.from_cli_args(parser.parse_args(command + [
+            "/ckpt", "--max-num-seqs", "3", "--no-enable-prefix-caching", "--kv-cache-memory", "2GiB",
+            "--hf-overrides", '{"index_topk": 8}', "--attention-backend", "dense"]))
+        assert args.model == "/ckpt" and args.max_num_seqs == 3 and args.enable_prefix_caching is False
+        assert args.kv_cache_bytes == 2 << 30 and args.hf_overrides == '{"index_topk": 8}'
+        assert args.attention_backend == "dense" and args.enable_chunked_prefill is True
+        defaults = EngineArgs.from_cli_args(parser.parse_args(command))
+        for field in dataclasses.fields(EngineArgs):
+            if field.name not in NOT_ON_CLI:
+                assert getattr(defaults, field.name) == field.default, (command, field.name)
+    longctx = EngineArgs.from_cli_args(parser.parse_args(["bench", "longctx", "--block-size", "16"]))
+    assert longctx.block_size == 16  # the backend and prefix caching are the benchmark's own choice
+
+
+def test_engine_args_name_the_bad_value():
+    from dsaserve.engine_args import EngineArgs
+
+    for kwargs, field in (({"max_num_seqs": 0}, "max_num_seqs"), ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
+                          ({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"page_budget": 0}, "page_budget")):
+        try:
+            EngineArgs(**kwargs)
+        except ValueError as e:
+            assert field in str(e)
+        else:
+            raise AssertionError(f"{kwargs} was accepted")

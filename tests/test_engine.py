@@ -311,3 +311,37 @@ def test_fully_cached_prompt_still_computes_its_last_token(path):
         outputs.append(result)
     assert outputs[1].metrics["num_prefix_hit_tokens"] == 48
     assert outputs[1].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+
+
+# ---- a context written by the caller (bench longctx's synthetic prefixes) --------------------------------
+
+
+def test_a_prefilled_context_is_attended_like_a_computed_one(path):
+    engine = make_llm(path, enable_prefix_caching=False).engine
+    prompt = tokens(96, 40)
+    engine.add_request("computed", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()  # the whole prompt is in the cache now
+    blocks = list(engine.scheduler.requests["computed"].block_table)
+    saved = [t[blocks].clone() for t in engine.kv_cache.tensors()]
+    engine.abort_request("computed")
+    for t in engine.kv_cache.tensors():
+        t.fill_(float("nan"))  # only what the caller writes may be read
+
+    def copy_saved(cache, table, n):  # positions 0 … n-1, at the new request's slots
+        for t, s in zip(cache.tensors(), saved):
+            for p in range(n):
+                t[table[p // BLOCK], p % BLOCK] = s[p // BLOCK, p % BLOCK]
+
+    request = engine.make_request("prefilled", prompt, GREEDY)
+    engine.add_prefilled_request(request, len(prompt) - 1, copy_saved)
+    out = drive(engine, {})["prefilled"]
+    assert out.outputs[0].token_ids == alone(path, prompt)
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_a_prefilled_request_takes_one_sample_and_leaks_nothing(path):
+    engine = make_llm(path).engine
+    request = engine.make_request("x", tokens(97, 20), SamplingParams(n=2, max_tokens=2))
+    with pytest.raises(ValueError, match="one sample"):
+        engine.add_prefilled_request(request, 10, lambda *_: None)
+    assert not engine.unfinished_request_ids() and not engine.has_unfinished_requests()

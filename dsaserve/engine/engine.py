@@ -67,7 +67,6 @@ class LLMEngine:
                                       args.enable_chunked_prefill, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, args.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.num_prompt_tokens = 0
         logger.info(
             "engine ready in %.1fs: %s, %s, backend=%s, %d KV blocks of %d tokens (%.1f MiB), prefix caching %s",
             time.perf_counter() - start, self.device, str(self.dtype).removeprefix("torch."), args.attention_backend,
@@ -98,6 +97,8 @@ class LLMEngine:
     def add_prefilled_request(self, request: EngineRequest, num_prefilled: int, fill) -> None:
         """Start a request (n = 1) whose first `num_prefilled` tokens are not computed: `fill(kv_cache,
         block_table, num_prefilled)` writes their cache entries (synthetic long contexts for benchmarks)."""
+        if request.params.n != 1:
+            raise ValueError(f"n={request.params.n}: a prefilled request has one sample")
         (sequence,) = self._sequences(request)
         try:
             self.scheduler.add_computed(sequence, num_prefilled)
@@ -111,7 +112,6 @@ class LLMEngine:
         if request.request_id in self.output_processor or any(self.scheduler.has_request(s.request_id) for s in sequences):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.output_processor.add(request, [s.request_id for s in sequences])
-        self.num_prompt_tokens += len(request.prompt_token_ids)
         return sequences
 
     def abort_request(self, request_id: str) -> None:
@@ -130,7 +130,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         scheduler, kv = self.scheduler, self.scheduler.kv
         return EngineStats(len(scheduler.running), len(scheduler.waiting), kv.num_blocks, kv.num_free_blocks,
-                           kv.stats.queried_tokens, kv.stats.hit_tokens, self.num_prompt_tokens,
+                           kv.stats.queried_tokens, kv.stats.hit_tokens, scheduler.num_prompt_tokens,
                            scheduler.num_generation_tokens, scheduler.num_preemptions)
 
     # ---- stepping --------------------------------------------------------------------------------

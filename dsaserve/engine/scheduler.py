@@ -40,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # of admitted requests (a request with n samples counts once)
         self.num_generation_tokens = 0
         self._sent_to_runner: set[str] = set()
         self._finished_ids: list[str] = []  # to tell the runner in the next output
@@ -49,6 +50,7 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._count_prompt(request)
 
     def add_computed(self, request: Request, num_computed_tokens: int) -> None:
         """Start a request whose first num_computed_tokens tokens the caller has already written into
@@ -59,6 +61,11 @@ class Scheduler:
         request.num_computed_tokens = num_computed_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self._count_prompt(request)
+
+    def _count_prompt(self, request: Request) -> None:
+        if request.index == 0:
+            self.num_prompt_tokens += request.num_prompt_tokens
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
