@@ -115,3 +115,30 @@ def test_step_exception_fails_running_requests_and_loop_survives(engine, monkeyp
     ids, _, last = asyncio.run(main())
     assert last.finished and len(ids) == 10
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_a_step_that_breaks_after_finishing_a_request_still_answers_its_client(engine, monkeypatch):
+    """The scheduler has finished and freed a one-token request when output processing raises: its
+    client must get an error, not wait forever."""
+    processor = engine.engine.output_processor
+    original = processor.process
+    calls = {"n": 0}
+
+    def broken(updates):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated bug after the scheduler's update")
+        return original(updates)
+
+    monkeypatch.setattr(processor, "process", broken)
+    one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(EngineStepError, match="simulated bug"):
+            await asyncio.wait_for(collect(engine, "short", one_token, "short"), timeout=60)
+        return await collect(engine, "survivor", GREEDY, "after-bug")
+
+    ids, _, last = asyncio.run(main())
+    assert last.finished and len(ids) == 10
+    assert not engine.engine.unfinished_request_ids()
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks

@@ -345,3 +345,32 @@ def test_a_prefilled_request_takes_one_sample_and_leaks_nothing(path):
     with pytest.raises(ValueError, match="one sample"):
         engine.add_prefilled_request(request, 10, lambda *_: None)
     assert not engine.unfinished_request_ids() and not engine.has_unfinished_requests()
+
+
+def test_a_samples_id_cannot_be_taken_by_another_request(path):
+    engine = make_llm(path).engine
+    engine.add_request("a", tokens(98, 20), SamplingParams(n=2, temperature=1.0, max_tokens=3))
+    for taken in ("a", "a#0", "a#1"):
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request(taken, tokens(99, 5), GREEDY)
+    assert engine.unfinished_request_ids() == ["a"]
+    drive(engine, {})
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_prefilled_requests_are_checked(path):
+    request = lambda engine: engine.make_request("x", tokens(97, 20), GREEDY)  # noqa: E731
+    cached = make_llm(path).engine
+    with pytest.raises(ValueError, match="prefix caching"):
+        cached.add_prefilled_request(request(cached), 10, lambda *_: None)
+    engine = make_llm(path, enable_prefix_caching=False).engine
+    with pytest.raises(ValueError, match="last prompt token"):
+        engine.add_prefilled_request(request(engine), 20, lambda *_: None)
+
+    def broken(*_):
+        raise RuntimeError("no cache for you")
+
+    with pytest.raises(RuntimeError):
+        engine.add_prefilled_request(request(engine), 10, broken)
+    assert not engine.has_unfinished_requests() and not engine.unfinished_request_ids()
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks

@@ -185,17 +185,30 @@ def test_n_samples_wait_for_sample_0_then_share_its_prompt_blocks():
     assert all(x.finished for x in samples) and all_free(s)
 
 
-def test_n_samples_do_not_wait_without_prefix_caching():
+def test_n_samples_share_prompt_blocks_even_without_prefix_caching():
     s = make_scheduler(prefix_caching=False)
-    add(s, "p", range(100, 110), max_tokens=2, n=2, temperature=1.0)
-    assert scheduled(step(s)[0]) == [("p#0", 10), ("p#1", 10)]
+    samples = add(s, "p", range(100, 110), max_tokens=3, n=2, temperature=1.0)
+    assert scheduled(step(s)[0]) == [("p#0", 10)]
+    assert scheduled(step(s)[0]) == [("p#0", 1), ("p#1", 2)]
+    assert samples[1].block_table[:2] == samples[0].block_table[:2]
+    (other,) = add(s, "q", range(100, 110), max_tokens=1)  # another client's request: no cache without caching
+    step(s)
+    assert other.num_prefix_hit_tokens == 0 and s.kv.stats.queried_tokens == 0
+
+
+def test_prefix_cache_stats_count_a_request_once_not_per_sample():
+    s = make_scheduler()
+    add(s, "p", range(100, 110), max_tokens=2, n=3, temperature=1.0)
+    step(s)
+    step(s)
+    assert s.kv.stats.queried_tokens == 10 and s.kv.stats.hit_tokens == 0
 
 
 def test_n_samples_have_their_own_seeds():
-    s = make_scheduler(prefix_caching=False)
+    s = make_scheduler()
     add(s, "p", range(100, 110), n=2, seed=40, temperature=1.0)
-    out = s.schedule()
-    assert [n.seed for n in out.new_requests] == [40, 41]
+    seeds = [n.seed for _ in range(2) for n in step(s)[0].new_requests]
+    assert seeds == [40, 41]
 
 
 def test_samples_share_the_stop_ids_and_only_sample_0_wants_prompt_logprobs():

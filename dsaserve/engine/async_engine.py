@@ -168,7 +168,10 @@ class AsyncLLMEngine:
                 outputs = self.engine.step()
             except Exception as e:  # a bug or a device error: fail what was running, keep serving
                 logger.exception("engine step failed")
-                self._fail_running(e)
+                try:
+                    self._fail_running(e)
+                except Exception:  # the loop must survive even a broken clean-up
+                    logger.exception("failing the requests of a broken step failed")
                 continue
             self.last_activity = time.monotonic()
             for out in outputs:
@@ -196,7 +199,7 @@ class AsyncLLMEngine:
                 self.engine.abort_request(op[1])
 
     def _fail_running(self, error: Exception) -> None:
-        for request_id in self.engine.running_request_ids():
+        for request_id in self.engine.failed_step_request_ids():
             self.engine.abort_request(request_id)
             stream = self._streams.get(request_id)
             if stream is not None:

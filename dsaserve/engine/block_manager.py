@@ -70,7 +70,7 @@ class KVCacheManager:
     def cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix. The last token is always left to compute: its
         logits are needed, and recomputing it must not write into a shared block."""
-        if not self.enable_prefix_caching or request.want_prompt_logprobs:
+        if not self._shares(request) or request.want_prompt_logprobs:
             return []  # prompt logprobs need every prompt position computed
         self._update_keys(request, request.num_tokens)
         usable = (request.num_tokens - 1) // self.block_size
@@ -83,13 +83,13 @@ class KVCacheManager:
         return blocks
 
     def record_admission(self, request: Request, hit_tokens: int) -> None:
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.index == 0:  # samples 1…n-1 are not client lookups
             self.stats.queried_tokens += request.num_tokens
             self.stats.hit_tokens += hit_tokens
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's newly completed full blocks so later requests can reuse them."""
-        if not self.enable_prefix_caching:
+        if not self._shares(request):
             return
         self._update_keys(request, request.num_computed_tokens)
         for i in range(request.num_cached_blocks, request.num_computed_tokens // self.block_size):
@@ -98,6 +98,11 @@ class KVCacheManager:
                 self.cached[key] = block
                 self.block_keys[block] = key
         request.num_cached_blocks = request.num_computed_tokens // self.block_size
+
+    def _shares(self, request: Request) -> bool:
+        """Whether the request takes part in the prefix cache. With caching off, the samples of one
+        request still share their prompt's full blocks (sample 0 registers them, the others look them up)."""
+        return self.enable_prefix_caching or request.shares_prompt
 
     # ---- allocation ------------------------------------------------------------------------------
 

@@ -58,11 +58,9 @@ class LLMEngine:
                                                explicit=args.max_model_len is not None)
         self.kv_cache = KVCache(cfg, num_blocks, args.block_size, self.dtype, self.device,
                                 with_indexer=with_indexer, indexer_dtype=args.indexer_cache_dtype)
-        self.scheduler = Scheduler(
-            SchedulerConfig(self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                            args.enable_chunked_prefill),
-            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching),
-        )
+        self.scheduler = Scheduler(SchedulerConfig(self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
+                                                   args.enable_chunked_prefill),
+                                   KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching))
         self.limits = AdmissionLimits(cfg.vocab_size, self.max_model_len, num_blocks, args.block_size,
                                       args.enable_chunked_prefill, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, args.seed)
@@ -85,8 +83,7 @@ class LLMEngine:
         ids = list(prompt)
         return EngineRequest(request_id, prompt_text, ids, params, self.limits.check(ids, params))
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    prompt_text: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, prompt_text=None) -> None:
         self.enqueue(self.make_request(request_id, prompt, params, prompt_text))
 
     def enqueue(self, request: EngineRequest) -> None:
@@ -97,19 +94,23 @@ class LLMEngine:
     def add_prefilled_request(self, request: EngineRequest, num_prefilled: int, fill) -> None:
         """Start a request (n = 1) whose first `num_prefilled` tokens are not computed: `fill(kv_cache,
         block_table, num_prefilled)` writes their cache entries (synthetic long contexts for benchmarks)."""
-        if request.params.n != 1:
-            raise ValueError(f"n={request.params.n}: a prefilled request has one sample")
+        if request.params.n != 1 or not 0 <= num_prefilled < len(request.prompt_token_ids):
+            raise ValueError(f"a prefilled request has one sample (n={request.params.n}) and leaves at least its last "
+                             f"prompt token to compute (num_prefilled={num_prefilled})")
+        if self.scheduler.kv.enable_prefix_caching:
+            raise ValueError("prefilled cache entries are not the prompt's own: turn prefix caching off")
         (sequence,) = self._sequences(request)
         try:
             self.scheduler.add_computed(sequence, num_prefilled)
-        except ValueError:
-            self.output_processor.abort(request.request_id)
+            fill(self.kv_cache, sequence.block_table, num_prefilled)
+        except Exception:
+            self.abort_request(request.request_id)
             raise
-        fill(self.kv_cache, sequence.block_table, num_prefilled)
 
     def _sequences(self, request: EngineRequest) -> list[Request]:
         sequences = samples_of(request, self.config.eos_token_ids)
-        if request.request_id in self.output_processor or any(self.scheduler.has_request(s.request_id) for s in sequences):
+        if request.request_id in self.output_processor or any(s.request_id in self.output_processor.samples
+                                                              for s in sequences):  # a sample's id, "ID#i"
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.output_processor.add(request, [s.request_id for s in sequences])
         return sequences
@@ -118,11 +119,14 @@ class LLMEngine:
         self.scheduler.finish_requests(self.output_processor.abort(request_id), "abort")
 
     def unfinished_request_ids(self) -> list[str]:
-        return self.output_processor.request_ids()
+        return list(self.output_processor.parents)
 
-    def running_request_ids(self) -> list[str]:
-        """Requests with a sequence in the running batch."""
-        return list(dict.fromkeys(self.output_processor.parent_id(r.request_id) for r in self.scheduler.running))
+    def failed_step_request_ids(self) -> list[str]:
+        """After a step raised: requests with a sequence in the running batch, and those whose every
+        unfinished sequence has already left the scheduler (they would never hear again)."""
+        running = {self.output_processor.parent_id(r.request_id) for r in self.scheduler.running}
+        return [rid for rid in self.output_processor.parents
+                if rid in running or not any(map(self.scheduler.has_request, self.output_processor.unfinished(rid)))]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

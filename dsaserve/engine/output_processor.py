@@ -71,18 +71,22 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its unfinished sequence ids for the scheduler to end."""
-        parent = self.parents.pop(request_id, None)
+        parent = self.parents.get(request_id)
         if parent is None:
             return []
+        unfinished = self.unfinished(request_id)
+        del self.parents[request_id]
         for sequence_id in parent.sequence_ids:
             del self.samples[sequence_id]
+        return unfinished
+
+    def parent_id(self, sequence_id: str) -> str | None:
+        entry = self.samples.get(sequence_id)
+        return entry[0].request.request_id if entry else None
+
+    def unfinished(self, request_id: str) -> list[str]:
+        parent = self.parents[request_id]
         return [sid for sid, s in zip(parent.sequence_ids, parent.samples) if s.finish_reason is None]
-
-    def request_ids(self) -> list[str]:
-        return list(self.parents)
-
-    def parent_id(self, sequence_id: str) -> str:
-        return self.samples[sequence_id][0].request.request_id
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.parents

@@ -30,6 +30,7 @@ class Request:
     index: int = 0  # which of the parent's n samples this is
     want_prompt_logprobs: bool = False
     waits_for: Request | None = None  # a sibling whose prompt blocks this one will reuse
+    shares_prompt: bool = False  # one of n > 1 samples: its prompt blocks are shared with its siblings
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
@@ -75,7 +76,7 @@ def samples_of(request: EngineRequest, eos_token_ids) -> list[Request]:
     ids = [request.request_id] if params.n == 1 else [f"{request.request_id}#{i}" for i in range(params.n)]
     stop = frozenset(params.stop_token_ids or ()) | frozenset(() if params.ignore_eos else eos_token_ids)
     sequences = [Request(sid, request.prompt_token_ids, params, stop, request.max_tokens, index=i,
-                         want_prompt_logprobs=i == 0 and params.prompt_logprobs is not None)
+                         want_prompt_logprobs=i == 0 and params.prompt_logprobs is not None, shares_prompt=params.n > 1)
                  for i, sid in enumerate(ids)]
     for sibling in sequences[1:]:
         sibling.waits_for = sequences[0]

@@ -106,7 +106,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             sibling = request.waits_for
-            if sibling and self.kv.enable_prefix_caching and not (sibling.finished or sibling.prompt_computed):
+            if sibling and not (sibling.finished or sibling.prompt_computed):
                 not_ready.append(self.waiting.popleft())  # its sibling's prompt blocks are not cached yet
                 continue
             prefix = self.kv.cached_prefix(request)
