@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
 from dsaserve.bench import add_bench_args
 from dsaserve.engine_args import EngineArgs
 from dsaserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+
+def json_list(text: str) -> list[str]:
+    """A CLI value given as a JSON list of strings, as vLLM's CORS flags take it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}; give e.g. '[\"https://example.com\"]'") from e
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a JSON list of strings")
+    return value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -30,12 +42,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from dsaserve.server.launcher import serve
 
-    return serve(
-        EngineArgs.from_cli_args(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-        api_key=args.api_key, chat_template=args.chat_template, reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser, max_body_bytes=args.max_request_body_bytes,
-        idle_shutdown=args.idle_shutdown,
+    from dsaserve.server.state import ServerConfig
+
+    config = ServerConfig(
+        model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+        body_timeout=args.request_body_timeout,
+        reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
+        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        idle_shutdown=args.idle_shutdown, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
     )
+    return serve(EngineArgs.from_cli_args(args), config, host=args.host, port=args.port,
+                 chat_template=args.chat_template)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -71,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--reasoning-parser", default="glm45", choices=REASONING_PARSERS)
     srv.add_argument("--tool-call-parser", default="glm47", choices=TOOL_CALL_PARSERS)
     srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="a client that has not sent its whole request body by then gets 408")
+    srv.add_argument("--allowed-origins", type=json_list, default=["*"], help='CORS origins, a JSON list (default ["*"])')
+    srv.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS methods, a JSON list")
+    srv.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS headers, a JSON list")
+    srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     srv.add_argument("--idle-shutdown", type=float, default=None, metavar="SECONDS",
                      help="exit cleanly after this long with nothing running, waiting or arriving")
     srv.set_defaults(func=cmd_serve)

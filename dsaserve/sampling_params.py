@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM (dividing by them overflows)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # a logit ×/÷ this stays finite in fp32
 
 
 class SamplingParamsError(ValueError):
@@ -51,8 +55,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             self._check(_number(value) and -2 <= value <= 2, name, f"{name}={value!r} must be between -2 and 2")
-        self._check(_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-                    f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 disables it)")
+        low, high = REPETITION_PENALTY_RANGE
+        self._check(_number(self.repetition_penalty) and low <= self.repetition_penalty <= high, "repetition_penalty",
+                    f"repetition_penalty={self.repetition_penalty!r} must be between {low} and {high} (1 disables it)")
         self.logit_bias = _token_bias(self.logit_bias)
         if self.max_tokens is not None:
             self._check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
@@ -63,7 +68,10 @@ class SamplingParams:
         self._check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
                     f"top_k={self.top_k!r} must be ≥ 1, or 0/-1 to disable")
         self._check(_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p={self.min_p!r} must be in [0, 1]")
-        self._check(self.seed is None or isinstance(self.seed, int), "seed", f"seed={self.seed!r} must be an integer")
+        low, high = SEED_RANGE
+        self._check(self.seed is None or (_integer(self.seed) and low <= self.seed and self.seed + self.n - 1 <= high),
+                    "seed", f"seed={self.seed!r} must be an integer in [{low}, {high}] (with n={self.n}, "
+                            f"seed + n - 1 too: sample i uses seed + i)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             self._check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), name,
@@ -79,7 +87,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
@@ -104,4 +112,8 @@ def _token_bias(bias) -> dict[int, float] | None:
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -30,3 +30,25 @@ def make_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(make_checkpoint):
     return make_checkpoint("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    """`dsaserve serve` on the tiny checkpoint as a real process (see server_process.py), one per module."""
+    from server_process import ServerProcess
+
+    srv = ServerProcess(tiny_checkpoint).wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    """An AsyncLLMEngine stepping on its own thread, one per module."""
+    from dsaserve.engine.async_engine import AsyncLLMEngine
+    from dsaserve.engine_args import EngineArgs
+
+    eng = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=tiny_checkpoint, dtype="float32", block_size=16, max_model_len=256, progress=False))
+    yield eng
+    eng.shutdown()

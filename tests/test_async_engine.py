@@ -5,19 +5,10 @@ import asyncio
 import pytest
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+from dsaserve.engine.async_engine import EngineStepError
 from dsaserve.engine.admission import RequestRejected
-from dsaserve.engine_args import EngineArgs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    eng = AsyncLLMEngine.from_engine_args(
-        EngineArgs(model=tiny_checkpoint, dtype="float32", block_size=16, max_model_len=256, progress=False))
-    yield eng
-    eng.shutdown()
 
 
 async def collect(engine, prompt, params, request_id):
@@ -94,18 +85,21 @@ def test_bad_request_fails_before_queueing(engine):
     assert last.finished and len(ids) == 10
 
 
+def fail_once(monkeypatch, owner, name: str, message: str) -> None:
+    """Make owner.name raise RuntimeError(message) on its first call, then behave."""
+    original, calls = getattr(owner, name), []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(message)
+        return original(*args)
+
+    monkeypatch.setattr(owner, name, flaky)
+
+
 def test_step_exception_fails_running_requests_and_loop_survives(engine, monkeypatch):
-    runner = engine.engine.runner
-    original = runner.execute
-    calls = {"n": 0}
-
-    def flaky(batch):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("simulated device error")
-        return original(batch)
-
-    monkeypatch.setattr(runner, "execute", flaky)
+    fail_once(monkeypatch, engine.engine.runner, "execute", "simulated device error")
 
     async def main():
         with pytest.raises(EngineStepError, match="simulated device error"):
@@ -120,17 +114,7 @@ def test_step_exception_fails_running_requests_and_loop_survives(engine, monkeyp
 def test_a_step_that_breaks_after_finishing_a_request_still_answers_its_client(engine, monkeypatch):
     """The scheduler has finished and freed a one-token request when output processing raises: its
     client must get an error, not wait forever."""
-    processor = engine.engine.output_processor
-    original = processor.process
-    calls = {"n": 0}
-
-    def broken(updates):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("simulated bug after the scheduler's update")
-        return original(updates)
-
-    monkeypatch.setattr(processor, "process", broken)
+    fail_once(monkeypatch, engine.engine.output_processor, "process", "simulated bug after the scheduler's update")
     one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     async def main():

@@ -19,13 +19,6 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    srv = ServerProcess(tiny_checkpoint).wait_ready()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
@@ -218,9 +211,12 @@ def test_bad_requests_get_openai_errors_and_the_server_recovers(server):
     assert wait_for_idle(server)
 
 
-def test_max_tokens_is_capped_by_max_model_len(server):
-    r = httpx.post(server.url + "/v1/completions", timeout=60,
-                   json={"model": "tiny", "prompt": "x " * 100, "max_tokens": 10000, "ignore_eos": True})
+def test_max_tokens_over_the_context_is_a_400_and_omitted_fills_it(server):
+    prompt = {"model": "tiny", "prompt": "x " * 100, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={**prompt, "max_tokens": 10000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "maximum context length is 512" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json=prompt)  # no max_tokens: what fits
     assert r.status_code == 200
     body = r.json()
     assert body["usage"]["total_tokens"] == 512 and body["choices"][0]["finish_reason"] == "length"

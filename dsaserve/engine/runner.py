@@ -10,14 +10,11 @@ import torch
 
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.kv_cache import KVCache
-from dsaserve.engine.logits_processors import process_logits
+from dsaserve.engine.isolated_sampling import sample_isolated
 from dsaserve.engine.runner_output import ModelRunnerOutput, TokenLogprobs
 from dsaserve.engine.runner_state import RunnerRequest
-from dsaserve.engine.sampler import TopLogprobs, sample, top_logprobs
+from dsaserve.engine.sampler import TopLogprobs, top_logprobs
 from dsaserve.engine.scheduler_output import SchedulerOutput
-
-NON_FINITE = "the model produced non-finite logits for this request"
-
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, device: torch.device, seed: int = 0):
@@ -69,27 +66,22 @@ class ModelRunner:
         return output
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        for request_id, ok in zip(request_ids, finite):
-            if not ok:
-                output.errors[request_id] = NON_FINITE
-        keep = [i for i, ok in enumerate(finite) if ok]
-        if not keep:
-            return
-        request_ids = [request_ids[i] for i in keep]
         states = [self.requests[r] for r in request_ids]
-        raw = logits[keep]
-        processed = process_logits(raw, states)
-        tokens = sample(processed, [s.params for s in states], [s.generator or self.rng for s in states])
-        want = [s.params.logprobs is not None for s in states]
+        result = sample_isolated(logits, states, self.rng)
+        output.errors.update({request_ids[i]: message for i, message in result.errors.items()})
+        if not result.rows:
+            return
+        want = [states[i].params.logprobs is not None for i in result.rows]
         top = None
         if any(want):
-            top = top_logprobs(raw.log_softmax(-1), tokens, max(s.params.logprobs or 0 for s in states))
-        for j, (request_id, state, token) in enumerate(zip(request_ids, states, tokens.tolist())):
-            state.output_token_ids.append(token)
-            output.sampled_token_ids[request_id] = [token]
+            n = max(states[i].params.logprobs or 0 for i in result.rows)
+            raw = logits[result.rows]  # logprobs are those of the raw model distribution, as in vLLM
+            top = top_logprobs(raw.log_softmax(-1), torch.tensor(result.tokens, device=raw.device), n)
+        for j, (i, token) in enumerate(zip(result.rows, result.tokens)):
+            states[i].output_token_ids.append(token)
+            output.sampled_token_ids[request_ids[i]] = [token]
             if want[j]:
-                output.logprobs[request_id] = [position_logprobs(top, j, token, state.params.logprobs)]
+                output.logprobs[request_ids[i]] = [position_logprobs(top, j, token, states[i].params.logprobs)]
 
     def _prompt_logprobs(self, state: RunnerRequest, first: int, logits: torch.Tensor) -> list[TokenLogprobs]:
         targets = state.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]

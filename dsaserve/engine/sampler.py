@@ -36,7 +36,7 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     vocab = logits.shape[1]
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temps[:, None]
-    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # capped: a huge top_k is "all"
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):

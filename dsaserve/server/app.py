@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import re
 import time
@@ -24,12 +25,20 @@ from dsaserve.server.state import ServerState
 logger = logging.getLogger(__name__)
 
 
+class ErrorJSONResponse(JSONResponse):
+    """Error bodies may quote client text, which can hold lone surrogates: escape them as JSON allows."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return ErrorJSONResponse(error.body(), status_code=error.status)
 
 
 class GuardMiddleware:
-    """Counts requests in flight (for idle shutdown), enforces the API key on /v1 and the body size."""
+    """Counts requests in flight (for idle shutdown); on /v1 refuses new requests while draining and
+    enforces the API key; limits the body's size and the time a client may take to send it."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -42,7 +51,7 @@ class GuardMiddleware:
         state.in_flight += 1
         state.last_activity = time.monotonic()
         try:
-            error = self._check_key(scope)
+            error = self._check_draining(scope) or self._check_key(scope)
             if error is None:
                 body, error = await self._read_body(scope, receive)
             if error is not None:
@@ -61,13 +70,19 @@ class GuardMiddleware:
             state.in_flight -= 1
             state.last_activity = time.monotonic()
 
+    def _check_draining(self, scope) -> APIError | None:
+        if self.state.draining and scope["path"].startswith("/v1"):
+            return APIError(503, "the server is shutting down; retry on another instance", type_="service_unavailable",
+                            code="server_shutting_down")
+        return None
+
     def _check_key(self, scope) -> APIError | None:
         key = self.state.config.api_key
         if not key or not scope["path"].startswith("/v1"):
             return None
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        # The scheme is case-insensitive (RFC 7235); keys compare as UTF-8 bytes, in constant time.
+        if hmac.compare_digest(given.strip(), key.encode("utf-8")) and scheme.lower() == b"bearer":
             return None
         return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                         type_="invalid_request_error", code="invalid_api_key")
@@ -79,8 +94,13 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > limit:
             return b"", too_big
         chunks, size = [], 0
+        deadline = time.monotonic() + self.state.config.body_timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return b"", APIError(408, f"the request body did not arrive within {self.state.config.body_timeout:g} s",
+                                     code="request_timeout")
             if message["type"] != "http.request":
                 break
             chunks.append(message.get("body", b""))
@@ -183,15 +203,16 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         request_id = new_id("chatcmpl")
-        prepared = prepare_chat(state, body)
+        # Rendering and tokenizing are CPU work: off the event loop, so other streams keep flowing.
+        prepared = await asyncio.to_thread(prepare_chat, state, body)
         admitted = admit_chat(state, body, prepared, request_id)  # a 400 before anything streams
         return await respond(request, body.stream, chat_stream, chat_full, (state, body, request_id, prepared, admitted))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         request_id = new_id("cmpl")
-        prompts = prepare_prompts(state, body)
-        admitted = admit_prompts(state, body, prompts, request_id)  # a 400 before anything streams
+        prompts = await asyncio.to_thread(prepare_prompts, state, body)
+        admitted = await asyncio.to_thread(admit_prompts, state, body, prompts, request_id)  # 400s before a stream
         return await respond(request, body.stream, completion_stream, completion_full,
                              (state, body, request_id, prompts, admitted))
 

@@ -9,6 +9,7 @@ from dsaserve.chat_template import ChatTemplateError
 from dsaserve.engine.admission import EngineRequest
 from dsaserve.server.parsers import CONTENT, REASONING, GlmOutputParser
 from dsaserve.server.parsers.glm import CALL_START, THINK_END, THINK_START
+from dsaserve.server.input_checks import check_encodable, check_prompt_chars, check_template_kwargs
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from dsaserve.server.responses import chat_logprobs, now, sse, stream_error, usage
 from dsaserve.server.state import ServerState
@@ -21,7 +22,11 @@ class PreparedChat:
 
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
+    """Checks, template rendering and tokenization: CPU work, so the app runs it off the event loop."""
+    check_encodable(req)
     state.check_model(req.model)
+    req.check_unsupported()
+    check_template_kwargs(req.chat_template_kwargs)
     if state.chat_template is None:
         raise APIError(400, "this model has no chat template; start the server with --chat-template FILE "
                             "or use /v1/completions", param="messages")
@@ -51,6 +56,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
     opened = text.rstrip().endswith(THINK_START)
     if forced:
         text += ("" if closed else THINK_END) + forced
+    check_prompt_chars(text, state.max_prompt_chars, "messages")
     ids = state.engine.tokenizer.encode(text, add_special_tokens=False)
     parser_args = dict(
         reasoning=reasoning and not forced,
@@ -63,8 +69,9 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
 
 def admit_chat(state: ServerState, req: ChatCompletionRequest, prepared: PreparedChat, request_id: str) -> EngineRequest:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     return state.admit(request_id, req, prepared.prompt_ids, req.max_completion_tokens or req.max_tokens, "messages",
-                       logprobs=logprobs)
+                       max_tokens_param, logprobs=logprobs)
 
 
 def _finish_reason(engine_reason: str | None, made_tool_calls: bool) -> str | None:

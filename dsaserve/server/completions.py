@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from dsaserve.engine.admission import EngineRequest
 from dsaserve.outputs import RequestOutput
+from dsaserve.server.input_checks import check_encodable, check_prompt_chars
 from dsaserve.server.protocol import APIError, CompletionRequest
-from dsaserve.server.responses import completion_logprobs, now, sse, stream_error, usage
+from dsaserve.server.responses import completion_logprobs, now, prompt_logprobs_json, sse, stream_error, usage
 from dsaserve.server.state import ServerState
 
 
@@ -20,7 +21,10 @@ class PreparedPrompt:
 
 
 def prepare_prompts(state: ServerState, req: CompletionRequest) -> list[PreparedPrompt]:
+    """Checks and tokenization: CPU work, so the app runs it off the event loop."""
+    check_encodable(req)
     state.check_model(req.model)
+    req.check_unsupported()
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported", param="suffix")
     tokenizer = state.engine.tokenizer
@@ -34,6 +38,7 @@ def prepare_prompts(state: ServerState, req: CompletionRequest) -> list[Prepared
     prepared = []
     for item in items:
         if isinstance(item, str):
+            check_prompt_chars(item, state.max_prompt_chars, "prompt")
             prepared.append(PreparedPrompt(tokenizer.encode(item), item))
         else:
             prepared.append(PreparedPrompt(list(item), None))  # decoded for echo once admitted
@@ -43,9 +48,9 @@ def prepare_prompts(state: ServerState, req: CompletionRequest) -> list[Prepared
 def admit_prompts(state: ServerState, req: CompletionRequest, prompts: list[PreparedPrompt],
                   request_id: str) -> list[EngineRequest]:
     """One engine request per prompt, each through the admission check (a 400 before anything streams)."""
-    extra = {"logprobs": req.logprobs}
+    extra = {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs}
     if req.echo and req.logprobs is not None:
-        extra["prompt_logprobs"] = req.logprobs
+        extra["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     admitted = [state.admit(f"{request_id}-{i}", req, p.ids, req.max_tokens, "prompt", **extra)
                 for i, p in enumerate(prompts)]
     for prompt in prompts:
@@ -111,8 +116,11 @@ async def completion_full(state: ServerState, req: CompletionRequest, request_id
     for i, prompt in enumerate(prompts):
         for c in finals[i].outputs:
             logprobs = _logprobs(state, req, prompt, finals[i], c.token_ids, c.logprobs or [], True, 0)
-            choices.append({"index": i * req.n + c.index, "text": _choice_text(req, prompt, True, c.text),
-                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+            choice = {"index": i * req.n + c.index, "text": _choice_text(req, prompt, True, c.text),
+                      "logprobs": logprobs, "finish_reason": c.finish_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(finals[i].prompt_logprobs, req.prompt_logprobs)
+            choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
     return {"id": request_id, "object": "text_completion", "created": now(), "model": state.config.model_name,
             "choices": choices, "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens)}
@@ -139,7 +147,10 @@ async def completion_stream(state: ServerState, req: CompletionRequest, request_
                 logprobs = _logprobs(state, req, prompts[i], out, c.token_ids, c.logprobs or [], first, offsets[k])
                 offsets[k] += len(text)
                 if text or c.token_ids or c.finish_reason:  # one chunk per step that made tokens
-                    choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+                    choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+                    if first and req.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, req.prompt_logprobs)
+                    choices.append(choice)
             if choices:
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                            "choices": choices})

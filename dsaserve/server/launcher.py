@@ -12,6 +12,7 @@ import threading
 import time
 
 import uvicorn
+from starlette.middleware.cors import CORSMiddleware
 
 from dsaserve.chat_template import ChatTemplate
 from dsaserve.demo import demo_model_dir
@@ -51,7 +52,11 @@ async def watch_idle(state: ServerState, server: uvicorn.Server, idle: float) ->
 
 class Server(uvicorn.Server):
     """uvicorn on a side thread: the main thread steps the engine (see AsyncLLMEngine) and owns the
-    signal handlers, which ask this server to stop gracefully."""
+    signal handlers, which ask this server to stop gracefully: in-flight requests finish, new ones get 503."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -60,23 +65,20 @@ class Server(uvicorn.Server):
     def handle_signal(self, sig, _frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True  # a second Ctrl-C stops waiting for in-flight requests
+        self.state.draining = True
         self.should_exit = True
 
 
-def serve(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000,
-          served_model_name: str | None = None, api_key: str | None = None, chat_template: str | None = None,
-          reasoning_parser: str = "glm45", tool_call_parser: str = "glm47", max_body_bytes: int = 8 << 20,
-          idle_shutdown: float | None = None, graceful_timeout: float = 30.0) -> int:
+def serve(engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+          chat_template: str | None = None, graceful_timeout: float = 30.0) -> int:
+    """config.model_name None: the model's path (or the demo's name); config.api_key None: DSASERVE_API_KEY."""
     if engine_args.model is None:
         engine_args = dataclasses.replace(engine_args, model=demo_model_dir())
-        served_model_name = served_model_name or DEMO_MODEL_NAME
-    model = engine_args.model
+        config = dataclasses.replace(config, model_name=config.model_name or DEMO_MODEL_NAME)
+    config = dataclasses.replace(config, model_name=config.model_name or engine_args.model,
+                                 api_key=config.api_key or os.environ.get("DSASERVE_API_KEY") or None)
+    idle_shutdown = config.idle_shutdown
     engine = AsyncLLMEngine.from_engine_args(engine_args, start_thread=False)
-    config = ServerConfig(
-        model_name=served_model_name or model, api_key=api_key or os.environ.get("DSASERVE_API_KEY") or None,
-        max_body_bytes=max_body_bytes, reasoning_parser=None if reasoning_parser == "none" else reasoning_parser,
-        tool_call_parser=None if tool_call_parser == "none" else tool_call_parser, idle_shutdown=idle_shutdown,
-    )
     state = ServerState(engine, config, load_chat_template(engine, chat_template),
                         ServerMetrics(engine.stats, config.model_name))
     server: uvicorn.Server | None = None
@@ -95,10 +97,14 @@ def serve(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000,
     app = build_app(state, lifespan=lifespan)
     from dsaserve.server.app import GuardMiddleware
 
-    guarded = GuardMiddleware(app, state)
-    uv_config = uvicorn.Config(guarded, host=host, port=port, log_level="info", lifespan="on",
+    # CORS outside the guard: a browser's preflight carries no key, and every answer (errors included)
+    # needs the Access-Control-* headers.
+    outer = CORSMiddleware(GuardMiddleware(app, state), allow_origins=config.allowed_origins,
+                           allow_methods=config.allowed_methods, allow_headers=config.allowed_headers,
+                           allow_credentials=config.allow_credentials)
+    uv_config = uvicorn.Config(outer, host=host, port=port, log_level="info", lifespan="on",
                                timeout_graceful_shutdown=graceful_timeout, access_log=False)
-    server = Server(uv_config)
+    server = Server(uv_config, state)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_signal)
     http_thread = threading.Thread(target=server.run, name="dsaserve-http", daemon=True)

@@ -117,7 +117,7 @@ class SamplingFields(Strict):
     stop_token_ids: list[int] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=100)] = 1.0
     logit_bias: dict[str, float] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
@@ -126,6 +126,12 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: dict | None = None  # only {"type": "text"} until structured output lands
+
+    def check_unsupported(self) -> None:
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format type {self.response_format.get('type')!r} is not supported yet; "
+                                "only 'text'", param="response_format")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -146,8 +152,16 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: int | None = None  # only as many as n: dsaserve does not rank extra samples
     echo: bool = False
     suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, f"best_of={self.best_of} is not supported (it would rank extra samples); "
+                                "use n", param="best_of")
 
     @field_validator("prompt")
     @classmethod

@@ -77,3 +77,19 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
         offsets.append(offset)
         offset += len(piece or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None, top: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} with the prompt's own token and the `top` most likely."""
+    if positions is None:
+        return None
+    out = []
+    for entry in positions:
+        if entry is None:
+            out.append(None)
+            continue
+        own = next(iter(entry))
+        out.append({str(tid): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                    for tid, lp in entry.items() if tid == own or (lp.rank or 0) <= top})
+    return out

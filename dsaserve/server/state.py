@@ -15,14 +15,24 @@ from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.protocol import APIError, SamplingFields
 
 
+# A token's text is at most Tokenizer.max_token_chars; Unicode normalization can merge a few input
+# characters into one (a letter and its combining accent), so the character pre-check allows this many.
+NORMALIZATION_SLACK = 4
+
+
 @dataclass
 class ServerConfig:
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    body_timeout: float = 30.0  # seconds a client may take to send its request body
     reasoning_parser: str | None = "glm45"
     tool_call_parser: str | None = "glm47"
     idle_shutdown: float | None = None
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])  # CORS, vLLM's defaults
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 @dataclass
@@ -33,10 +43,15 @@ class ServerState:
     metrics: ServerMetrics
     in_flight: int = 0
     last_activity: float = field(default_factory=time.monotonic)
+    draining: bool = False  # set on SIGTERM: new /v1 requests get 503
 
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * self.engine.tokenizer.max_token_chars * NORMALIZATION_SLACK
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
@@ -44,19 +59,24 @@ class ServerState:
                            param="model", type_="NotFoundError", code="model_not_found")
 
     def admit(self, request_id: str, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-              prompt_param: str, **extra) -> EngineRequest:
-        """The request's SamplingParams, through the engine's one admission check. max_tokens is capped so
-        prompt + output fits max_model_len; a prompt that alone fills it is a 400. Everything the engine
-        would refuse is refused here, before a response (or a stream) starts."""
+              prompt_param: str, max_tokens_param: str = "max_tokens", **extra) -> EngineRequest:
+        """The request's SamplingParams, through the engine's one admission check. Prompt + max_tokens over
+        max_model_len is a 400 (as in vLLM); without max_tokens the output may fill the context. Everything
+        the engine would refuse is refused here, before a response (or a stream) starts."""
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and the prompt "
                                 f"has {len(prompt_ids)} tokens; shorten the prompt", param=prompt_param,
                            code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {prompt_param}, "
+                                f"{max_tokens} in the completion). Reduce the length of the {prompt_param} or "
+                                f"{max_tokens_param}.", param=max_tokens_param, code="context_length_exceeded")
         top_k = req.top_k if req.top_k not in (None, -1) else 0
         try:
             params = SamplingParams(
-                n=req.n, max_tokens=min(max_tokens or room, room),
+                n=req.n, max_tokens=max_tokens or room,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                 min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, stop=req.stop,
