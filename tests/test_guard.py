@@ -5,6 +5,7 @@ import json
 from types import SimpleNamespace
 
 import httpx
+import pytest
 
 from dsaserve.chat_template import ChatTemplate
 from dsaserve.server.app import GuardMiddleware, build_app
@@ -87,3 +88,56 @@ def test_rendering_and_tokenizing_run_off_the_event_loop(engine, monkeypatch):
 
     asyncio.run(main())
     assert on_loop and not any(on_loop)
+
+
+TWO_CALLS = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+             "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>")
+
+
+def fake_state(text: str):
+    from dsaserve.outputs import CompletionOutput, RequestOutput
+
+    async def generate(request):
+        yield RequestOutput("id", None, [1, 2], [CompletionOutput(0, text, [5, 6, 7], finish_reason="stop")],
+                          finished=True)
+
+    return SimpleNamespace(generate=generate, config=SimpleNamespace(model_name="tiny"))
+
+
+@pytest.mark.parametrize("parallel, expected", [(None, ["Paris", "Rome"]), (True, ["Paris", "Rome"]), (False, ["Paris"])])
+def test_parallel_tool_calls_false_keeps_the_first_call(parallel, expected):
+    from dsaserve.server.chat import PreparedChat, chat_full, chat_stream
+    from dsaserve.server.protocol import ChatCompletionRequest
+
+    schemas = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    prepared = PreparedChat([1, 2], {"tools": True, "tool_schemas": schemas})
+    fields = {"messages": [{"role": "user", "content": "x"}]}
+    if parallel is not None:
+        fields["parallel_tool_calls"] = parallel
+    full = asyncio.run(chat_full(fake_state(TWO_CALLS), ChatCompletionRequest(**fields), "id", prepared, None))
+    calls = full["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == expected
+
+    async def collect(stream):
+        return [line async for line in stream]
+
+    request = ChatCompletionRequest(**fields, stream=True)
+    lines = asyncio.run(collect(chat_stream(fake_state(TWO_CALLS), request, "id", prepared, None)))
+    streamed = [call for line in lines if line.startswith("data: {")
+                for choice in json.loads(line[6:])["choices"] for call in choice["delta"].get("tool_calls", [])]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in streamed] == expected
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk():
+    from dsaserve.server.chat import PreparedChat, chat_stream
+    from dsaserve.server.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True,
+                                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+
+    async def collect(stream):
+        return [json.loads(line[6:]) async for line in stream if line.startswith("data: {")]
+
+    chunks = asyncio.run(collect(chat_stream(fake_state("Hi there"), request, "id", PreparedChat([1, 2], {}), None)))
+    assert all("usage" in c for c in chunks)
+    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}

@@ -11,7 +11,7 @@ from dsaserve.server.parsers import CONTENT, REASONING, GlmOutputParser
 from dsaserve.server.parsers.glm import CALL_START, THINK_END, THINK_START
 from dsaserve.server.input_checks import check_encodable, check_prompt_chars, check_template_kwargs
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
-from dsaserve.server.responses import chat_logprobs, now, sse, stream_error, usage
+from dsaserve.server.responses import chat_logprobs, continuous_usage, now, sse, stream_error, usage
 from dsaserve.server.state import ServerState
 
 
@@ -74,6 +74,11 @@ def admit_chat(state: ServerState, req: ChatCompletionRequest, prepared: Prepare
                        max_tokens_param, logprobs=logprobs)
 
 
+def max_calls(req: ChatCompletionRequest) -> int:
+    """parallel_tool_calls=false: at most one tool call per choice (the first the model makes)."""
+    return 1 if req.parallel_tool_calls is False else 1 << 30
+
+
 def _finish_reason(engine_reason: str | None, made_tool_calls: bool) -> str | None:
     if engine_reason == "stop" and made_tool_calls:
         return "tool_calls"
@@ -95,7 +100,7 @@ async def chat_full(state: ServerState, req: ChatCompletionRequest, request_id: 
         parser = GlmOutputParser(**prepared.parser_args)  # the same parser streaming uses, fed all at once
         parsed = [parser.feed(c.text), parser.finish()]
         content = "".join(p.content for p in parsed)
-        calls = [call for p in parsed for call in p.tool_calls]
+        calls = [call for p in parsed for call in p.tool_calls][: max_calls(req)]
         message = {"role": "assistant", "content": content or (None if calls else ""),
                    "reasoning_content": "".join(p.reasoning for p in parsed) or None}
         if calls:
@@ -120,6 +125,8 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest, request_id
     def chunk(choices: list[dict], extra: dict | None = None) -> str:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": choices}
+        if continuous_usage(req) and choices:
+            body["usage"] = usage(len(prepared.prompt_ids), completion_tokens)
         body.update(extra or {})
         return sse(body)
 
@@ -145,6 +152,7 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest, request_id
                     delta["reasoning_content"] = parsed.reasoning
                 if parsed.content:
                     delta["content"] = parsed.content
+                parsed.tool_calls = parsed.tool_calls[: max(0, max_calls(req) - calls_made[c.index])]
                 if parsed.tool_calls:
                     delta["tool_calls"] = [call.to_openai(calls_made[c.index] + k) for k, call in enumerate(parsed.tool_calls)]
                     calls_made[c.index] += len(parsed.tool_calls)

@@ -10,7 +10,8 @@ from dsaserve.engine.admission import EngineRequest
 from dsaserve.outputs import RequestOutput
 from dsaserve.server.input_checks import check_encodable, check_prompt_chars
 from dsaserve.server.protocol import APIError, CompletionRequest
-from dsaserve.server.responses import completion_logprobs, now, prompt_logprobs_json, sse, stream_error, usage
+from dsaserve.server.responses import (completion_logprobs, continuous_usage, now, prompt_logprobs_json, sse,
+                                       stream_error, usage)
 from dsaserve.server.state import ServerState
 
 
@@ -152,8 +153,11 @@ async def completion_stream(state: ServerState, req: CompletionRequest, request_
                         choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, req.prompt_logprobs)
                     choices.append(choice)
             if choices:
-                yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": choices})
+                body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                        "choices": choices}
+                if continuous_usage(req):
+                    body["usage"] = usage(sum(len(p.ids) for p in prompts), completion_tokens)
+                yield sse(body)
     except Exception as e:  # the stream has started: report in-band, then end it properly
         yield sse(stream_error(e).body())
     if req.stream_options and req.stream_options.include_usage:

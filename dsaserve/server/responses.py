@@ -24,6 +24,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def continuous_usage(req) -> bool:
+    """stream_options.continuous_usage_stats (vLLM): usage so far in every chunk, with include_usage."""
+    options = req.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)
+
+
 def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
