@@ -8,10 +8,11 @@ import json
 import logging
 import re
 import time
+from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsaserve.engine.admission import RequestRejected
@@ -183,6 +184,13 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     async def _internal(_, exc: Exception):
         logger.exception("unhandled error")
         return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    chat_page = (resources.files("dsaserve.server") / "static" / "chat.html").read_text(encoding="utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        """A chat page for a person trying the server (no key needed to load it; it asks for one)."""
+        return HTMLResponse(chat_page)
 
     @app.get("/health")
     async def health():
