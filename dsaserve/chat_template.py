@@ -34,14 +34,15 @@ class ChatTemplate:
             raise ValueError(f"the chat template does not parse: {e}") from e
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+    def render(self, messages: list[dict], /, tools: list[dict] | None = None, add_generation_prompt: bool = True,
                **template_kwargs) -> str:
+        """template_kwargs are any further template variables (even one named "self")."""
         variables = dict(self.special_tokens)
         variables.update(template_kwargs)
         variables.update(messages=[_for_template(m) for m in messages], tools=tools or None,
                          add_generation_prompt=add_generation_prompt)
         try:
-            return self.template.render(**variables)
+            return self.template.render(variables)  # a dict, so a variable may be named "self"
         except ChatTemplateError:
             raise
         except TemplateError as e:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+# Per-request list sizes: each is worked through every step on the engine's shared thread.
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
+MAX_TOKEN_LIST = 1024  # logit_bias entries, stop_token_ids
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as in vLLM (dividing by them overflows)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # a logit ×/÷ this stays finite in fp32
@@ -47,6 +50,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self._check(all(isinstance(s, str) and s for s in self.stop), "stop",
                     f"stop={self.stop!r} must be a non-empty string or a list of them")
+        self._check(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+                    f"stop has {len(self.stop)} strings; give at most {MAX_STOP_STRINGS}, each at most "
+                    f"{MAX_STOP_CHARS} characters")
         self._check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
                     f"min_tokens={self.min_tokens!r} must be an integer ≥ 0")
         if self.max_tokens is not None and isinstance(self.max_tokens, int):
@@ -77,8 +83,10 @@ class SamplingParams:
             self._check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), name,
                         f"{name}={value!r} must be between 0 and {MAX_LOGPROBS}")
         if self.stop_token_ids is not None:
-            self._check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                        f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
+            self._check(all(_integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                        "stop_token_ids must be a list of token ids")
+            self._check(len(self.stop_token_ids) <= MAX_TOKEN_LIST, "stop_token_ids",
+                        f"stop_token_ids has {len(self.stop_token_ids)} ids; give at most {MAX_TOKEN_LIST}")
 
     @staticmethod
     def _check(ok: bool, param: str, message: str) -> None:
@@ -99,6 +107,8 @@ def _token_bias(bias) -> dict[int, float] | None:
         return None
     if not isinstance(bias, dict):
         raise SamplingParamsError("logit_bias", f"logit_bias must map token ids to numbers, got {bias!r}")
+    if len(bias) > MAX_TOKEN_LIST:
+        raise SamplingParamsError("logit_bias", f"logit_bias has {len(bias)} entries; give at most {MAX_TOKEN_LIST}")
     out = {}
     for key, value in bias.items():
         try:

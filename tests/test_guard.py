@@ -141,3 +141,21 @@ def test_continuous_usage_stats_put_usage_in_every_chunk():
     chunks = asyncio.run(collect(chat_stream(fake_state("Hi there"), request, "id", PreparedChat([1, 2], {}), None)))
     assert all("usage" in c for c in chunks)
     assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+def test_a_long_prompt_is_refused_after_tokenizing_only_a_prefix(tiny_checkpoint):
+    from dsaserve.server.input_checks import encode_bounded
+    from dsaserve.server.protocol import APIError
+    from dsaserve.tokenizer import Tokenizer
+
+    tokenizer, seen = Tokenizer(tiny_checkpoint), []
+    encode = tokenizer.encode
+    tokenizer.encode = lambda text, **kwargs: seen.append(len(text)) or encode(text, **kwargs)
+    text = "x " * 50_000  # far more than 512 tokens, yet within the character bound
+    with pytest.raises(APIError) as caught:
+        encode_bounded(tokenizer, text, 512, 10**9, "prompt")
+    assert caught.value.param == "prompt" and "first 4096 characters" in caught.value.message
+    assert seen == [4096]  # the whole text was never tokenized
+    seen.clear()
+    assert encode_bounded(tokenizer, "x " * 100, 512, 10**9, "prompt") == encode("x " * 100)
+    assert seen == [200]

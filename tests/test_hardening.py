@@ -175,3 +175,41 @@ def test_row12_the_scheme_is_case_insensitive_and_a_non_ascii_key_works(keyed, s
     assert r.status_code == 200, r.text
     wrong = post(keyed, "/v1/chat/completions", chat(), headers={"Authorization": f"{scheme} {KEY}x".encode()})
     assert wrong.status_code == 401
+
+
+# ---- what a review found: one request must not be able to load every step ---------------------------------
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"stop": [f"s{i}" for i in range(65)]}, "stop"),
+    ({"stop": ["x" * 1025]}, "stop"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+])
+def test_per_step_lists_are_bounded(server, fields, param):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, **fields})
+    assert "at most" in error_of(r, 400, param)["message"]
+
+
+def test_one_request_holds_at_most_max_num_seqs_sequences(server):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": [[40, 41]] * 300, "max_tokens": 1})
+    error_of(r, 400, "prompt")
+    assert post(server, "/v1/completions", {"model": "tiny", "prompt": [[40, 41]] * 3, "n": 2,
+                                            "max_tokens": 1}).status_code == 200
+
+
+def test_min_tokens_with_every_token_a_stop_token_is_a_400(server):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": list(range(640))}
+    error_of(post(server, "/v1/completions", body), 400, "stop_token_ids")
+
+
+def test_a_template_variable_named_self_is_just_a_variable(server):
+    r = post(server, "/v1/chat/completions", chat(chat_template_kwargs={"self": 1, "enable_thinking": False}))
+    assert r.status_code == 200, r.text
+
+
+def test_error_bodies_stay_valid_utf8_when_they_quote_a_surrogate(server):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": ["\ud800"]})
+    assert r.status_code == 400
+    r.content.decode("utf-8")  # strict: no lone surrogate escapes
+    assert "\\ud800" not in r.text

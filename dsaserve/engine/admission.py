@@ -39,6 +39,7 @@ class AdmissionLimits:
     block_size: int
     enable_chunked_prefill: bool
     max_num_batched_tokens: int
+    eos_token_ids: tuple[int, ...] | list[int] = ()
 
     def check(self, ids: list[int], params: SamplingParams) -> int:
         """Raise RequestRejected naming the field if the request can never run; returns max_tokens."""
@@ -52,6 +53,10 @@ class AdmissionLimits:
             outside = [t for t in tokens if not 0 <= t < vocab]
             if outside:
                 raise RequestRejected(name, f"{name} has token ids {outside[:5]} outside the vocabulary [0, {vocab})")
+        stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.min_tokens > 0 and len(stop) >= vocab:
+            raise RequestRejected("stop_token_ids", f"with min_tokens={params.min_tokens} every token of the vocabulary "
+                                                    "would be masked (all are stop tokens); drop min_tokens or stop ids")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens < 1:
             raise RequestRejected(

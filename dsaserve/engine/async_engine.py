@@ -82,6 +82,10 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.config.max_num_seqs
+
+    @property
     def model_dir(self) -> str:
         return self.engine.model_dir
 

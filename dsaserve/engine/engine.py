@@ -62,7 +62,7 @@ class LLMEngine:
                                                    args.enable_chunked_prefill),
                                    KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching))
         self.limits = AdmissionLimits(cfg.vocab_size, self.max_model_len, num_blocks, args.block_size,
-                                      args.enable_chunked_prefill, args.max_num_batched_tokens)
+                                      args.enable_chunked_prefill, args.max_num_batched_tokens, cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, args.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(

@@ -34,30 +34,34 @@ def sample_isolated(logits: torch.Tensor, states: list[RunnerRequest], rng: torc
     finite = torch.isfinite(logits).all(dim=-1).tolist()
     out.errors.update({i: NON_FINITE for i, ok in enumerate(finite) if not ok})
     rows = [i for i, ok in enumerate(finite) if ok]
-    if rows:
-        edited = _edit(logits, states, rows, out.errors)
-        rows = [i for i in rows if i not in out.errors]
-        usable = _usable(edited[rows]) if rows else []
-        out.errors.update({i: EDITED_NON_FINITE for i, ok in zip(rows, usable) if not ok})
-        rows = [i for i, ok in zip(rows, usable) if ok]
-    if rows:
-        out.rows, out.tokens = _draw(edited, states, rows, rng, out.errors)
+    if not rows:
+        return out
+    raw = logits if len(rows) == len(states) else logits[rows]
+    edited = _edit(raw, [states[i] for i in rows], rows, out.errors)
+    keep = [j for j, i in enumerate(rows) if i not in out.errors]
+    if edited is not raw:  # some request edited its logits: they must still be usable
+        usable = _usable(edited[keep])
+        out.errors.update({rows[j]: EDITED_NON_FINITE for j, ok in zip(keep, usable) if not ok})
+        keep = [j for j, ok in zip(keep, usable) if ok]
+    if keep:
+        kept, out.tokens = _draw(edited, [states[rows[j]] for j in keep], keep, rng, out.errors, rows)
+        out.rows = [rows[j] for j in kept]
     return out
 
 
-def _edit(logits: torch.Tensor, states: list[RunnerRequest], rows: list[int], errors: dict[int, str]) -> torch.Tensor:
-    """Edited logits for `rows` (other rows are left as they are); rows whose edits raise go to errors."""
-    edited = logits.clone()
+def _edit(raw: torch.Tensor, states: list[RunnerRequest], rows: list[int], errors: dict[int, str]) -> torch.Tensor:
+    """raw with each request's edits applied (raw itself when nobody edits); requests whose edits raise
+    go to errors (their row is left unedited)."""
     try:
-        edited[rows] = process_logits(logits[rows], [states[i] for i in rows])
-        return edited
+        return process_logits(raw, states)
     except Exception:  # find whose: each row's edits are independent of the others
         pass
-    for i in rows:
+    edited = raw.clone()
+    for j, state in enumerate(states):
         try:
-            edited[i] = process_logits(logits[i : i + 1], [states[i]])[0]
+            edited[j] = process_logits(raw[j : j + 1], [state])[0]
         except Exception as e:
-            errors[i] = f"this request's logits edits failed: {type(e).__name__}: {e}"
+            errors[rows[j]] = f"this request's logits edits failed: {type(e).__name__}: {e}"
     return edited
 
 
@@ -67,22 +71,23 @@ def _usable(edited: torch.Tensor) -> list[bool]:
             & (edited > float("-inf")).any(dim=-1)).tolist()
 
 
-def _draw(edited: torch.Tensor, states: list[RunnerRequest], rows: list[int], rng: torch.Generator,
-          errors: dict[int, str]) -> tuple[list[int], list[int]]:
-    generators = [states[i].generator or rng for i in rows]
-    random = {id(g): g for g, i in zip(generators, rows) if not states[i].params.greedy}
+def _draw(edited: torch.Tensor, states: list[RunnerRequest], keep: list[int], rng: torch.Generator,
+          errors: dict[int, str], rows: list[int]) -> tuple[list[int], list[int]]:
+    """Tokens for edited[keep] (states in that order); returns (the positions in keep that drew, tokens)."""
+    generators = [state.generator or rng for state in states]
+    random = {id(g): g for g, state in zip(generators, states) if not state.params.greedy}
     saved = {key: g.get_state() for key, g in random.items()}
+    batch = edited if len(keep) == edited.shape[0] else edited[keep]
     try:
-        tokens = sample(edited[rows], [states[i].params for i in rows], generators).tolist()
-        return rows, tokens
+        return keep, sample(batch, [state.params for state in states], generators).tolist()
     except Exception:
         for key, g in random.items():
             g.set_state(saved[key])
-    kept, tokens = [], []
-    for i, g in zip(rows, generators):
+    drew, tokens = [], []
+    for j, state, g in zip(keep, states, generators):
         try:
-            tokens.append(sample(edited[i : i + 1], [states[i].params], [g]).item())
-            kept.append(i)
+            tokens.append(sample(edited[j : j + 1], [state.params], [g]).item())
+            drew.append(j)
         except Exception as e:
-            errors[i] = f"sampling failed for this request: {type(e).__name__}: {e}"
-    return kept, tokens
+            errors[rows[j]] = f"sampling failed for this request: {type(e).__name__}: {e}"
+    return drew, tokens

@@ -21,9 +21,8 @@ def process_logits(logits: torch.Tensor, requests: list[RunnerRequest]) -> torch
     for row, request in enumerate(requests):
         params = request.params
         if params.logit_bias:
-            ids = torch.tensor([t for t in params.logit_bias if t < vocab], dtype=torch.long)
-            bias = torch.tensor([params.logit_bias[t] for t in params.logit_bias if t < vocab], dtype=logits.dtype)
-            logits[row, ids.to(logits.device)] += bias.to(logits.device)
+            ids, bias = request.bias_tensors(vocab, logits.dtype, logits.device)
+            logits[row, ids] += bias
         if len(request.output_token_ids) < params.min_tokens and request.stop_token_ids:
             stop = [t for t in request.stop_token_ids if t < vocab]
             logits[row, stop] = float("-inf")

@@ -24,6 +24,15 @@ class RunnerRequest:
     want_prompt_logprobs: bool
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already returned
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def bias_tensors(self, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """params.logit_bias as (token ids, values) tensors, built once for the request's life."""
+        if self._bias is None:
+            bias = {t: v for t, v in self.params.logit_bias.items() if t < vocab}
+            self._bias = (torch.tensor(list(bias), dtype=torch.long, device=device),
+                          torch.tensor(list(bias.values()), dtype=dtype, device=device))
+        return self._bias
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> "RunnerRequest":

@@ -27,10 +27,10 @@ logger = logging.getLogger(__name__)
 
 
 class ErrorJSONResponse(JSONResponse):
-    """Error bodies may quote client text, which can hold lone surrogates: escape them as JSON allows."""
+    """Error bodies may quote client text, which can hold lone surrogates: they become "?" (valid UTF-8)."""
 
     def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8", errors="replace")
 
 
 def error_response(error: APIError) -> JSONResponse:

@@ -9,7 +9,7 @@ from dsaserve.chat_template import ChatTemplateError
 from dsaserve.engine.admission import EngineRequest
 from dsaserve.server.parsers import CONTENT, REASONING, GlmOutputParser
 from dsaserve.server.parsers.glm import CALL_START, THINK_END, THINK_START
-from dsaserve.server.input_checks import check_encodable, check_prompt_chars, check_template_kwargs
+from dsaserve.server.input_checks import check_encodable, check_template_kwargs, encode_bounded
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from dsaserve.server.responses import chat_logprobs, continuous_usage, now, sse, stream_error, usage
 from dsaserve.server.state import ServerState
@@ -56,8 +56,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
     opened = text.rstrip().endswith(THINK_START)
     if forced:
         text += ("" if closed else THINK_END) + forced
-    check_prompt_chars(text, state.max_prompt_chars, "messages")
-    ids = state.engine.tokenizer.encode(text, add_special_tokens=False)
+    ids = encode_bounded(state.engine.tokenizer, text, state.max_model_len, state.max_prompt_chars, "messages",
+                         add_special_tokens=False)
     parser_args = dict(
         reasoning=reasoning and not forced,
         tools=state.config.tool_call_parser is not None and bool(tools) and choice != "none",

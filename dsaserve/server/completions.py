@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from dsaserve.engine.admission import EngineRequest
 from dsaserve.outputs import RequestOutput
-from dsaserve.server.input_checks import check_encodable, check_prompt_chars
+from dsaserve.sampling_params import MAX_N
+from dsaserve.server.input_checks import check_encodable, encode_bounded
 from dsaserve.server.protocol import APIError, CompletionRequest
 from dsaserve.server.responses import (completion_logprobs, continuous_usage, now, prompt_logprobs_json, sse,
                                        stream_error, usage)
@@ -36,11 +37,15 @@ def prepare_prompts(state: ServerState, req: CompletionRequest) -> list[Prepared
         items = [prompt]
     else:
         items = list(prompt)
+    most = max(state.engine.max_num_seqs, MAX_N)
+    if len(items) * req.n > most:
+        raise APIError(400, f"{len(items)} prompts × n={req.n} = {len(items) * req.n} sequences; one request may "
+                            f"hold at most {most} (max_num_seqs, or {MAX_N})", param="prompt")
     prepared = []
     for item in items:
         if isinstance(item, str):
-            check_prompt_chars(item, state.max_prompt_chars, "prompt")
-            prepared.append(PreparedPrompt(tokenizer.encode(item), item))
+            ids = encode_bounded(tokenizer, item, state.max_model_len, state.max_prompt_chars, "prompt")
+            prepared.append(PreparedPrompt(ids, item))
         else:
             prepared.append(PreparedPrompt(list(item), None))  # decoded for echo once admitted
     return prepared

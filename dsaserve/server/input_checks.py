@@ -48,6 +48,26 @@ def check_template_kwargs(kwargs: dict | None) -> None:
                             "request's own fields", param="chat_template_kwargs")
 
 
+# The prefix tokenized first when a prompt is long: this many characters per token of context.
+PREFIX_CHARS_PER_TOKEN = 8
+BOUNDARY_TOKENS = 16  # a prefix may tokenize a few tokens differently at its cut
+
+
+def encode_bounded(tokenizer, text: str, max_tokens: int, max_chars: int, param: str,
+                   add_special_tokens: bool = True) -> list[int]:
+    """Token ids of text, refusing one that cannot fit max_tokens without tokenizing all of it: first by
+    its length in characters, then, for a long text, by the tokens of a prefix of it."""
+    check_prompt_chars(text, max_chars, param)
+    head = max_tokens * PREFIX_CHARS_PER_TOKEN
+    if len(text) > head:
+        prefix = tokenizer.encode(text[:head], add_special_tokens=add_special_tokens)
+        if len(prefix) > max_tokens + BOUNDARY_TOKENS:
+            raise APIError(400, f"{param} has more than {max_tokens} tokens (its first {head} characters alone are "
+                                f"{len(prefix)}), more than the model's context holds; shorten it", param=param,
+                           code="context_length_exceeded")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def check_prompt_chars(text: str, max_chars: int, param: str) -> None:
     """Refuse text that could not fit max_model_len even at the longest token, before tokenizing it."""
     if len(text) > max_chars:
