@@ -19,7 +19,10 @@ from dsaserve.engine.admission import RequestRejected
 from dsaserve.sampling_params import SamplingParamsError
 from dsaserve.server.chat import admit_chat, chat_full, chat_stream, prepare_chat
 from dsaserve.server.completions import admit_prompts, completion_full, completion_stream, prepare_prompts
+from dsaserve.server.input_checks import check_encodable
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from dsaserve.server.responses_api import ResponsesRequest, ResponseStore
+from dsaserve.server.responses_api import respond as respond_to_responses
 from dsaserve.server.responses import new_id, now
 from dsaserve.server.state import ServerState
 
@@ -153,6 +156,7 @@ def field_path(loc) -> list[str]:
 def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="dsaserve", lifespan=lifespan)
     app.state.dsaserve = state
+    response_store = ResponseStore()
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -215,6 +219,14 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         prepared = await asyncio.to_thread(prepare_chat, state, body)
         admitted = admit_chat(state, body, prepared, request_id)  # a 400 before anything streams
         return await respond(request, body.stream, chat_stream, chat_full, (state, body, request_id, prepared, admitted))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        check_encodable(body)
+        if body.stream:
+            return StreamingResponse(await respond_to_responses(state, body, response_store, stream=True),
+                                     media_type="text/event-stream")
+        return JSONResponse(await until_disconnect(request, respond_to_responses(state, body, response_store, False)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
