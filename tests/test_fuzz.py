@@ -23,7 +23,7 @@ def fuzz_server(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("mode", list(schemathesis.GenerationMode))  # bodies that fit the schema, and not
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_no_request_body_gets_a_5xx_or_a_bare_error(fuzz_server, path, mode):
     operation = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")[path]["POST"]
 

@@ -68,10 +68,14 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text(content) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content or [] if isinstance(part, dict))
+def _text(content, param: str) -> str:
+    """A message's content: a string, or parts whose `text` fields are strings."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = [part.get("text") for part in content if isinstance(part, dict)] if isinstance(content, list) else [None]
+    if not all(isinstance(t, str) for t in texts):
+        raise APIError(400, f"{param} must be a string or a list of parts with a string 'text'", param=param)
+    return "".join(texts)
 
 
 def to_messages(req: ResponsesRequest, store: ResponseStore) -> list[dict]:
@@ -83,13 +87,14 @@ def to_messages(req: ResponsesRequest, store: ResponseStore) -> list[dict]:
     for k, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role", "user"), "content": _text(item.get("content"))})
+            messages.append({"role": item.get("role", "user"), "content": _text(item.get("content"), f"input.{k}.content")})
         elif kind == "function_call":
             messages.append({"role": "assistant", "content": "", "tool_calls": [{
                 "id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))})
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": _text(item.get("output"), f"input.{k}.output")})
         elif kind != "reasoning":  # earlier reasoning is not sent back to the model
             raise APIError(400, f"input item type {kind!r} is not supported; use message, function_call, "
                                 "function_call_output", param=f"input.{k}.type")
