@@ -119,3 +119,35 @@ def test_an_unknown_previous_response_id_is_a_404(server):
     r = httpx.post(server.url + "/v1/responses", timeout=30,
                    json={"model": "tiny", "input": "x", "previous_response_id": "resp_nope"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_failed_generation_is_an_error_answer_whole_and_in_band_streamed(engine512):
+    import asyncio
+
+    from dsaserve.chat_template import ChatTemplate
+    from dsaserve.outputs import CompletionOutput, RequestOutput
+    from dsaserve.server.metrics import ServerMetrics
+    from dsaserve.server.protocol import APIError
+    from dsaserve.server.responses_api import ResponsesRequest, ResponseStore, respond
+    from dsaserve.server.state import ServerConfig, ServerState
+
+    tokenizer = engine512.tokenizer
+    state = ServerState(engine512, ServerConfig("tiny"), ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens),
+                        ServerMetrics(engine512.stats, "tiny"))
+
+    async def generate(request):
+        yield RequestOutput(request.request_id, None, [1], [CompletionOutput(0, "", [], finish_reason="error")],
+                            finished=True, error="the model produced non-finite logits")
+
+    state.generate = generate
+    request, store = ResponsesRequest(model="tiny", input="hi"), ResponseStore()
+    with pytest.raises(APIError, match="non-finite") as caught:
+        asyncio.run(respond(state, request, store, stream=False))
+    assert caught.value.status == 500
+
+    async def events():
+        return [e async for e in await respond(state, request, store, stream=True)]
+
+    last = asyncio.run(events())[-1]
+    assert last.startswith("event: error") and "non-finite" in last
+    assert not store.items  # a failed response is not kept for previous_response_id

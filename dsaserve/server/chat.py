@@ -98,11 +98,10 @@ async def chat_full(state: ServerState, req: ChatCompletionRequest, request_id: 
     choices = []
     for c in final.outputs:
         parser = GlmOutputParser(**prepared.parser_args)  # the same parser streaming uses, fed all at once
-        parsed = [parser.feed(c.text), parser.finish()]
-        content = "".join(p.content for p in parsed)
-        calls = [call for p in parsed for call in p.tool_calls][: max_calls(req)]
+        parsed = parser.feed(c.text, last=True)
+        content, calls = parsed.content, parsed.tool_calls[: max_calls(req)]
         message = {"role": "assistant", "content": content or (None if calls else ""),
-                   "reasoning_content": "".join(p.reasoning for p in parsed) or None}
+                   "reasoning_content": parsed.reasoning or None}
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         logprobs = None
@@ -141,12 +140,7 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest, request_id
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                parsed = parsers[c.index].feed(c.text)
-                if c.finish_reason:
-                    tail = parsers[c.index].finish()
-                    parsed.reasoning += tail.reasoning
-                    parsed.content += tail.content
-                    parsed.tool_calls += tail.tool_calls
+                parsed = parsers[c.index].feed(c.text, last=bool(c.finish_reason))
                 delta = {}
                 if parsed.reasoning:
                     delta["reasoning_content"] = parsed.reasoning

@@ -121,8 +121,8 @@ def to_chat(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionReques
 class ResponseBuilder:
     """Accumulates the output items of one response and renders the Response object and its events."""
 
-    def __init__(self, state: ServerState, req: ResponsesRequest, prompt_tokens: int):
-        self.state, self.req, self.prompt_tokens = state, req, prompt_tokens
+    def __init__(self, state: ServerState, req: ResponsesRequest, prompt_tokens: int, streaming: bool):
+        self.state, self.req, self.prompt_tokens, self.streaming = state, req, prompt_tokens, streaming
         self.id, self.created = item_id("resp"), int(time.time())
         self.output: list[dict] = []
         self.output_tokens = 0
@@ -149,6 +149,9 @@ class ResponseBuilder:
         return "incomplete" if self.finish == "length" else "completed"
 
     def event(self, kind: str, **fields) -> str:
+        """One server-sent event (nothing to render when the response goes out whole)."""
+        if not self.streaming:
+            return ""
         body = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -176,7 +179,7 @@ async def respond(state: ServerState, req: ResponsesRequest, store: ResponseStor
     messages = to_messages(req, store)
     chat = to_chat(req, messages)
     prepared: PreparedChat = await asyncio.to_thread(prepare_chat, state, chat)
-    builder = ResponseBuilder(state, req, len(prepared.prompt_ids))
+    builder = ResponseBuilder(state, req, len(prepared.prompt_ids), stream)
     admitted = admit_chat(state, chat, prepared, builder.id)
     events = _events(state, req, store, messages, prepared, admitted, builder)
     if stream:
@@ -199,12 +202,8 @@ async def _events(state, req, store, messages, prepared, admitted, builder: Resp
             if completion is None:
                 continue
             builder.output_tokens += len(completion.token_ids)
-            parsed = parser.feed(completion.text)
-            if completion.finish_reason:
-                builder.finish = completion.finish_reason
-                tail = parser.finish()
-                parsed.reasoning, parsed.content = parsed.reasoning + tail.reasoning, parsed.content + tail.content
-                parsed.tool_calls += tail.tool_calls
+            builder.finish = completion.finish_reason or builder.finish
+            parsed = parser.feed(completion.text, last=bool(completion.finish_reason))
             for kind, piece in (("reasoning", parsed.reasoning), ("message", parsed.content)):
                 if piece:
                     if open_item is None or open_item["type"] != kind:
@@ -222,7 +221,9 @@ async def _events(state, req, store, messages, prepared, admitted, builder: Resp
                     yield event
         for event in _close(builder, open_item):
             yield event
-    except Exception as e:  # once started, a stream reports in-band
+    except Exception as e:  # once started, a stream reports in-band; a whole response is an error answer
+        if not builder.streaming:
+            raise
         yield builder.event("error", **stream_error(e).body()["error"])
         return
     if req.store:

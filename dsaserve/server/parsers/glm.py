@@ -63,11 +63,16 @@ class GlmOutputParser:
         self.buffer = prefix  # text seen but not yet decided
         self.num_calls = 0
 
-    def feed(self, text: str) -> ParsedDelta:
+    def feed(self, text: str, last: bool = False) -> ParsedDelta:
+        """What `text` decides; with `last`, also what finish() releases (the output has ended)."""
         self.buffer += text
         out = ParsedDelta()
         while self._step(out, final=False):
             pass
+        if last:
+            tail = self.finish()
+            out.reasoning, out.content = out.reasoning + tail.reasoning, out.content + tail.content
+            out.tool_calls += tail.tool_calls
         return out
 
     def finish(self) -> ParsedDelta:
