@@ -64,7 +64,8 @@ class OutputProcessor:
                         [] if params.logprobs is not None else None)
             for index in range(len(sequence_ids))
         ]
-        parent = ParentState(request, sequence_ids, samples, [None] if params.prompt_logprobs is not None else None, time.monotonic())
+        prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        parent = ParentState(request, sequence_ids, samples, prompt_logprobs, time.monotonic())
         self.parents[request.request_id] = parent
         for sequence_id, sample in zip(sequence_ids, samples):
             self.samples[sequence_id] = (parent, sample)
@@ -90,7 +91,6 @@ class OutputProcessor:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.parents
-
 
     def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs of every request that progressed, and the sequences a stop string ended."""
