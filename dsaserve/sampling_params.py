@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dsaserve.structured_output.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_N = 128
 # Per-request list sizes: each is worked through every step on the engine's shared thread.
@@ -42,6 +44,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # over prompt and generated tokens (1 = off)
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
         self._check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n={self.n!r} must be between 1 and {MAX_N}")
@@ -87,6 +90,9 @@ class SamplingParams:
                         "stop_token_ids must be a list of token ids")
             self._check(len(self.stop_token_ids) <= MAX_TOKEN_LIST, "stop_token_ids",
                         f"stop_token_ids has {len(self.stop_token_ids)} ids; give at most {MAX_TOKEN_LIST}")
+        if self.structured_outputs is not None:
+            self._check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                        "structured_outputs must be a StructuredOutputsParams")
 
     @staticmethod
     def _check(ok: bool, param: str, message: str) -> None:

@@ -48,6 +48,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's vocabulary string (byte-level encoded where the tokenizer is) → its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def backend_json(self) -> str:
+        """The tokenizer.json this tokenizer was loaded from, as a string."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -134,7 +134,7 @@ def test_row9_a_temperature_below_1e_5_is_greedy(server):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
     ({"best_of": 3}, "best_of"),
 ])
 def test_row10_unsupported_fields_are_a_400(server, fields, param):

@@ -109,7 +109,9 @@ def test_argument_values_follow_the_tools_schema(raw, expected):
 
 
 def test_a_call_forced_at_the_end_of_the_context_ends_by_length_without_a_call(server):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMAS["get_weather"]}}]
+    # A required argument: the grammar that enforces the forced call cannot close it in the few tokens left.
+    parameters = {**SCHEMAS["get_weather"], "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
     body = {"model": "tiny", "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
             "ignore_eos": True}
     def prompt_tokens(words: int) -> int:

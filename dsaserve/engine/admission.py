@@ -1,7 +1,7 @@
 """The one admission check: can this prompt with these parameters ever run on this engine?
 
-It reads only limits fixed at load time, so a server may call it off the engine thread before a
-response starts; nothing downstream repeats it.
+It reads only limits fixed at load time (and compiles a structured-output grammar, cached per spec), so a
+server calls it off the engine thread before a response starts; nothing downstream repeats it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from dsaserve.engine.kv_cache import blocks_needed
 from dsaserve.sampling_params import SamplingParams
+from dsaserve.structured_output.compiler import GrammarCompiler, GrammarError
 
 
 class RequestRejected(ValueError):
@@ -29,6 +30,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved against max_model_len
+    grammar: object | None = None  # the compiled params.structured_outputs (an xgrammar CompiledGrammar)
 
 
 @dataclass(frozen=True)
@@ -86,3 +88,13 @@ class AdmissionLimits:
                 f"without chunked prefill a request must fit max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}; enable chunked prefill or raise the budget",
             )
+
+
+def compile_grammar(compiler: GrammarCompiler, params: SamplingParams):
+    """params' structured-output grammar, compiled (once per spec); a spec that cannot compile is rejected."""
+    if params.structured_outputs is None:
+        return None
+    try:
+        return compiler.compile(params.structured_outputs)
+    except GrammarError as e:
+        raise RequestRejected("structured_outputs", str(e)) from None

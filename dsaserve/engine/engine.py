@@ -16,7 +16,7 @@ import torch
 from dsaserve import native
 from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_device, resolve_dtype
-from dsaserve.engine.admission import AdmissionLimits, EngineRequest
+from dsaserve.engine.admission import AdmissionLimits, EngineRequest, compile_grammar
 from dsaserve.engine.block_manager import KVCacheManager
 from dsaserve.engine.cache_plan import fit_max_model_len, plan_num_blocks
 from dsaserve.engine.kv_cache import KVCache, KVCacheLayout
@@ -29,6 +29,7 @@ from dsaserve.engine_args import EngineArgs
 from dsaserve.model import load_model
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams
+from dsaserve.structured_output.compiler import GrammarCompiler
 from dsaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,23 +66,23 @@ class LLMEngine:
                                       args.enable_chunked_prefill, args.max_num_batched_tokens, cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, args.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)  # xgrammar loads on first use
         logger.info(
             "engine ready in %.1fs: %s, %s, backend=%s, %d KV blocks of %d tokens (%.1f MiB), prefix caching %s",
             time.perf_counter() - start, self.device, str(self.dtype).removeprefix("torch."), args.attention_backend,
             num_blocks, args.block_size, self.kv_cache.nbytes() / 2**20, "on" if args.enable_prefix_caching else "off",
         )
 
-    # ---- requests --------------------------------------------------------------------------------
-
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      prompt_text: str | None = None) -> EngineRequest:
         """The admission check: raises RequestRejected naming the field if this request can never run.
-        Reads only fixed limits, so it is safe off the engine's thread. prompt: text, or token ids (with
-        `prompt_text`, the text they came from, for the outputs)."""
+        Reads only fixed limits and compiles the structured-output grammar (cached), so it runs off the
+        engine's thread. prompt: text, or token ids (with `prompt_text`, their text, for the outputs)."""
         if isinstance(prompt, str):
             prompt_text, prompt = prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
-        return EngineRequest(request_id, prompt_text, ids, params, self.limits.check(ids, params))
+        return EngineRequest(request_id, prompt_text, ids, params, self.limits.check(ids, params),
+                             compile_grammar(self.grammars, params))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, prompt_text=None) -> None:
         self.enqueue(self.make_request(request_id, prompt, params, prompt_text))
@@ -136,8 +137,6 @@ class LLMEngine:
         return EngineStats(len(scheduler.running), len(scheduler.waiting), kv.num_blocks, kv.num_free_blocks,
                            kv.stats.queried_tokens, kv.stats.hit_tokens, scheduler.num_prompt_tokens,
                            scheduler.num_generation_tokens, scheduler.num_preemptions)
-
-    # ---- stepping --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns what is new for every request that took part in it."""

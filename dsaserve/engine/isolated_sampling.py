@@ -1,6 +1,6 @@
 """Sampling a batch so that a fault of one request stays that request's.
 
-A row that is non-finite as the model produced it, whose logits edits (logit_bias, min_tokens,
+A row that is non-finite as the model produced it, whose logits edits (grammar, logit_bias, min_tokens,
 penalties) raise, that is no longer finite after them (NaN, +inf, or nothing left to pick), or whose
 draw raises fails its request alone. A failure inside the batched edits or draw is retried row by row
 (the draw from the generator states it started with), so every other request gets exactly the token
@@ -18,7 +18,8 @@ from dsaserve.engine.runner_state import RunnerRequest
 from dsaserve.engine.sampler import sample
 
 NON_FINITE = "the model produced non-finite logits for this request"
-EDITED_NON_FINITE = "this request's logits were not finite after logit_bias, min_tokens and penalties"
+EDITED_NON_FINITE = ("this request's logits were not finite after its grammar, logit_bias, min_tokens and penalties "
+                     "(nothing left to pick, e.g. a complete grammar whose stop tokens min_tokens masks)")
 
 
 @dataclass

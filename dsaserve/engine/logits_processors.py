@@ -1,4 +1,5 @@
-"""Per-request logits edits before sampling: logit_bias, min_tokens, and repetition penalties.
+"""Per-request logits edits before sampling: the structured-output grammar, logit_bias, min_tokens, and
+repetition penalties.
 
 Applied in that order, to every row (greedy ones included), before temperature and filtering.
 Presence and frequency penalties follow OpenAI (over generated tokens); the repetition penalty follows
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsaserve.engine.runner_state import RunnerRequest
+from dsaserve.structured_output.request_grammar import apply_grammars
 
 
 def process_logits(logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
@@ -17,6 +19,7 @@ def process_logits(logits: torch.Tensor, requests: list[RunnerRequest]) -> torch
     if not any(_needs_processing(r) for r in requests):
         return logits
     logits = logits.clone()
+    apply_grammars(logits, [r.grammar for r in requests])
     vocab = logits.shape[1]
     for row, request in enumerate(requests):
         params = request.params
@@ -33,7 +36,8 @@ def process_logits(logits: torch.Tensor, requests: list[RunnerRequest]) -> torch
 
 def _needs_processing(request: RunnerRequest) -> bool:
     params = request.params
-    return bool(params.logit_bias) or params.has_penalties or len(request.output_token_ids) < params.min_tokens
+    return (bool(params.logit_bias) or params.has_penalties or len(request.output_token_ids) < params.min_tokens
+            or (request.grammar is not None and request.grammar.constrains_next))
 
 
 def _apply_penalties(row: torch.Tensor, request: RunnerRequest) -> None:

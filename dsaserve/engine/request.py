@@ -29,6 +29,7 @@ class Request:
     max_tokens: int  # resolved against max_model_len
     index: int = 0  # which of the parent's n samples this is
     want_prompt_logprobs: bool = False
+    grammar: object | None = None  # compiled structured-output grammar (shared by the n samples)
     waits_for: Request | None = None  # a sibling whose prompt blocks this one will reuse
     shares_prompt: bool = False  # one of n > 1 samples: its prompt blocks are shared with its siblings
     output_token_ids: list[int] = field(default_factory=list)
@@ -76,7 +77,8 @@ def samples_of(request: EngineRequest, eos_token_ids) -> list[Request]:
     ids = [request.request_id] if params.n == 1 else [f"{request.request_id}#{i}" for i in range(params.n)]
     stop = frozenset(params.stop_token_ids or ()) | frozenset(() if params.ignore_eos else eos_token_ids)
     sequences = [Request(sid, request.prompt_token_ids, params, stop, request.max_tokens, index=i,
-                         want_prompt_logprobs=i == 0 and params.prompt_logprobs is not None, shares_prompt=params.n > 1)
+                         want_prompt_logprobs=i == 0 and params.prompt_logprobs is not None, grammar=request.grammar,
+                         shares_prompt=params.n > 1)
                  for i, sid in enumerate(ids)]
     for sibling in sequences[1:]:
         sibling.waits_for = sequences[0]

@@ -78,6 +78,9 @@ class ModelRunner:
             raw = logits[result.rows]  # logprobs are those of the raw model distribution, as in vLLM
             top = top_logprobs(raw.log_softmax(-1), torch.tensor(result.tokens, device=raw.device), n)
         for j, (i, token) in enumerate(zip(result.rows, result.tokens)):
+            if states[i].grammar is not None and not states[i].grammar.accept(token):
+                output.errors[request_ids[i]] = f"the structured-output grammar rejected sampled token {token}"
+                continue
             states[i].output_token_ids.append(token)
             output.sampled_token_ids[request_ids[i]] = [token]
             if want[j]:

@@ -1,7 +1,7 @@
 """What the model runner keeps per request between steps: sampling inputs that outlive one step.
 
-The generator and the output history stay across preemption (a recomputed request continues its seeded
-draws and its penalties where it left off); the state is dropped when the scheduler reports the request
+The generator, the output history and the grammar matcher stay across preemption (a recomputed request
+continues its seeded draws, its penalties and its grammar where it left off); the state is dropped when the scheduler reports the request
 finished.
 """
 
@@ -13,6 +13,7 @@ import torch
 
 from dsaserve.engine.scheduler_output import NewRequestData
 from dsaserve.sampling_params import SamplingParams
+from dsaserve.structured_output.request_grammar import RequestGrammar
 
 
 @dataclass(eq=False)
@@ -24,6 +25,7 @@ class RunnerRequest:
     want_prompt_logprobs: bool
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already returned
+    grammar: RequestGrammar | None = None  # the structured-output matcher
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def bias_tensors(self, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,4 +41,7 @@ class RunnerRequest:
         generator = None
         if new.seed is not None:
             generator = torch.Generator(device=device).manual_seed(new.seed)
-        return cls(new.params, new.prompt_token_ids, new.stop_token_ids, generator, new.want_prompt_logprobs)
+        grammar = None
+        if new.grammar is not None:
+            grammar = RequestGrammar(new.grammar, new.stop_token_ids, new.params.structured_outputs.reasoning)
+        return cls(new.params, new.prompt_token_ids, new.stop_token_ids, generator, new.want_prompt_logprobs, grammar=grammar)

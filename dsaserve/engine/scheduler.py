@@ -151,7 +151,7 @@ class Scheduler:
                 seed = None if request.params.seed is None else request.params.seed + request.index
                 out.new_requests.append(NewRequestData(
                     request.request_id, request.prompt_token_ids, request.params, request.stop_token_ids, seed,
-                    request.want_prompt_logprobs))
+                    request.want_prompt_logprobs, request.grammar))
             out.scheduled.append(ScheduledRequest(
                 request.request_id, request.token_ids(start, start + n), start, list(request.block_table),
                 sample=start + n == request.num_tokens))

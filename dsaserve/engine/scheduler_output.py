@@ -21,6 +21,7 @@ class NewRequestData:
     stop_token_ids: frozenset[int]  # eos ids (unless ignore_eos) and params.stop_token_ids; min_tokens masks them
     seed: int | None  # the request's own sampling seed (params.seed + sample index), None = the engine's generator
     want_prompt_logprobs: bool
+    grammar: object | None = None  # compiled structured-output grammar; the runner keeps a matcher per request
 
 
 @dataclass(frozen=True)

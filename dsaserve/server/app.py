@@ -217,7 +217,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         request_id = new_id("chatcmpl")
         # Rendering and tokenizing are CPU work: off the event loop, so other streams keep flowing.
         prepared = await asyncio.to_thread(prepare_chat, state, body)
-        admitted = admit_chat(state, body, prepared, request_id)  # a 400 before anything streams
+        admitted = await asyncio.to_thread(admit_chat, state, body, prepared, request_id)  # compiles a grammar; 400s first
         return await respond(request, body.stream, chat_stream, chat_full, (state, body, request_id, prepared, admitted))
 
     @app.post("/v1/responses")

@@ -13,12 +13,15 @@ from dsaserve.server.input_checks import check_encodable, check_template_kwargs,
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from dsaserve.server.responses import chat_logprobs, continuous_usage, now, sse, stream_error, usage
 from dsaserve.server.state import ServerState
+from dsaserve.server.structured_request import forced_tool_constraint, requested_constraint
+from dsaserve.structured_output import ReasoningMarkers, StructuredOutputsParams
 
 
 @dataclass
 class PreparedChat:
     prompt_ids: list[int]
     parser_args: dict  # how to build each choice's output parser
+    constraint: StructuredOutputsParams | None = None  # what the answer (after any reasoning) must match
 
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
@@ -64,14 +67,34 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
         start_in=REASONING if (reasoning and opened and not forced) else CONTENT,
         tool_schemas=schemas, prefix=forced,
     )
-    return PreparedChat(ids, parser_args)
+    return PreparedChat(ids, parser_args, _constraint(state, req, schemas, forced, reasoning, opened))
+
+
+def _constraint(state: ServerState, req: ChatCompletionRequest, schemas: dict, forced: str, reasoning: bool,
+                opened: bool) -> StructuredOutputsParams | None:
+    if forced:
+        if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs:
+            raise APIError(400, "a forced tool_choice already constrains the output; drop response_format / "
+                                "structured_outputs or use tool_choice 'auto'", param="tool_choice")
+        named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+        return forced_tool_constraint(schemas if named is None else {named: schemas[named]}, named,
+                                      req.parallel_tool_calls is not False)
+    return requested_constraint(req, _reasoning_markers(state, reasoning, opened))
+
+
+def _reasoning_markers(state: ServerState, reasoning: bool, opened: bool) -> ReasoningMarkers | None:
+    """With reasoning on, the constraint starts after `</think>`; the first token may open `<think>` itself."""
+    end = state.engine.tokenizer.token_to_id(THINK_END)
+    if not reasoning or end is None:
+        return None
+    return ReasoningMarkers(end, None if opened else state.engine.tokenizer.token_to_id(THINK_START), in_reasoning=opened)
 
 
 def admit_chat(state: ServerState, req: ChatCompletionRequest, prepared: PreparedChat, request_id: str) -> EngineRequest:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     return state.admit(request_id, req, prepared.prompt_ids, req.max_completion_tokens or req.max_tokens, "messages",
-                       max_tokens_param, logprobs=logprobs)
+                       max_tokens_param, logprobs=logprobs, structured_outputs=prepared.constraint)
 
 
 def max_calls(req: ChatCompletionRequest) -> int:

@@ -14,6 +14,7 @@ from dsaserve.server.protocol import APIError, CompletionRequest
 from dsaserve.server.responses import (completion_logprobs, continuous_usage, now, prompt_logprobs_json, sse,
                                        stream_error, usage)
 from dsaserve.server.state import ServerState
+from dsaserve.server.structured_request import requested_constraint
 
 
 @dataclass
@@ -54,7 +55,8 @@ def prepare_prompts(state: ServerState, req: CompletionRequest) -> list[Prepared
 def admit_prompts(state: ServerState, req: CompletionRequest, prompts: list[PreparedPrompt],
                   request_id: str) -> list[EngineRequest]:
     """One engine request per prompt, each through the admission check (a 400 before anything streams)."""
-    extra = {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs}
+    extra = {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs,
+             "structured_outputs": requested_constraint(req)}
     if req.echo and req.logprobs is not None:
         extra["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     admitted = [state.admit(f"{request_id}-{i}", req, p.ids, req.max_tokens, "prompt", **extra)

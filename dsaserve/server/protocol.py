@@ -104,6 +104,29 @@ class ChatMessage(Strict):
 Probability = Annotated[float, Field(ge=0, le=1)]
 
 
+class JsonSchemaFormat(Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: Annotated[dict | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(Strict):
+    """vLLM's `structured_outputs` request field: exactly one of these."""
+
+    json_: Annotated[dict | str | None, Field(alias="json")] = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None  # refused with a 400 naming it
+
+
 class SamplingFields(Strict):
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -126,12 +149,13 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    response_format: dict | None = None  # only {"type": "text"} until structured output lands
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     def check_unsupported(self) -> None:
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise APIError(400, f"response_format type {self.response_format.get('type')!r} is not supported yet; "
-                                "only 'text'", param="response_format")
+        if self.structured_outputs is not None and self.structured_outputs.structural_tag is not None:
+            raise APIError(400, "structured_outputs.structural_tag is not supported; use json, regex, choice or grammar",
+                           param="structured_outputs.structural_tag")
 
 
 class ChatCompletionRequest(SamplingFields):

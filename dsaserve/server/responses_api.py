@@ -41,6 +41,7 @@ class ResponsesRequest(Strict):
     previous_response_id: str | None = None
     parallel_tool_calls: bool | None = None
     reasoning: dict | None = None  # accepted; GLM decides its own effort
+    text: dict | None = None  # {"format": {"type": "json_schema", "schema": …}} constrains the answer
 
 
 class ResponseStore:
@@ -109,13 +110,21 @@ def to_chat(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionReques
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     fields = dict(model=req.model, messages=messages, tools=tools or None, tool_choice=choice,
                   max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-                  parallel_tool_calls=req.parallel_tool_calls)
+                  parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text))
     try:
         return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
         first = e.errors()[0]
         path = ".".join(str(p) for p in first["loc"]).replace("messages", "input")
         raise APIError(400, f"{path}: {first['msg']}", param=path) from e
+
+
+def _response_format(text: dict | None) -> dict | None:
+    """The Responses API's text.format, as chat's response_format (the schema sits one level up there)."""
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return fmt
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
 
 
 class ResponseBuilder:
@@ -180,7 +189,7 @@ async def respond(state: ServerState, req: ResponsesRequest, store: ResponseStor
     chat = to_chat(req, messages)
     prepared: PreparedChat = await asyncio.to_thread(prepare_chat, state, chat)
     builder = ResponseBuilder(state, req, len(prepared.prompt_ids), stream)
-    admitted = admit_chat(state, chat, prepared, builder.id)
+    admitted = await asyncio.to_thread(admit_chat, state, chat, prepared, builder.id)
     events = _events(state, req, store, messages, prepared, admitted, builder)
     if stream:
         return events

@@ -90,7 +90,7 @@ class ServerState:
         except SamplingParamsError as e:
             raise APIError(400, str(e), param=e.param) from e
         except RequestRejected as e:
-            raise APIError(400, str(e), param=prompt_param if e.param == "prompt" else e.param) from e
+            raise APIError(400, str(e), param=_param(e.param, req, prompt_param)) from e
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Engine outputs with TTFT / inter-token latency recorded."""
@@ -107,3 +107,12 @@ class ServerState:
             if out.finished:
                 self.metrics.e2e.observe(t - start)
             yield out
+
+
+def _param(param: str, req: SamplingFields, prompt_param: str) -> str:
+    """The engine's name for a rejected field, as the client spelled it."""
+    if param == "prompt":
+        return prompt_param
+    if param == "structured_outputs" and req.response_format is not None:
+        return "response_format"
+    return param
