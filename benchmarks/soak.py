@@ -29,7 +29,7 @@ from server_process import ServerProcess  # noqa: E402
 WORDS = "the a of to and in is it you that he was for on are with as his they be at one have this".split()
 INVALID = [  # each must be a 4xx
     {"seed": 2**70}, {"temperature": -1}, {"n": 0}, {"top_p": 0}, {"max_tokens": 10**9},
-    {"logit_bias": {"999999999": 1}}, {"response_format": {"type": "json_object"}},
+    {"logit_bias": {"999999999": 1}}, {"structured_outputs": {"regex": "(?<=a)b"}},
     {"chat_template_kwargs": {"messages": []}}, {"stop_token_ids": [-5]}, {"model": "not-this-one"},
 ]
 
