@@ -139,6 +139,35 @@ def test_json_object_answers_are_json_objects(server):
             assert a["content"].lstrip().startswith("{"), a
 
 
+def test_completions_take_response_format_too(server):
+    schema = SCHEMAS[13]
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "JSON:", "max_tokens": MAX_TOKENS, "n": 4, "seed": 1,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop" and validation_error(choice["text"], schema) is None, choice
+
+
+def test_the_openai_clients_parse_helper_gets_its_pydantic_model(server):
+    from typing import Annotated
+
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: Annotated[str, Field(max_length=12)]
+        age: Annotated[int, Field(ge=0, le=150)]
+        kind: Annotated[str, Field(pattern="^(human|robot)$")]
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    completion = client.chat.completions.parse(
+        model="tiny", messages=[{"role": "user", "content": "Who are you?"}], response_format=Person,
+        max_tokens=MAX_TOKENS, seed=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and person.kind in ("human", "robot"), completion
+
+
 def test_regex_and_choice_hold_on_chat_and_completions(server):
     regex, choices = r"[0-9]{3}-[a-z]{2,5}( [A-Z]{1,6})?", ["yes", "no", "maybe so"]
     for constraint, check in (({"regex": regex}, lambda t: re.fullmatch(regex, t)), ({"choice": choices}, lambda t: t in choices)):
