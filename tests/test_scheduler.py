@@ -155,6 +155,19 @@ def test_a_prefix_hit_reuses_whole_blocks_only(shared, hit):
     assert out.scheduled[0].token_ids == (prefix + [4, 5, 6])[hit:]
 
 
+def test_blocks_filled_over_several_steps_are_cached_too():
+    """A prompt computed in chunks, and the tokens generated after it, fill blocks across steps; each is
+    registered once full (not marked as cached when it was allocated)."""
+    s = make_scheduler(budget=3)
+    prompt = list(range(100, 110))
+    (a,) = add(s, "a", prompt, max_tokens=7, ignore_eos=True)
+    while not a.finished:
+        step(s)
+    (b,) = add(s, "b", prompt + [7] * 6 + [1], max_tokens=1)  # the prompt, then what "a" generated
+    step(s)
+    assert b.num_prefix_hit_tokens == 16  # all four full blocks: three from the prompt's chunks, one generated
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_token():
     s = make_scheduler()
     prompt = list(range(100, 108))  # two whole blocks

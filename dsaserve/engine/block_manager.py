@@ -117,8 +117,9 @@ class KVCacheManager:
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
             self.ref_counts[block] += 1
-        request.block_table.extend(prefix)
-        request.num_cached_blocks = len(request.block_table)
+        if prefix:  # adopted blocks are registered already; blocks taken in earlier steps may not be
+            request.block_table.extend(prefix)
+            request.num_cached_blocks = len(request.block_table)
         for _ in range(max(fresh, 0)):
             request.block_table.append(self._take_free_block())
         return True
