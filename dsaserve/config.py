@@ -96,6 +96,7 @@ class ModelConfig:
     mlp_layer_types: tuple[str, ...]  # "dense" / "sparse" (MoE) per layer
     eos_token_ids: tuple[int, ...]
     num_nextn_predict_layers: int
+    index_share_for_mtp_iteration: bool  # later draft steps of a round reuse the MTP indexer's first selection
     checkpoint_dtype: str  # e.g. "bfloat16"
     quantization_config: dict | None
     raw: dict = field(repr=False, compare=False)
@@ -181,6 +182,7 @@ class ModelConfig:
             mlp_layer_types=resolve_mlp_layer_types(raw, num_layers),
             eos_token_ids=resolve_eos_ids(raw, extra_eos),
             num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+            index_share_for_mtp_iteration=bool(raw.get("index_share_for_mtp_iteration", False)),
             checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
             quantization_config=raw.get("quantization_config"),
             raw=raw,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from dsaserve.attention import ATTENTION_BACKENDS
 from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES
+from dsaserve.speculative_config import SpeculativeConfig
 
 
 def parse_bytes(value: int | str | None) -> int | None:
@@ -62,6 +63,9 @@ class EngineArgs:
     tensor_parallel_size: int = field(default=1, metadata=_help("devices to split the model over (only 1 so far)"))
     hf_overrides: dict | str | None = field(default=None, metadata=_help(
         "JSON object patched into config.json, e.g. '{\"index_topk_pattern\": \"FFSS\"}'"))
+    speculative_config: dict | str | None = field(default=None, metadata=_help(
+        "speculative decoding with the checkpoint's MTP layer, as JSON: "
+        "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'"))
     seed: int = field(default=0, metadata=_help("seed of the sampler for requests without their own seed"))
     progress: bool = field(default=True, metadata=_help("show a progress bar while loading weights"))
 
@@ -74,6 +78,11 @@ class EngineArgs:
         if self.page_budget is not None and self.page_budget < 1:
             raise ValueError(f"page_budget={self.page_budget} must be at least 1 page")
         parse_bytes(self.kv_cache_memory)  # a bad size fails here, before anything loads
+        SpeculativeConfig.parse(self.speculative_config)  # and so does a bad speculative config
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def kv_cache_bytes(self) -> int | None:

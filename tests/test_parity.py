@@ -136,10 +136,10 @@ def test_parity_check_fails_when_shared_layer_reuses_wrong_topk(make_checkpoint,
     first = {}
     original = MLAAttention.forward
 
-    def reuse_first(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk):
+    def reuse_first(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk, run_indexer=True):
         if self.indexer is None and "topk" in first:
             prev_topk = first["topk"]
-        out, topk = original(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk)
+        out, topk = original(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk, run_indexer)
         first.setdefault("topk", topk)
         return out, topk
 

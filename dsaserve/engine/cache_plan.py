@@ -34,3 +34,12 @@ def fit_max_model_len(max_model_len: int, capacity: int, bytes_per_token: int, e
     logger.info("max_model_len lowered from %d to %d, what the KV cache holds (set kv_cache_memory for more)",
                 max_model_len, capacity)
     return capacity
+
+
+def requested_max_model_len(requested: int | None, cfg) -> int:
+    """The max_model_len asked for (the model's max_position_embeddings by default), checked against it."""
+    max_model_len = requested or cfg.max_position_embeddings
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings}; lower it")
+    return max_model_len

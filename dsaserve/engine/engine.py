@@ -18,7 +18,7 @@ from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_device, resolve_dtype
 from dsaserve.engine.admission import AdmissionLimits, EngineRequest, compile_grammar
 from dsaserve.engine.block_manager import KVCacheManager
-from dsaserve.engine.cache_plan import fit_max_model_len, plan_num_blocks
+from dsaserve.engine.cache_plan import fit_max_model_len, plan_num_blocks, requested_max_model_len
 from dsaserve.engine.kv_cache import KVCache, KVCacheLayout
 from dsaserve.engine.output_processor import OutputProcessor
 from dsaserve.engine.request import Request, samples_of
@@ -43,28 +43,27 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype, self.device)
         self.tokenizer = Tokenizer(args.model)
-        max_model_len = args.max_model_len or cfg.max_position_embeddings
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                             f"{cfg.max_position_embeddings}; lower it")
+        max_model_len = requested_max_model_len(args.max_model_len, cfg)
         page_budget = args.page_budget or max(1, cfg.index_topk // args.block_size)  # the same token budget as top-k
+        self.speculative, with_mtp = args.speculative, args.speculative is not None
         self.model = load_model(cfg, args.model, self.dtype, self.device, args.attention_backend,
-                                progress=args.progress, page_budget=page_budget)
+                                progress=args.progress, page_budget=page_budget, with_mtp=with_mtp)
         with_indexer = self.model.backend.uses_indexer
         if with_indexer and self.device.type == "cpu":
             native.library()  # build (first time on this machine) or load the CPU kernels now, not in a step
-        self.kv_layout = layout = KVCacheLayout.of(cfg, self.dtype, args.indexer_cache_dtype, with_indexer)
+        self.kv_layout = layout = KVCacheLayout.of(cfg, self.dtype, args.indexer_cache_dtype, with_indexer, with_mtp)
         num_blocks = plan_num_blocks(layout, args.block_size, args.kv_cache_bytes, max_model_len, args.max_num_seqs)
         self.max_model_len = fit_max_model_len(max_model_len, num_blocks * args.block_size, layout.bytes_per_token,
                                                explicit=args.max_model_len is not None)
-        self.kv_cache = KVCache(cfg, num_blocks, args.block_size, self.dtype, self.device,
-                                with_indexer=with_indexer, indexer_dtype=args.indexer_cache_dtype)
+        self.kv_cache = KVCache(cfg, num_blocks, args.block_size, self.dtype, self.device, with_indexer=with_indexer,
+                                indexer_dtype=args.indexer_cache_dtype, with_mtp=with_mtp)
         self.scheduler = Scheduler(SchedulerConfig(self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                                                   args.enable_chunked_prefill),
+                                                   args.enable_chunked_prefill,
+                                                   self.speculative.num_speculative_tokens if with_mtp else 0),
                                    KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching))
         self.limits = AdmissionLimits(cfg.vocab_size, self.max_model_len, num_blocks, args.block_size,
                                       args.enable_chunked_prefill, args.max_num_batched_tokens, cfg.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, args.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, args.seed, cfg.index_share_for_mtp_iteration)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)  # xgrammar loads on first use
         logger.info(
@@ -136,7 +135,7 @@ class LLMEngine:
         scheduler, kv = self.scheduler, self.scheduler.kv
         return EngineStats(len(scheduler.running), len(scheduler.waiting), kv.num_blocks, kv.num_free_blocks,
                            kv.stats.queried_tokens, kv.stats.hit_tokens, scheduler.num_prompt_tokens,
-                           scheduler.num_generation_tokens, scheduler.num_preemptions)
+                           scheduler.num_generation_tokens, scheduler.num_preemptions, scheduler.spec_stats)
 
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns what is new for every request that took part in it."""

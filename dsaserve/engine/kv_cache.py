@@ -3,6 +3,7 @@
 Layout (see DESIGN.md): latent cache `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` on every
 layer; indexer key cache `[num_blocks, block_size, index_head_dim]` only on full layers. Block ids are
 physical and shared by all layers: block b of a request holds its tokens b*block_size … in every layer.
+With speculative decoding the MTP layer (index num_hidden_layers, a full layer) has both as well.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ class KVCacheLayout:
         return self.latent_bytes_per_token + self.indexer_bytes_per_token
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype: torch.dtype, indexer_dtype: str = "auto", with_indexer: bool = True) -> "KVCacheLayout":
+    def of(cls, cfg: ModelConfig, dtype: torch.dtype, indexer_dtype: str = "auto", with_indexer: bool = True,
+           with_mtp: bool = False) -> "KVCacheLayout":
         item = torch.empty((), dtype=dtype).element_size()
         per_layer = IndexerKeyCache.bytes_per_token(cfg.index_head_dim, indexer_dtype, dtype)
         return cls(
-            latent_bytes_per_token=cfg.num_hidden_layers * cfg.kv_cache_dim * item,
-            indexer_bytes_per_token=len(cfg.full_layers) * per_layer if with_indexer else 0,
+            latent_bytes_per_token=len(cache_layers(cfg, with_mtp)) * cfg.kv_cache_dim * item,
+            indexer_bytes_per_token=len(indexer_layers(cfg, with_mtp)) * per_layer if with_indexer else 0,
         )
 
 
@@ -40,16 +42,16 @@ class KVCache:
     """The cache tensors. Allocated once at load time; written at `slot_mapping`, read via block tables."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, with_indexer: bool = True, indexer_dtype: str = "auto"):
+                 device: torch.device, with_indexer: bool = True, indexer_dtype: str = "auto", with_mtp: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.latent = [
             torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device)
-            for _ in range(cfg.num_hidden_layers)
+            for _ in cache_layers(cfg, with_mtp)
         ]
         self.indexer = {
             layer: IndexerKeyCache(num_blocks, block_size, cfg.index_head_dim, indexer_dtype, dtype, device)
-            for layer in (cfg.full_layers if with_indexer else ())
+            for layer in (indexer_layers(cfg, with_mtp) if with_indexer else ())
         }
 
     def tensors(self) -> list[torch.Tensor]:
@@ -57,6 +59,14 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+
+def cache_layers(cfg: ModelConfig, with_mtp: bool) -> range:
+    return range(cfg.num_hidden_layers + (1 if with_mtp else 0))
+
+
+def indexer_layers(cfg: ModelConfig, with_mtp: bool) -> tuple[int, ...]:
+    return cfg.full_layers + ((cfg.num_hidden_layers,) if with_mtp else ())
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -33,6 +33,7 @@ class Request:
     waits_for: Request | None = None  # a sibling whose prompt blocks this one will reuse
     shares_prompt: bool = False  # one of n > 1 samples: its prompt blocks are shared with its siblings
     output_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts from the last step, verified in the next
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
     num_cached_blocks: int = 0  # leading blocks of block_table already registered in the prefix cache

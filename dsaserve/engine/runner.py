@@ -2,6 +2,8 @@
 
 It owns the batch metadata, the logits processors and the sampler, and knows requests only by id: no
 scheduler or block-manager state, so the same runner can run on every rank of a parallel executor.
+With speculative decoding it verifies each request's drafts (rejection_sampler.py), commits a list
+of tokens per request, and drafts the next ones with the MTP layer (mtp_drafter.py).
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ import torch
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.kv_cache import KVCache
 from dsaserve.engine.isolated_sampling import sample_isolated
+from dsaserve.engine.mtp_drafter import DraftInput, propose
+from dsaserve.engine.rejection_sampler import verify_drafts
 from dsaserve.engine.runner_output import ModelRunnerOutput, TokenLogprobs
 from dsaserve.engine.runner_state import RunnerRequest
 from dsaserve.engine.sampler import TopLogprobs, top_logprobs
 from dsaserve.engine.scheduler_output import SchedulerOutput
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, device: torch.device, seed: int = 0):
+    def __init__(self, model, kv_cache: KVCache, device: torch.device, seed: int = 0, share_draft_index: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.share_draft_index = share_draft_index  # the config's index_share_for_mtp_iteration
         self.requests: dict[str, RunnerRequest] = {}
         self.rng = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
 
@@ -33,9 +38,10 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if not scheduler_output.scheduled:
             return output
-        logits_rows, sample_ids, sample_rows, prompt_rows = [], [], [], {}
+        logits_rows, sample_ids, sample_rows, prompt_rows, offsets = [], [], [], {}, []
         offset = 0
         for s in scheduler_output.scheduled:
+            offsets.append(offset)
             n = len(s.token_ids)
             state = self.requests[s.request_id]
             if state.want_prompt_logprobs:
@@ -46,10 +52,11 @@ class ModelRunner:
                 if last > first:
                     prompt_rows[s.request_id] = (first, range(len(logits_rows), len(logits_rows) + last - first))
                     logits_rows.extend(range(offset + first - s.num_computed_tokens, offset + last - s.num_computed_tokens))
-            if s.sample:
+            if s.sample:  # the last known token's row, then one row per draft
+                k = len(s.spec_token_ids)
                 sample_ids.append(s.request_id)
-                sample_rows.append(len(logits_rows))
-                logits_rows.append(offset + n - 1)
+                sample_rows.append(list(range(len(logits_rows), len(logits_rows) + k + 1)))
+                logits_rows.extend(range(offset + n - 1 - k, offset + n))
             offset += n
         meta = BatchMetadata.build(
             [s.token_ids for s in scheduler_output.scheduled],
@@ -57,13 +64,57 @@ class ModelRunner:
             [s.block_table for s in scheduler_output.scheduled],
             self.kv_cache.block_size, logits_rows, device=self.device,
         )
-        hidden = self.model(meta, self.kv_cache.latent, self.kv_cache.indexer)
-        logits = self.model.compute_logits(hidden)
+        hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
+        logits = self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices]))
         for request_id, (first, rows) in prompt_rows.items():
             output.prompt_logprobs[request_id] = self._prompt_logprobs(self.requests[request_id], first, logits[list(rows)])
-        if sample_ids:
-            self._sample(sample_ids, logits[sample_rows], output)
+        plain = [(r, rows[0]) for r, rows in zip(sample_ids, sample_rows) if len(rows) == 1]
+        if plain:
+            self._sample([r for r, _ in plain], logits[[row for _, row in plain]], output)
+        by_id = {s.request_id: s for s in scheduler_output.scheduled}
+        for request_id, rows in zip(sample_ids, sample_rows):
+            if len(rows) > 1:
+                self._verify(request_id, list(by_id[request_id].spec_token_ids), logits[rows], output)
+        if self.model.mtp is not None:
+            self._draft(scheduler_output, offsets, hidden, output)
         return output
+
+    def _verify(self, request_id: str, drafts: list[int], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+        state = self.requests[request_id]
+        try:
+            committed = verify_drafts(logits, drafts, state, self.rng)
+        except Exception as e:  # this request's fault stays its own
+            output.errors[request_id] = f"verifying drafted tokens failed: {type(e).__name__}: {e}"
+            return
+        state.output_token_ids.extend(committed)
+        output.sampled_token_ids[request_id] = committed
+        if state.params.logprobs is not None:  # the target's, as without speculation
+            rows = logits[: len(committed)]
+            top = top_logprobs(rows.log_softmax(-1), torch.tensor(committed, device=rows.device), state.params.logprobs)
+            output.logprobs[request_id] = [position_logprobs(top, j, t, state.params.logprobs)
+                                           for j, t in enumerate(committed)]
+
+    def _draft(self, scheduler_output: SchedulerOutput, offsets: list[int], hidden: torch.Tensor,
+               output: ModelRunnerOutput) -> None:
+        """Fill the MTP layer's caches with this step's kept rows and draft the next tokens."""
+        inputs = []
+        for s, offset in zip(scheduler_output.scheduled, offsets):
+            n, k = len(s.token_ids), len(s.spec_token_ids)
+            if s.request_id in output.errors:
+                continue
+            state = self.requests[s.request_id]
+            if s.sample:
+                committed = output.sampled_token_ids[s.request_id]
+                kept = n - k + len(committed) - 1  # the known tokens and the accepted drafts
+                follow = committed[-1]
+                last = s.num_computed_tokens + kept - 1
+                num_drafts = min(s.num_drafts, len(s.block_table) * self.kv_cache.block_size - last)
+            else:  # a prompt chunk: the token after it is the next prompt (or recomputed output) token
+                kept, num_drafts = n, 0
+                follow = (state.prompt_token_ids + state.output_token_ids)[s.num_computed_tokens + n]
+            inputs.append(DraftInput(s.request_id, s.num_computed_tokens, list(s.token_ids[1:kept]) + [follow],
+                                     list(range(offset, offset + kept)), s.block_table, max(num_drafts, 0)))
+        output.draft_token_ids = propose(self.model, self.kv_cache, inputs, hidden, self.share_draft_index)
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         states = [self.requests[r] for r in request_ids]

@@ -24,3 +24,4 @@ class ModelRunnerOutput:
     # Positions p … p+k-1 of the prompt, each predicting prompt token p+1 (recorded once, also across preemption).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # requests that cannot continue (e.g. non-finite logits)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # to verify in the request's next step

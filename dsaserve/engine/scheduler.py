@@ -10,6 +10,11 @@ are released and it is recomputed later, producing the same output.
 After the step, `update_from_output` advances progress, registers full blocks for prefix caching,
 appends the sampled tokens and applies the token-level stops (stop ids after min_tokens, max_tokens,
 max_model_len); a finished sequence's blocks are freed in that same step.
+
+With speculative decoding a decoding sequence also sends the drafts of its previous step, to be
+verified after its last token; only the accepted ones count as computed (the rejected positions are
+simply computed again later, so their stale cache entries are never attended), and blocks are
+allocated ahead for the positions the next drafts will be written at.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dsaserve.engine.request import Request, RequestStatus
 from dsaserve.engine.request_update import RequestUpdate
 from dsaserve.engine.runner_output import ModelRunnerOutput
 from dsaserve.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from dsaserve.engine.spec_decode_stats import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
+    num_speculative_tokens: int = 0  # drafts per step (0: no speculative decoding)
 
 
 class Scheduler:
@@ -44,6 +51,7 @@ class Scheduler:
         self.num_generation_tokens = 0
         self._sent_to_runner: set[str] = set()
         self._finished_ids: list[str] = []  # to tell the runner in the next output
+        self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -87,7 +95,8 @@ class Scheduler:
             n = self._chunk(request, budget)
             if n == 0:
                 continue
-            while not self.kv.allocate(request, request.num_computed_tokens + n):
+            n += self._trim_drafts(request, n, budget - n)
+            while not self.kv.allocate(request, request.num_computed_tokens + n + self._lookahead(request, n)):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
@@ -110,10 +119,14 @@ class Scheduler:
                 not_ready.append(self.waiting.popleft())  # its sibling's prompt blocks are not cached yet
                 continue
             prefix = self.kv.cached_prefix(request)
+            if prefix and self.config.num_speculative_tokens:
+                # The MTP cache entry of a block's last position depends on the token after the block,
+                # which this request may not share: recompute the last cached block.
+                prefix = prefix[:-1]
             cached_tokens = len(prefix) * self.kv.block_size
             request.num_computed_tokens = cached_tokens
             n = self._chunk(request, budget)
-            if n == 0 or not self.kv.allocate(request, cached_tokens + n, prefix):
+            if n == 0 or not self.kv.allocate(request, cached_tokens + n + self._lookahead(request, n), prefix):
                 request.num_computed_tokens = 0
                 break
             request.num_prefix_hit_tokens = cached_tokens
@@ -126,6 +139,31 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(not_ready))
 
+    def _trim_drafts(self, request: Request, n: int, budget: int) -> int:
+        """Keep the drafts that fit the budget and the request's limits (only after its last known token)."""
+        if not request.spec_token_ids or request.num_computed_tokens + n != request.num_tokens:
+            request.spec_token_ids = []
+            return 0
+        room = min(budget, request.max_tokens - len(request.output_token_ids) - 1,
+                   self.config.max_model_len - request.num_tokens - 1)
+        request.spec_token_ids = request.spec_token_ids[: max(room, 0)]
+        return len(request.spec_token_ids)
+
+    def _num_drafts(self, request: Request) -> int:
+        """Drafts worth making after this step: none for grammar-constrained requests (their matcher
+        would have to follow unverified tokens), and none past the request's own limits."""
+        if not self.config.num_speculative_tokens or request.params.structured_outputs is not None:
+            return 0
+        left = min(request.max_tokens - len(request.output_token_ids), self.config.max_model_len - request.num_tokens)
+        return max(0, min(self.config.num_speculative_tokens, left - 1))
+
+    def _lookahead(self, request: Request, n: int) -> int:
+        """Slots beyond this step's tokens that drafting writes to (the drafts after the first)."""
+        if request.num_computed_tokens + n - len(request.spec_token_ids) < request.num_tokens:
+            return 0  # a prompt chunk short of the end: no drafting
+        limit = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
+        return max(0, min(self._num_drafts(request) - 1, limit - request.num_computed_tokens - n))
+
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
@@ -136,6 +174,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -152,9 +191,12 @@ class Scheduler:
                 out.new_requests.append(NewRequestData(
                     request.request_id, request.prompt_token_ids, request.params, request.stop_token_ids, seed,
                     request.want_prompt_logprobs, request.grammar))
+            known = n - len(request.spec_token_ids)
+            sample = start + known == request.num_tokens
             out.scheduled.append(ScheduledRequest(
-                request.request_id, request.token_ids(start, start + n), start, list(request.block_table),
-                sample=start + n == request.num_tokens))
+                request.request_id, request.token_ids(start, start + known) + request.spec_token_ids, start,
+                list(request.block_table), sample=sample, spec_token_ids=tuple(request.spec_token_ids),
+                num_drafts=self._num_drafts(request) if sample else 0))
         return out
 
     # ---- after the step --------------------------------------------------------------------------
@@ -163,7 +205,13 @@ class Scheduler:
         updates = []
         for s in scheduler_output.scheduled:
             request = self.requests[s.request_id]
-            request.num_computed_tokens += len(s.token_ids)
+            sampled = runner_output.sampled_token_ids.get(s.request_id, ())
+            num_drafts = len(s.spec_token_ids)
+            accepted = max(len(sampled) - 1, 0) if num_drafts else 0
+            if num_drafts:
+                self.spec_stats.record(num_drafts, accepted)
+            request.num_computed_tokens += len(s.token_ids) - num_drafts + accepted  # rejected drafts roll back
+            request.spec_token_ids = []
             self.kv.cache_computed_blocks(request)
             update = RequestUpdate(s.request_id, prompt_logprobs=runner_output.prompt_logprobs.get(s.request_id),
                                    num_prefix_hit_tokens=request.num_prefix_hit_tokens,
@@ -174,10 +222,12 @@ class Scheduler:
                 self._finish(request, "error", update)
             else:
                 logprobs = runner_output.logprobs.get(s.request_id)
-                for i, token in enumerate(runner_output.sampled_token_ids.get(s.request_id, ())):
+                for i, token in enumerate(sampled):
                     self._append(request, token, update, None if logprobs is None else logprobs[i])
                     if request.finished:
                         break
+                if not request.finished:
+                    request.spec_token_ids = list(runner_output.draft_token_ids.get(s.request_id, ()))
             updates.append(update)
         return updates
 

@@ -31,6 +31,8 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens already in the cache: the context these attend to
     block_table: list[int]
     sample: bool  # this step reaches the request's last known token: sample the next one
+    spec_token_ids: tuple[int, ...] = ()  # drafts to verify: the last len() of token_ids
+    num_drafts: int = 0  # tokens to draft after this step (0: none); blocks are allocated for their positions
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from dsaserve.engine.spec_decode_stats import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -16,6 +18,7 @@ class EngineStats:
     num_prompt_tokens: int  # admitted
     num_generation_tokens: int
     num_preemptions: int
+    spec_decode: SpecDecodeStats = field(default_factory=lambda: SpecDecodeStats(0))  # zeros without speculation
 
     @property
     def kv_cache_usage(self) -> float:

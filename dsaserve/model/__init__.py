@@ -5,21 +5,23 @@ from __future__ import annotations
 import torch
 
 from dsaserve.config import ModelConfig
-from dsaserve.model.loader import load_checkpoint
+from dsaserve.model.loader import load_checkpoint, mtp_extras
 from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
 
 
 def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
-               attention_backend: str = "sparse", progress: bool = True, page_budget: int | None = None
-               ) -> GlmMoeDsaForCausalLM:
-    """Build the model without initializing weights, then fill every parameter from the checkpoint."""
+               attention_backend: str = "sparse", progress: bool = True, page_budget: int | None = None,
+               with_mtp: bool = False) -> GlmMoeDsaForCausalLM:
+    """Build the model without initializing weights, then fill every parameter from the checkpoint
+    (the MTP layer too, with_mtp)."""
+    mtp = mtp_extras(cfg, model_dir) if with_mtp else None
     with torch.device("meta"):
-        model = GlmMoeDsaForCausalLM(cfg, attention_backend, page_budget)
+        model = GlmMoeDsaForCausalLM(cfg, attention_backend, page_budget, mtp)
         for name, param in model.named_parameters():
             param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
     model.to_empty(device=device)
     model.tie_weights()
-    load_checkpoint(model, cfg, model_dir, progress=progress)
+    load_checkpoint(model, cfg, model_dir, progress=progress, with_mtp=with_mtp)
     return model.eval()
 
 

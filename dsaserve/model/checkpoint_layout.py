@@ -100,6 +100,13 @@ def checkpoint_shapes(cfg: ModelConfig, include_mtp: bool = False) -> Shapes:
     return shapes
 
 
+def optional_mtp_shapes(cfg: ModelConfig) -> Shapes:
+    """MTP tensors a checkpoint may carry or leave out (the main model's are used when absent)."""
+    prefix = f"model.layers.{cfg.num_hidden_layers}"
+    return {f"{prefix}.shared_head.head.weight": (cfg.vocab_size, cfg.hidden_size),
+            f"{prefix}.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
+
+
 def is_mtp_tensor(cfg: ModelConfig, name: str) -> bool:
     if not name.startswith("model.layers."):
         return False

@@ -19,6 +19,7 @@ from dsaserve.config import FULL, ModelConfig
 from dsaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from dsaserve.model.mla import MLAAttention
 from dsaserve.model.moe import MoE
+from dsaserve.model.mtp import MTPLayer, mtp_param_name
 
 # Parameters computed in fp32 whatever the model dtype (as in the reference implementation).
 FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -29,18 +30,23 @@ _KV_B = re.compile(r"^(.*\.self_attn)\.kv_b_proj\.weight$")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection):
+    """One decoder layer; `full` and `moe` default to the config's schedule for layer_idx (the MTP layer,
+    past the schedule, is always both)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection, full: bool | None = None,
+                 moe: bool | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg, layer_idx, backend, selection)
+        self.self_attn = MLAAttention(cfg, layer_idx, backend, selection, full)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.mlp_layer_types[layer_idx] == "sparse":
+        if cfg.mlp_layer_types[layer_idx] == "sparse" if moe is None else moe:
             self.mlp = MoE(cfg)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk):
-        attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, indexer_cache, prev_topk)
+    def forward(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk, run_indexer: bool = True):
+        attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, indexer_cache, prev_topk,
+                                    run_indexer)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), topk
 
@@ -55,7 +61,9 @@ class GlmMoeDsaModel(nn.Module):
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_backend: str = "sparse", page_budget: int | None = None):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "sparse", page_budget: int | None = None,
+                 mtp: tuple[bool, bool] | None = None):
+        """mtp: build the MTP layer, as (its own shared_head.head?, its own embed_tokens?); None skips it."""
         super().__init__()
         check_shared_layers_have_producer(cfg.indexer_types)
         self.config = cfg
@@ -64,6 +72,10 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.model = GlmMoeDsaModel(cfg, self.backend, self.selection)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+        self.mtp = None
+        if mtp is not None:
+            block = DecoderLayer(cfg, cfg.num_hidden_layers, self.backend, self.selection, full=True, moe=True)
+            self.mtp = MTPLayer(cfg, block, own_head=mtp[0], own_embed=mtp[1])
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -74,16 +86,38 @@ class GlmMoeDsaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, meta: BatchMetadata, kv_caches: list[torch.Tensor], indexer_caches: dict):
         """Runs the flattened batch; returns final hidden states of the `meta.logits_indices` rows."""
+        return self.model.norm(self.forward_hidden(meta, kv_caches, indexer_caches)[meta.logits_indices])
+
+    @torch.inference_mode()
+    def forward_hidden(self, meta: BatchMetadata, kv_caches: list[torch.Tensor], indexer_caches: dict) -> torch.Tensor:
+        """Hidden states of every row [T, hidden], before the final norm (what the MTP layer reads)."""
         x = self.model.embed_tokens(meta.input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         topk = None
         for i, layer in enumerate(self.model.layers):
             x, topk = layer(x, cos, sin, meta, kv_caches[i], indexer_caches.get(i), topk)
-        return self.model.norm(x[meta.logits_indices])
+        return x
+
+    @torch.inference_mode()
+    def draft(self, meta: BatchMetadata, prev_hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+              indexer_caches: dict, topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One MTP step over meta's rows: (hidden [T, hidden], the top-k it attended with)."""
+        layer = self.config.num_hidden_layers
+        return self.mtp(self.model.embed_tokens, self.rotary, meta, prev_hidden, kv_caches[layer],
+                        indexer_caches.get(layer), topk)
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mtp.logits(self.lm_head, hidden)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states (after the final norm)."""
         return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden)
 
     # ---- weight loading -------------------------------------------------------------------------
 
@@ -93,7 +127,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
         Made once the parameters are on their device; safe to call from several threads.
         """
         params = dict(self.named_parameters())
-        return lambda name, tensor: _load_tensor(params, name, tensor)
+        first_mtp = f"model.layers.{self.config.num_hidden_layers}."
+
+        def load(name: str, tensor: torch.Tensor) -> None:
+            if name.startswith(first_mtp):
+                name = mtp_param_name(name, self.config.num_hidden_layers)
+            _load_tensor(params, name, tensor)
+
+        return load
 
 
 def _load_tensor(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from dsaserve.config import ModelConfig
-from dsaserve.model.checkpoint_layout import checkpoint_shapes, is_mtp_tensor
+from dsaserve.model.checkpoint_layout import checkpoint_shapes, is_mtp_tensor, optional_mtp_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,11 @@ def read_tensor_infos(files: list[str]) -> dict[str, TensorInfo]:
     return infos
 
 
-def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo]) -> None:
-    """Raise CheckpointError listing missing, unexpected and mis-shaped tensors (MTP layers are skipped)."""
-    expected = checkpoint_shapes(cfg)
+def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo], with_mtp: bool = False) -> None:
+    """Raise CheckpointError listing missing, unexpected and mis-shaped tensors (MTP layers are checked
+    only with_mtp, and skipped otherwise)."""
+    expected = checkpoint_shapes(cfg, include_mtp=with_mtp)
+    optional = optional_mtp_shapes(cfg) if with_mtp else {}
     present = {}
     unexpected = []
     for name, info in infos.items():
@@ -84,8 +86,10 @@ def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo]) -> None:
             if weight is None or weight.dtype not in FP8_DTYPES:
                 unexpected.append(name)
             continue
-        if is_mtp_tensor(cfg, name):
+        if is_mtp_tensor(cfg, name) and not with_mtp:
             continue
+        if name in optional:
+            expected[name] = optional[name]
         present[name] = info
     missing = sorted(set(expected) - set(present))
     unexpected += sorted(set(present) - set(expected))
@@ -142,19 +146,32 @@ def _fp8_block(cfg: ModelConfig) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
+def mtp_extras(cfg: ModelConfig, model_dir: str) -> tuple[bool, bool]:
+    """(has its own shared_head.head, has its own embed_tokens) of the checkpoint's MTP layer; raises
+    CheckpointError when there is no MTP layer."""
+    infos = read_tensor_infos(checkpoint_files(model_dir))
+    layer = cfg.num_hidden_layers
+    if cfg.num_nextn_predict_layers < 1 or not any(is_mtp_tensor(cfg, n) for n in infos):
+        raise CheckpointError(
+            f"{model_dir!r} has no MTP layer (no model.layers.{layer}.* tensors; config num_nextn_predict_layers="
+            f"{cfg.num_nextn_predict_layers}), so it cannot draft tokens; drop --speculative-config")
+    optional = list(optional_mtp_shapes(cfg))
+    return optional[0] in infos, optional[1] in infos
+
+
 def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = True,
-                    max_workers: int | None = None) -> None:
-    """Load every tensor of `model_dir` into `model` (via `model.weight_loader()`). The MTP layers'
-    tensors are skipped: nothing uses them yet (speculative decoding will)."""
+                    max_workers: int | None = None, with_mtp: bool = False) -> None:
+    """Load every tensor of `model_dir` into `model` (via `model.weight_loader()`). The MTP layer's
+    tensors load with_mtp (speculative decoding) and are skipped otherwise."""
     files = checkpoint_files(model_dir)
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir!r}")
     infos = read_tensor_infos(files)
-    check_tensors(cfg, infos)
+    check_tensors(cfg, infos, with_mtp)
     block = _fp8_block(cfg)
     by_file: dict[str, list[str]] = {}
     for name, info in infos.items():
-        if not name.endswith(SCALE_SUFFIX) and not is_mtp_tensor(cfg, name):
+        if not name.endswith(SCALE_SUFFIX) and (with_mtp or not is_mtp_tensor(cfg, name)):
             by_file.setdefault(info.file, []).append(name)
     load_tensor = model.weight_loader()
     total = sum(len(v) for v in by_file.values())

@@ -18,7 +18,7 @@ from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection, full: bool | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
@@ -39,13 +39,14 @@ class MLAAttention(nn.Module):
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope_dim, cfg.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.v_dim, cfg.kv_lora_rank))
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=bias)
-        self.indexer = Indexer(cfg, selection) if cfg.is_full(layer_idx) else None
+        self.indexer = Indexer(cfg, selection) if (cfg.is_full(layer_idx) if full is None else full) else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
-        kv_cache: torch.Tensor, indexer_cache, prev_topk: torch.Tensor | None,
+        kv_cache: torch.Tensor, indexer_cache, prev_topk: torch.Tensor | None, run_indexer: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (attention output [T, hidden], top-k produced or reused here)."""
+        """Returns (attention output [T, hidden], top-k produced or reused here). With run_indexer off, a
+        full layer attends with prev_topk instead (the MTP layer's later draft steps)."""
         tokens = x.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(tokens, self.num_heads, -1)
@@ -57,7 +58,7 @@ class MLAAttention(nn.Module):
         kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row.to(kv_cache.dtype))
 
         topk = prev_topk
-        if self.backend.uses_indexer and self.indexer is not None:
+        if self.backend.uses_indexer and self.indexer is not None and run_indexer:
             topk = self.indexer(x, q_resid, cos, sin, meta, indexer_cache)
 
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, rank]

@@ -1,0 +1,61 @@
+"""The multi-token-prediction (MTP) layer: checkpoint layer `num_hidden_layers`, which drafts the token after next.
+
+    e   = enorm(embed(t))                       (zero at position 0, as vLLM does)
+    h_k = block(eh_proj(cat[e, hnorm(h_{k-1})]))
+    logits = head(shared_head.norm(h_k))
+
+`block` is a full decoder layer (MLA with its own indexer, MoE) with its own latent and indexer-key cache.
+h_0 is the target's last hidden state before its final norm at the same position; a draft round then
+feeds the MTP layer's own output back. `embed` and `head` are the main model's unless the checkpoint
+carries the layer's own `embed_tokens` / `shared_head.head`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.config import ModelConfig
+from dsaserve.model.layers import RMSNorm
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, block: nn.Module, own_head: bool = False, own_embed: bool = False):
+        """block: a full MoE decoder layer at index num_hidden_layers."""
+        super().__init__()
+        h = cfg.hidden_size
+        self.layer_idx = cfg.num_hidden_layers
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = block
+        self.head_norm = RMSNorm(h, cfg.rms_norm_eps)  # shared_head.norm
+        self.head = nn.Linear(h, cfg.vocab_size, bias=False) if own_head else None  # shared_head.head
+        self.embed = nn.Embedding(cfg.vocab_size, h, _weight=torch.empty(cfg.vocab_size, h)) if own_embed else None
+
+    def forward(self, embed: nn.Embedding, rotary, meta: BatchMetadata, prev_hidden: torch.Tensor,
+                kv_cache: torch.Tensor, indexer_cache, topk: torch.Tensor | None = None):
+        """meta: the rows to run (input ids = the next tokens); prev_hidden [T, hidden]. With `topk`, the
+        indexer does not run and attention uses it. Returns (hidden before the head norm, the top-k used)."""
+        e = (self.embed or embed)(meta.input_ids)
+        e = e.masked_fill((meta.positions == 0)[:, None], 0)
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev_hidden.to(e.dtype))], dim=-1))
+        cos, sin = rotary.cos_sin(meta.positions, x.dtype)
+        return self.block(x, cos, sin, meta, kv_cache, indexer_cache, topk, run_indexer=topk is None)
+
+    def logits(self, lm_head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.head or lm_head)(self.head_norm(hidden)).float()
+
+
+_OWN_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "head_norm",
+              "shared_head.head": "head", "embed_tokens": "embed"}
+
+
+def mtp_param_name(checkpoint_name: str, layer_idx: int) -> str:
+    """The model parameter of an MTP checkpoint tensor (`model.layers.{layer_idx}.…` → `mtp.…`)."""
+    rest = checkpoint_name.removeprefix(f"model.layers.{layer_idx}.")
+    for own, param in _OWN_NAMES.items():
+        if rest.startswith(own + "."):
+            return f"mtp.{param}{rest[len(own):]}"
+    return f"mtp.block.{rest}"

@@ -1,0 +1,41 @@
+"""SpeculativeConfig: `--speculative-config '{"method": "mtp", "num_speculative_tokens": N}'`, vLLM's spelling."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+METHODS = ("mtp",)
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """From a dict, a JSON string, or None (speculation off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config={value!r} is not JSON: {e}; e.g. "
+                                 '\'{"method": "mtp", "num_speculative_tokens": 3}\'') from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; it takes method and num_speculative_tokens")
+        method = value.get("method")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method={method!r} is not supported; use 'mtp' (the checkpoint's "
+                             "multi-token-prediction layer)")
+        n = value.get("num_speculative_tokens")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens={n!r} must be an integer from 1 to "
+                             f"{MAX_SPECULATIVE_TOKENS}")
+        return cls(method, n)

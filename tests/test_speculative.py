@@ -1,0 +1,343 @@
+"""MTP speculative decoding on tiny checkpoints that carry an MTP layer: greedy output identical to decoding
+without it (batches, 7-token chunks, prefix hits, preemption, n = 2), the sampled distribution unchanged
+(and a wrong acceptance rule caught), rollback, index sharing against a reference draft step written from
+the formulas, and loading."""
+
+import collections
+
+import pytest
+import torch
+
+import dsaserve.engine.runner as runner_module
+from dsaserve.engine.rejection_sampler import verify_drafts
+from dsaserve.llm import LLM
+from dsaserve.model.loader import CheckpointError
+from dsaserve.sampling_params import SamplingParams
+
+PROMPTS = [{"prompt_token_ids": [5 + (7 * i) % 300 for i in range(n)]} for n in (3, 17, 40, 29)]
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(make_checkpoint):
+    return make_checkpoint("tiny-mtp", seed=3, include_mtp=True)
+
+
+def make_llm(checkpoint, n_spec=None, **kwargs):
+    spec = None if n_spec is None else {"method": "mtp", "num_speculative_tokens": n_spec}
+    args = dict(dtype="float32", block_size=16, max_model_len=256, progress=False, speculative_config=spec)
+    return LLM(checkpoint, **{**args, **kwargs})
+
+
+def token_ids(llm, prompts, params):
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_checkpoint):
+    return token_ids(make_llm(mtp_checkpoint), PROMPTS, GREEDY)
+
+
+def oracle_drafts(monkeypatch, runner, reference_of, wrong_every: int = 3):
+    """Replace the MTP layer's drafts (after it ran, so its caches fill as usual) with the reference
+    continuation, every `wrong_every`-th draft corrupted: acceptances and rejections both happen."""
+    from dsaserve.engine.mtp_drafter import propose as real
+    calls = collections.Counter()
+
+    def propose(model, kv_cache, inputs, hidden, share):
+        drafts = real(model, kv_cache, inputs, hidden, share)
+        for request_id, tokens in drafts.items():
+            state = runner.requests[request_id]
+            done = len(state.output_token_ids)
+            truth = reference_of(request_id, state)
+            for j in range(len(tokens)):
+                calls["drafts"] += 1
+                right = truth[done + j] if done + j < len(truth) else tokens[j]
+                tokens[j] = right if (calls["drafts"] % wrong_every) else (right + 1) % 200
+        return drafts
+
+    monkeypatch.setattr(runner_module, "propose", propose)
+    return calls
+
+
+@pytest.mark.parametrize("n_spec", [1, 2, 3])
+def test_greedy_output_is_unchanged_by_speculation(mtp_checkpoint, reference, n_spec):
+    llm = make_llm(mtp_checkpoint, n_spec)
+    assert token_ids(llm, PROMPTS, GREEDY) == reference
+
+
+@pytest.mark.parametrize("n_spec", [1, 3])
+def test_greedy_output_is_unchanged_with_accepted_drafts_chunks_prefix_hits_preemption_and_n2(
+        mtp_checkpoint, monkeypatch, n_spec):
+    """Drafts that are mostly right (so whole rounds are accepted) through every scheduling corner at once:
+    7-token chunks, a shared prefix served from the cache, requests preempted and recomputed, and two
+    samples per request."""
+    prefix = [9 + (5 * i) % 250 for i in range(48)]
+    prompts = [{"prompt_token_ids": prefix + [40 + i, 41 + i]} for i in range(4)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, n=2)
+    small = dict(max_num_batched_tokens=7, max_num_seqs=8)
+    expected = token_ids(make_llm(mtp_checkpoint, **small), prompts, params)
+    by_prompt = {tuple(p["prompt_token_ids"]): out[0] for p, out in zip(prompts, expected)}
+    llm = make_llm(mtp_checkpoint, n_spec, **small)
+    calls = oracle_drafts(monkeypatch, llm.engine.runner, lambda rid, state: by_prompt[tuple(state.prompt_token_ids)])
+    sched = llm.engine.scheduler
+    original, steps = sched.schedule, collections.Counter()
+
+    def schedule_with_preemption():  # every ninth step, the newest running sequence is preempted first
+        steps["n"] += 1
+        if steps["n"] % 9 == 0 and len(sched.running) > 1:
+            sched._preempt(sched.running[-1])
+        return original()
+
+    monkeypatch.setattr(sched, "schedule", schedule_with_preemption)
+    assert token_ids(llm, prompts, params) == expected
+    stats = llm.engine.stats()
+    assert calls["drafts"] > 0 and stats.spec_decode.num_accepted_tokens > 0
+    assert stats.prefix_cache_hit_tokens > 0 and stats.num_preemptions > 0
+
+
+def test_rollback_leaves_no_rejected_draft_visible(mtp_checkpoint, reference, monkeypatch):
+    """Without the rollback, a rejected draft would stay in the sequence: its position counted as computed
+    and its cache rows attended by every later token. The output then departs from the reference."""
+    from dsaserve.engine.scheduler import Scheduler
+
+    llm = make_llm(mtp_checkpoint, 3)
+    original = Scheduler.update_from_output
+
+    def no_rollback(self, scheduler_output, runner_output):
+        for s in scheduler_output.scheduled:
+            sampled = runner_output.sampled_token_ids.get(s.request_id)
+            if s.spec_token_ids and sampled is not None:  # keep every draft, as if all were accepted
+                runner_output.sampled_token_ids[s.request_id] = list(s.spec_token_ids) + [sampled[-1]]
+        return original(self, scheduler_output, runner_output)
+
+    monkeypatch.setattr(Scheduler, "update_from_output", no_rollback)
+    assert token_ids(llm, PROMPTS, GREEDY) != reference
+
+
+def test_sampled_distribution_is_the_targets(mtp_checkpoint, monkeypatch):
+    """The second token (the first to go through verification) over many seeds: with speculation its
+    distribution matches plain sampling (chi-square), while an acceptance rule that keeps the draft
+    whenever the target gives it any probability is caught."""
+    prompt = [{"prompt_token_ids": [11, 12, 13, 14]}]
+    # Three tokens: after the first, one draft fits (the last token must stay the target's own).
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(1500)]
+
+    def second_tokens(llm):
+        outs = llm.generate(prompt * len(params), params, use_tqdm=False)
+        return collections.Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs)
+
+    plain = second_tokens(make_llm(mtp_checkpoint, max_num_seqs=256))
+    # Drafts that are often right: the most common continuation of each first token.
+    common = {}
+    for (first, second), count in plain.most_common():
+        common.setdefault(first, second)
+
+    def drafts_from_common(runner):
+        from dsaserve.engine.mtp_drafter import propose as real
+
+        def propose(model, kv_cache, inputs, hidden, share):
+            drafts = real(model, kv_cache, inputs, hidden, share)
+            for request_id, tokens in drafts.items():
+                last = runner.requests[request_id].output_token_ids[-1]
+                tokens[0] = common.get(last, tokens[0])
+            return drafts
+        return propose
+
+    def speculative_counts(verify):
+        llm = make_llm(mtp_checkpoint, 1, max_num_seqs=256)
+        monkeypatch.setattr(runner_module, "propose", drafts_from_common(llm.engine.runner))
+        monkeypatch.setattr(runner_module, "verify_drafts", verify)
+        return second_tokens(llm)
+
+    def greedy_acceptance(logits, drafts, state, rng):  # wrong: keeps any draft the target allows
+        from dsaserve.engine.sampler import apply_filters
+        probs = apply_filters(logits[:1], [state.params]).softmax(-1)[0]
+        if probs[drafts[0]] > 0:
+            return [drafts[0]] + verify_drafts(logits[1:], [], state, rng)
+        return verify_drafts(logits, drafts, state, rng)
+
+    right, wrong = speculative_counts(verify_drafts), speculative_counts(greedy_acceptance)
+    assert chi_square_p(plain, right) > 1e-3
+    assert chi_square_p(plain, wrong) < 1e-6
+
+
+def chi_square_p(a: collections.Counter, b: collections.Counter) -> float:
+    """p-value of a two-sample chi-square test of homogeneity; categories seen fewer than 10 times in
+    both samples together are pooled into one."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    big = [k for k in keys if a[k] + b[k] >= 10]
+    rest = [k for k in keys if k not in big]
+    table = torch.tensor([[a[k] for k in big] + [sum(a[k] for k in rest)],
+                          [b[k] for k in big] + [sum(b[k] for k in rest)]], dtype=torch.float64)
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    statistic = ((table - expected) ** 2 / expected).sum()
+    dof = table.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+
+
+# ---- index sharing and the draft step ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_mtp_indexer_runs_once_per_round_when_shared(make_checkpoint, monkeypatch, share):
+    """Each step's MTP round is one catch-up pass (the indexer runs) and then draft steps 2…N, which
+    run it again only when index_share_for_mtp_iteration is off."""
+    from dsaserve.engine.mtp_drafter import propose as real
+
+    checkpoint = make_checkpoint(f"tiny-mtp-share-{share}", seed=4, include_mtp=True,
+                                 index_share_for_mtp_iteration=share)
+    llm = make_llm(checkpoint, 3)
+    indexer = llm.engine.model.mtp.block.self_attn.indexer
+    runs, rounds = collections.Counter(), []
+    real_forward = indexer.forward
+
+    def counted(*args, **kwargs):
+        runs["indexer"] += 1
+        return real_forward(*args, **kwargs)
+
+    def recorded(model, kv_cache, inputs, hidden, share_index):
+        rounds.append(max(item.num_drafts for item in inputs))
+        return real(model, kv_cache, inputs, hidden, share_index)
+
+    indexer.forward = counted
+    monkeypatch.setattr(runner_module, "propose", recorded)
+    llm.generate([PROMPTS[2]], SamplingParams(max_tokens=13, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert max(rounds) == 3
+    assert runs["indexer"] == sum(1 + (0 if share else max(n - 1, 0)) for n in rounds)
+
+
+def mtp_as_one_layer_model(checkpoint: str, target_dir) -> str:
+    """The MTP block as layer 0 of a one-layer checkpoint: its final norm is shared_head.norm and its
+    lm_head the main one, so the transformers reference runs the block with its own attention and
+    indexer on whatever inputs_embeds the test builds from the formulas."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layer = config["num_hidden_layers"]
+    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    block = {k.replace(f"model.layers.{layer}.", "model.layers.0."): v for k, v in weights.items()
+             if k.startswith(f"model.layers.{layer}.") and not any(
+                 part in k for part in ("enorm", "hnorm", "eh_proj", "shared_head"))}
+    block["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+    block["model.norm.weight"] = weights[f"model.layers.{layer}.shared_head.norm.weight"]
+    block["lm_head.weight"] = weights["lm_head.weight"]
+    os.makedirs(target_dir, exist_ok=True)
+    for name in os.listdir(checkpoint):
+        if not name.endswith(".safetensors") and name != "config.json":
+            shutil.copy(os.path.join(checkpoint, name), target_dir)
+    config.update(num_hidden_layers=1, indexer_types=["full"], first_k_dense_replace=0, num_nextn_predict_layers=0)
+    config.pop("mlp_layer_types", None)
+    with open(os.path.join(target_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(block, os.path.join(target_dir, "model.safetensors"))
+    return str(target_dir), {k: weights[f"model.layers.{layer}.{k}.weight"] for k in ("enorm", "hnorm", "eh_proj")}
+
+
+def rms(x, weight, eps=1e-6):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_drafts(target, block, own, sequence: list[int], num: int) -> list[torch.Tensor]:
+    """Draft logits for a verified sequence (its last token not yet computed by the target), from the
+    formulas: the block runs over the whole sequence of MTP rows at once, one more row per draft."""
+    eps = target.config.rms_norm_eps
+    captured = {}
+
+    def keep(name):
+        return lambda module, args, out: captured.__setitem__(name, out[0] if isinstance(out, tuple) else out)
+
+    hooks = [target.model.layers[-1].register_forward_hook(keep("target")),
+             block.model.layers[0].register_forward_hook(keep("block"))]
+    try:
+        with torch.no_grad():
+            target(torch.tensor([sequence[:-1]]))
+            hidden, tokens, logits = captured["target"][0], sequence[1:], []  # h_p before the final norm
+            for _ in range(num):
+                embeds = block.model.embed_tokens(torch.tensor(tokens))
+                embeds[0] = 0  # position 0
+                x = torch.cat([rms(embeds, own["enorm"], eps), rms(hidden, own["hnorm"], eps)], -1) @ own["eh_proj"].T
+                logits.append(block(inputs_embeds=x[None]).logits[0, -1].float())
+                hidden = torch.cat([hidden, captured["block"][0][-1:]])  # the block's output feeds the next row
+                tokens = tokens + [int(logits[-1].argmax())]
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits
+
+
+def test_drafts_match_a_reference_draft_step_built_from_the_formulas(make_checkpoint, tmp_path):
+    """Draft k: h_k = block(eh_proj(cat[enorm(embed(t_k)), hnorm(h_{k-1})])), logits = head(norm(h_k)),
+    with h_0 the target's last hidden state before its final norm and the embedding zeroed at position 0.
+    dsaserve fills the MTP cache with catch-up rows step by step (keeping only verified ones) and drafts
+    one row at a time; after every step its draft logits match the reference's for the sequence verified
+    so far. A prompt longer than index_topk makes the MTP indexer's selection matter."""
+    from reference import load_reference
+
+    checkpoint = make_checkpoint("tiny-mtp-ref", seed=6, include_mtp=True, index_share_for_mtp_iteration=False)
+    target = load_reference(checkpoint)
+    block_dir, own = mtp_as_one_layer_model(checkpoint, tmp_path / "block")
+    block = load_reference(block_dir)
+    for prompt in ([3, 9, 27, 81, 243], [7 + (11 * i) % 400 for i in range(37)]):
+        engine = make_llm(checkpoint, 3).engine
+        seen = []
+        real = engine.model.draft_logits
+        engine.model.draft_logits = lambda hidden: seen.append(real(hidden)) or seen[-1]
+        engine.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        checked = 0
+        while engine.has_unfinished_requests():
+            seen.clear()
+            engine.step()
+            request = engine.scheduler.requests.get("r")
+            if request is None or not request.spec_token_ids:
+                continue
+            expected = reference_drafts(target, block, own, prompt + request.output_token_ids, len(seen))
+            for ours, theirs in zip(seen, expected):
+                torch.testing.assert_close(ours[0], theirs, atol=2e-4, rtol=2e-4)
+            assert request.spec_token_ids == [int(t.argmax()) for t in expected]
+            checked += 1
+        assert checked >= 3
+
+
+def test_a_checkpoint_without_an_mtp_layer_refuses_speculation(tiny_checkpoint):
+    with pytest.raises(CheckpointError, match="no MTP layer.*drop --speculative-config"):
+        make_llm(tiny_checkpoint, 2)
+
+
+def test_a_truncated_mtp_layer_is_named(make_checkpoint, tmp_path):
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = make_checkpoint("tiny-mtp-trunc-src", seed=5, include_mtp=True)
+    target = tmp_path / "truncated"
+    shutil.copytree(source, target)
+    weights = load_file(os.path.join(target, "model.safetensors"))
+    del weights["model.layers.4.eh_proj.weight"]
+    save_file(weights, os.path.join(target, "model.safetensors"))
+    with pytest.raises(CheckpointError, match="model.layers.4.eh_proj.weight"):
+        make_llm(str(target), 1)
+    make_llm(str(target))  # without speculation the MTP layer is not read
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"method": "ngram", "num_speculative_tokens": 2}', "method"),
+    ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "mtp"', "not JSON"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}', "unknown keys"),
+])
+def test_bad_speculative_configs_are_refused_before_loading(config, message):
+    from dsaserve.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(speculative_config=config)
