@@ -6,6 +6,7 @@ weights are present.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
 
@@ -75,6 +76,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None) 
             ok = False
             lines.append(f"  MISMATCH: {e}")
         sizes = {n: (i.shape, _BYTES.get(i.dtype, 2)) for n, i in infos.items() if not is_mtp_tensor(cfg, n)}
+        lines.append(_mtp_line(cfg, infos))
         source = "checkpoint headers"
     else:
         lines.append("weights: none in this directory (sizes below are computed from config.json)")
@@ -84,6 +86,17 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None) 
     lines += _component_table(sizes, source)
     lines += _kv_lines(cfg, max_model_len)
     return "\n".join(lines), ok
+
+
+def _mtp_line(cfg: ModelConfig, infos: dict) -> str:
+    """Whether the checkpoint carries an MTP layer (what --speculative-config drafts with) and its size."""
+    mtp = {n: i for n, i in infos.items() if is_mtp_tensor(cfg, n)}
+    if not mtp:
+        return (f"MTP layer: none (num_nextn_predict_layers={cfg.num_nextn_predict_layers}); "
+                "--speculative-config is unavailable")
+    size = sum(math.prod(i.shape) * _BYTES.get(i.dtype, 2) for i in mtp.values())
+    return (f"MTP layer: model.layers.{cfg.num_hidden_layers} ({len(mtp)} tensors, {human(size)} more to load with "
+            f"--speculative-config; index_share_for_mtp_iteration={cfg.index_share_for_mtp_iteration})")
 
 
 def _selected_rows_path(cfg: ModelConfig) -> str:

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REFERENCE_CONFIG
 from dsaserve import LLM, SamplingParams
+from dsaserve.demo import DEMO_VERSION
 
 
 def run(*args, env=None):
@@ -67,7 +68,7 @@ def test_demo_model_generates_without_a_checkpoint(tmp_path):
     result = run("generate", "--prompt", "Hello", "--max-tokens", "4", env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("\n")
-    assert os.path.isfile(tmp_path / "demo-v2" / "tokenizer.json")
+    assert os.path.isfile(tmp_path / f"demo-v{DEMO_VERSION}" / "tokenizer.json")
     assert "indexer schedule from indexer_types: FFSSFS" in result.stderr
 
 

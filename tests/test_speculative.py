@@ -341,3 +341,46 @@ def test_bad_speculative_configs_are_refused_before_loading(config, message):
 
     with pytest.raises(ValueError, match=message):
         EngineArgs(speculative_config=config)
+
+
+SPEC_FLAG = '{"method": "mtp", "num_speculative_tokens": 2}'
+
+
+def test_generate_and_bench_take_the_flag_and_doctor_reports_the_layer(mtp_checkpoint, tiny_checkpoint, tmp_path):
+    import json
+
+    from test_cli import run
+
+    common = ["--dtype", "float32", "--block-size", "16", "--max-model-len", "256"]
+    plain = run("generate", mtp_checkpoint, "--prompt", "hello there", "--max-tokens", "9", "--ignore-eos", *common)
+    spec = run("generate", mtp_checkpoint, "--prompt", "hello there", "--max-tokens", "9", "--ignore-eos", *common,
+               "--speculative-config", SPEC_FLAG)
+    assert spec.returncode == 0 and spec.stdout == plain.stdout, spec.stderr
+    bench = run("bench", "latency", mtp_checkpoint, *common, "--input-len", "12", "--output-len", "8", "--num-iters", "1",
+                "--speculative-config", SPEC_FLAG, "--output-json", str(tmp_path / "l.json"))
+    assert bench.returncode == 0, bench.stderr
+    data = json.loads((tmp_path / "l.json").read_text())
+    assert data["spec_decode_num_drafts"] > 0 and data["spec_decode_mean_accepted_length"] >= 1
+    assert len(data["spec_decode_acceptance_per_position"]) == 2
+    assert "MTP layer: model.layers.4 (" in run("doctor", mtp_checkpoint).stdout
+    assert "MTP layer: none" in run("doctor", tiny_checkpoint).stdout
+    refused = run("generate", tiny_checkpoint, "--prompt", "x", "--speculative-config", SPEC_FLAG)
+    assert refused.returncode != 0 and "no MTP layer" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_the_server_speculates_and_reports_acceptance_in_metrics(mtp_checkpoint):
+    import httpx
+    from server_process import ServerProcess
+
+    srv = ServerProcess(mtp_checkpoint, "--speculative-config", SPEC_FLAG).wait_ready()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12, r.text
+        metrics = srv.metrics()
+        assert metrics["dsaserve:spec_decode_num_drafts_total"] > 0
+        assert metrics["dsaserve:spec_decode_num_draft_tokens_total"] >= metrics["dsaserve:spec_decode_num_drafts_total"]
+        assert "dsaserve:spec_decode_num_accepted_tokens_total" in metrics
+        assert "dsaserve:spec_decode_num_accepted_tokens_per_pos_total" in metrics
+    finally:
+        srv.stop()

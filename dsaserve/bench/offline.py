@@ -88,6 +88,16 @@ def cmd_offline(args: argparse.Namespace) -> int:
                              args.num_iters_warmup, args.seed)
     result["dtype"] = str(llm.engine.dtype).removeprefix("torch.")
     result["attention_backend"] = llm.engine.model.backend.name
+    result.update(spec_decode_result(llm.engine.stats().spec_decode))
     print_table(f"dsaserve bench {args.bench_kind}: {llm.engine.model_dir}", result)
     write_json(args.output_json, result)
     return 0
+
+
+def spec_decode_result(spec) -> dict:
+    """Acceptance of speculative decoding over the run (nothing without it)."""
+    if not spec.num_speculative_tokens:
+        return {}
+    rate = [round(a / spec.num_drafts, 3) if spec.num_drafts else 0.0 for a in spec.accepted_per_pos]
+    return {"spec_decode_mean_accepted_length": spec.mean_accepted_length,
+            "spec_decode_acceptance_per_position": rate, "spec_decode_num_drafts": spec.num_drafts}

@@ -14,13 +14,14 @@ import torch
 
 from dsaserve.demo.checkpoint_builder import build_checkpoint
 
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 DEMO_CONFIG = dict(
     hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=6,
     num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
     v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4, first_k_dense_replace=1,
     index_topk=64, index_head_dim=32, index_n_heads=4,
     indexer_types=["full", "full", "shared", "shared", "full", "shared"], max_position_embeddings=8192,
+    index_share_for_mtp_iteration=True,  # as GLM-5.2
 )
 
 

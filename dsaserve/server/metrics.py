@@ -45,6 +45,22 @@ class EngineCollector:
         yield self._counter("dsaserve:generation_tokens", "Tokens generated.", stats.num_generation_tokens)
         yield self._counter("dsaserve:num_preemptions", "Sequences preempted for lack of KV blocks.",
                             stats.num_preemptions)
+        yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats: EngineStats):
+        """vLLM's speculative-decoding counters (zero without speculation)."""
+        spec = stats.spec_decode
+        yield self._counter("dsaserve:spec_decode_num_drafts", "Verification rounds (one request's drafts in one step).",
+                            spec.num_drafts)
+        yield self._counter("dsaserve:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens)
+        yield self._counter("dsaserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            spec.num_accepted_tokens)
+        per_pos = CounterMetricFamily("dsaserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by draft position (0 = first).",
+                                      labels=[*self.labels, "position"])
+        for position, count in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([*self.labels.values(), str(position)], count)
+        yield per_pos
 
 
 class ServerMetrics:
