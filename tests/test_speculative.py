@@ -98,6 +98,31 @@ def test_greedy_output_is_unchanged_with_accepted_drafts_chunks_prefix_hits_pree
     assert stats.prefix_cache_hit_tokens > 0 and stats.num_preemptions > 0
 
 
+def test_penalties_logprobs_and_stop_strings_see_the_accepted_drafts(mtp_checkpoint, monkeypatch):
+    """Verification edits each row as if the drafts before it had been sampled: penalties and the
+    returned log-probabilities (the target's) come out as without speculation; a stop string inside a
+    round of accepted drafts ends the text at the same place."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.5, logprobs=3)
+    plain = make_llm(mtp_checkpoint).generate(PROMPTS, params, use_tqdm=False)
+    truth = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain)}
+    llm = make_llm(mtp_checkpoint, 3)
+    calls = oracle_drafts(monkeypatch, llm.engine.runner, lambda rid, state: truth[tuple(state.prompt_token_ids)])
+    spec = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0 and calls["drafts"] > 0
+    for a, b in zip(plain, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            for token in x:
+                assert abs(x[token].logprob - y[token].logprob) < 1e-4
+    stop = plain[1].outputs[0].text[5:8]
+    with_stop = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop])
+    expected = make_llm(mtp_checkpoint).generate([PROMPTS[1]], with_stop, use_tqdm=False)[0].outputs[0]
+    got = llm.generate([PROMPTS[1]], with_stop, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.finish_reason) == (expected.text, expected.finish_reason) and got.finish_reason == "stop"
+
+
 def test_rollback_leaves_no_rejected_draft_visible(mtp_checkpoint, reference, monkeypatch):
     """Without the rollback, a rejected draft would stay in the sequence: its position counted as computed
     and its cache rows attended by every later token. The output then departs from the reference."""
