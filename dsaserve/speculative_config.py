@@ -13,6 +13,7 @@ MAX_SPECULATIVE_TOKENS = 8
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
+    disable_by_batch_size: int | None = None  # no drafting in steps with at least this many running sequences
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -27,9 +28,10 @@ class SpeculativeConfig:
                                  '\'{"method": "mtp", "num_speculative_tokens": 3}\'') from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens", "disable_by_batch_size"})
         if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; it takes method and num_speculative_tokens")
+            raise ValueError(f"speculative_config has unknown keys {unknown}; it takes method, num_speculative_tokens "
+                             "and disable_by_batch_size")
         method = value.get("method")
         if method not in METHODS:
             raise ValueError(f"speculative_config.method={method!r} is not supported; use 'mtp' (the checkpoint's "
@@ -38,4 +40,8 @@ class SpeculativeConfig:
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens={n!r} must be an integer from 1 to "
                              f"{MAX_SPECULATIVE_TOKENS}")
-        return cls(method, n)
+        limit = value.get("disable_by_batch_size")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size={limit!r} must be a positive integer "
+                             "(speculation pauses in steps with at least that many running sequences)")
+        return cls(method, n, limit)

@@ -98,6 +98,17 @@ def test_greedy_output_is_unchanged_with_accepted_drafts_chunks_prefix_hits_pree
     assert stats.prefix_cache_hit_tokens > 0 and stats.num_preemptions > 0
 
 
+def test_speculation_pauses_at_the_configured_batch_size(mtp_checkpoint, reference):
+    def drafts_with(limit):
+        llm = make_llm(mtp_checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                                                          "disable_by_batch_size": limit})
+        assert token_ids(llm, PROMPTS, GREEDY) == reference
+        return llm.engine.stats().spec_decode.num_drafts
+
+    assert drafts_with(5) > 0  # four sequences run together, all to the same length
+    assert drafts_with(4) == 0
+
+
 def test_penalties_logprobs_and_stop_strings_see_the_accepted_drafts(mtp_checkpoint, monkeypatch):
     """Verification edits each row as if the drafts before it had been sampled: penalties and the
     returned log-probabilities (the target's) come out as without speculation; a stop string inside a

@@ -59,7 +59,8 @@ class LLMEngine:
                                 indexer_dtype=args.indexer_cache_dtype, with_mtp=with_mtp)
         self.scheduler = Scheduler(SchedulerConfig(self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                                                    args.enable_chunked_prefill,
-                                                   self.speculative.num_speculative_tokens if with_mtp else 0),
+                                                   self.speculative.num_speculative_tokens if with_mtp else 0,
+                                                   self.speculative.disable_by_batch_size if with_mtp else None),
                                    KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching))
         self.limits = AdmissionLimits(cfg.vocab_size, self.max_model_len, num_blocks, args.block_size,
                                       args.enable_chunked_prefill, args.max_num_batched_tokens, cfg.eos_token_ids)

@@ -37,6 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0  # drafts per step (0: no speculative decoding)
+    speculate_below_batch_size: int | None = None  # with this many running sequences or more, no drafting
 
 
 class Scheduler:
@@ -153,6 +154,9 @@ class Scheduler:
         """Drafts worth making after this step: none for grammar-constrained requests (their matcher
         would have to follow unverified tokens), and none past the request's own limits."""
         if not self.config.num_speculative_tokens or request.params.structured_outputs is not None:
+            return 0
+        limit = self.config.speculate_below_batch_size
+        if limit is not None and len(self.running) >= limit:  # large batches verify for little gain
             return 0
         left = min(request.max_tokens - len(request.output_token_ids), self.config.max_model_len - request.num_tokens)
         return max(0, min(self.config.num_speculative_tokens, left - 1))
