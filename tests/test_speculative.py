@@ -134,6 +134,24 @@ def test_penalties_logprobs_and_stop_strings_see_the_accepted_drafts(mtp_checkpo
     assert (got.text, got.finish_reason) == (expected.text, expected.finish_reason) and got.finish_reason == "stop"
 
 
+def test_blocks_completed_by_accepted_drafts_are_cached_under_their_tokens(mtp_checkpoint, reference, monkeypatch):
+    """A block filled by accepted drafts is registered with the tokens it holds: a later request whose
+    prompt is the first one's prompt and output finds all of those blocks."""
+    llm = make_llm(mtp_checkpoint, 3)
+    truth = {tuple(p["prompt_token_ids"]): out[0] for p, out in zip(PROMPTS, reference)}
+    oracle_drafts(monkeypatch, llm.engine.runner, lambda rid, state: truth[tuple(state.prompt_token_ids)],
+                  wrong_every=1000)
+    first = PROMPTS[2]["prompt_token_ids"]
+    llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 10
+    again = first + truth[tuple(first)]
+    before = llm.engine.stats().prefix_cache_hit_tokens
+    llm.generate([{"prompt_token_ids": again}], SamplingParams(max_tokens=1), use_tqdm=False)
+    # 63 tokens were computed: three full blocks cached (positions 32-47 filled by accepted drafts); the
+    # last is given up to the MTP layer's catch-up.
+    assert llm.engine.stats().prefix_cache_hit_tokens - before == 32
+
+
 def test_rollback_leaves_no_rejected_draft_visible(mtp_checkpoint, reference, monkeypatch):
     """Without the rollback, a rejected draft would stay in the sequence: its position counted as computed
     and its cache rows attended by every later token. The output then departs from the reference."""

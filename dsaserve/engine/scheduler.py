@@ -214,7 +214,7 @@ class Scheduler:
             accepted = max(len(sampled) - 1, 0) if num_drafts else 0
             if num_drafts:
                 self.spec_stats.record(num_drafts, accepted)
-            request.num_computed_tokens += len(s.token_ids) - num_drafts + accepted  # rejected drafts roll back
+            request.num_computed_tokens += len(s.token_ids) - num_drafts  # the accepted drafts count below
             request.spec_token_ids = []
             self.kv.cache_computed_blocks(request)
             update = RequestUpdate(s.request_id, prompt_logprobs=runner_output.prompt_logprobs.get(s.request_id),
@@ -231,6 +231,10 @@ class Scheduler:
                     if request.finished:
                         break
                 if not request.finished:
+                    # The accepted drafts are tokens of the sequence now; the rejected ones roll back (their
+                    # positions are computed again, with the right tokens).
+                    request.num_computed_tokens += accepted
+                    self.kv.cache_computed_blocks(request)
                     request.spec_token_ids = list(runner_output.draft_token_ids.get(s.request_id, ()))
             updates.append(update)
         return updates
