@@ -9,7 +9,8 @@ the numerical oracle) to record, per position p, its hidden state before the fin
 distribution; (3) trains the MTP layer, with the target frozen, so that from (h_p, t_{p+1}) it predicts the
 target's distribution for position p + 2 (KL to the target's softmax); (4) writes a copy of the checkpoint
 whose MTP tensors are the trained ones. The training forward is transformers' decoder layer, run as a
-one-layer model whose final norm is shared_head.norm and whose lm_head is the target's.
+one-layer model whose final norm is shared_head.norm and whose lm_head is the target's
+(dsaserve/demo/mtp_block.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.demo import demo_model_dir
-
-OWN = ("enorm", "hnorm", "eh_proj")
+from dsaserve.demo.mtp_block import OWN, write_mtp_block_checkpoint
 
 
 def sample_sequences(model_dir: str, count: int, length: int, seed: int) -> list[list[int]]:
@@ -59,30 +59,6 @@ def target_signals(model_dir: str, sequences: list[list[int]]) -> tuple[torch.Te
             logprobs.append(target(batch).logits.float().log_softmax(-1))
             hidden.append(captured["h"].float())
     return torch.cat(hidden), torch.cat(logprobs)
-
-
-def one_layer_model_dir(model_dir: str, work: str) -> tuple[str, dict]:
-    """The MTP block as layer 0 of a one-layer checkpoint (see tests/test_speculative.py)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    layer = config["num_hidden_layers"]
-    weights = load_file(os.path.join(model_dir, "model.safetensors"))
-    prefix = f"model.layers.{layer}."
-    block = {k.replace(prefix, "model.layers.0."): v for k, v in weights.items()
-             if k.startswith(prefix) and not any(p in k for p in OWN + ("shared_head",))}
-    block["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
-    block["model.norm.weight"] = weights[prefix + "shared_head.norm.weight"]
-    block["lm_head.weight"] = weights["lm_head.weight"]
-    os.makedirs(work, exist_ok=True)
-    for name in os.listdir(model_dir):
-        if not name.endswith(".safetensors") and name != "config.json":
-            shutil.copy(os.path.join(model_dir, name), work)
-    config.update(num_hidden_layers=1, indexer_types=["full"], first_k_dense_replace=0, num_nextn_predict_layers=0)
-    config.pop("mlp_layer_types", None)
-    with open(os.path.join(work, "config.json"), "w") as f:
-        json.dump(config, f)
-    save_file(block, os.path.join(work, "model.safetensors"))
-    return work, {k: weights[prefix + f"{k}.weight"].float().clone() for k in OWN}
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -181,7 +157,8 @@ def main() -> None:
     sequences = sample_sequences(source, args.sequences, args.length, args.seed)
     hidden, logprobs = target_signals(source, sequences)
     print(f"{len(sequences)} sequences of {args.length} tokens sampled and scored in {time.monotonic() - start:.0f}s")
-    work, own = one_layer_model_dir(source, args.out + ".block")
+    work = args.out + ".block"
+    own = write_mtp_block_checkpoint(source, work)
     block = load_hf(work)
     check_round_trip(source, block)
     losses, own = train(block, own, sequences, hidden, logprobs, args.minutes, args.seed)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dsaserve.engine.runner as runner_module
+from dsaserve.demo.mtp_block import write_mtp_block_checkpoint
 from dsaserve.engine.rejection_sampler import verify_drafts
 from dsaserve.llm import LLM
 from dsaserve.model.loader import CheckpointError
@@ -264,38 +265,6 @@ def test_the_mtp_indexer_runs_once_per_round_when_shared(make_checkpoint, monkey
     assert runs["indexer"] == sum(1 + (0 if share else max(n - 1, 0)) for n in rounds)
 
 
-def mtp_as_one_layer_model(checkpoint: str, target_dir) -> str:
-    """The MTP block as layer 0 of a one-layer checkpoint: its final norm is shared_head.norm and its
-    lm_head the main one, so the transformers reference runs the block with its own attention and
-    indexer on whatever inputs_embeds the test builds from the formulas."""
-    import json
-    import os
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        config = json.load(f)
-    layer = config["num_hidden_layers"]
-    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
-    block = {k.replace(f"model.layers.{layer}.", "model.layers.0."): v for k, v in weights.items()
-             if k.startswith(f"model.layers.{layer}.") and not any(
-                 part in k for part in ("enorm", "hnorm", "eh_proj", "shared_head"))}
-    block["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
-    block["model.norm.weight"] = weights[f"model.layers.{layer}.shared_head.norm.weight"]
-    block["lm_head.weight"] = weights["lm_head.weight"]
-    os.makedirs(target_dir, exist_ok=True)
-    for name in os.listdir(checkpoint):
-        if not name.endswith(".safetensors") and name != "config.json":
-            shutil.copy(os.path.join(checkpoint, name), target_dir)
-    config.update(num_hidden_layers=1, indexer_types=["full"], first_k_dense_replace=0, num_nextn_predict_layers=0)
-    config.pop("mlp_layer_types", None)
-    with open(os.path.join(target_dir, "config.json"), "w") as f:
-        json.dump(config, f)
-    save_file(block, os.path.join(target_dir, "model.safetensors"))
-    return str(target_dir), {k: weights[f"model.layers.{layer}.{k}.weight"] for k in ("enorm", "hnorm", "eh_proj")}
-
-
 def rms(x, weight, eps=1e-6):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -338,8 +307,8 @@ def test_drafts_match_a_reference_draft_step_built_from_the_formulas(make_checkp
 
     checkpoint = make_checkpoint("tiny-mtp-ref", seed=6, include_mtp=True, index_share_for_mtp_iteration=False)
     target = load_reference(checkpoint)
-    block_dir, own = mtp_as_one_layer_model(checkpoint, tmp_path / "block")
-    block = load_reference(block_dir)
+    own = write_mtp_block_checkpoint(checkpoint, str(tmp_path / "block"))
+    block = load_reference(str(tmp_path / "block"))
     for prompt in ([3, 9, 27, 81, 243], [7 + (11 * i) % 400 for i in range(37)]):
         engine = make_llm(checkpoint, 3).engine
         seen = []
@@ -367,7 +336,6 @@ def test_a_checkpoint_without_an_mtp_layer_refuses_speculation(tiny_checkpoint):
 
 
 def test_a_truncated_mtp_layer_is_named(make_checkpoint, tmp_path):
-    import json
     import os
     import shutil
 

@@ -325,7 +325,6 @@ def test_length_bounded_strings_admit_only_json_string_characters(engine):
     from dsaserve.structured_output import StructuredOutputsParams
 
     compiled = engine.engine.grammars.compile(StructuredOutputsParams(json={"type": "string", "maxLength": 5}))
-    tokenizer = engine.tokenizer
     matcher = xgrammar.GrammarMatcher(compiled)
     assert matcher.accept_string('"ab')
     assert not matcher.accept_string("\x01") and not matcher.accept_string("\t")

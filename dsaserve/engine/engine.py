@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from dsaserve import native
 from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_device, resolve_dtype
