@@ -349,3 +349,18 @@ def test_with_reasoning_not_yet_opened_the_first_token_may_open_it(engine):
     assert grammar.accept(think) and not grammar.constrains_next  # reasoning: unconstrained
     assert grammar.accept(tokenizer.token_to_id("x")) and grammar.accept(end)
     assert think not in allowed() and digits <= allowed()  # after </think>, only the grammar
+
+
+def test_without_xgrammar_a_constraint_is_refused_saying_what_to_install(engine, monkeypatch):
+    import sys
+
+    from dsaserve.engine.admission import RequestRejected
+    from dsaserve.sampling_params import SamplingParams
+    from dsaserve.structured_output import StructuredOutputsParams
+    from dsaserve.structured_output.compiler import GrammarCompiler
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if not installed
+    monkeypatch.setattr(engine.engine, "grammars", GrammarCompiler(engine.tokenizer, 640, [0]))
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    with pytest.raises(RequestRejected, match=r"pip install 'dsaserve\[structured\]'"):
+        engine.make_request("no-xgrammar", "hi", params)
