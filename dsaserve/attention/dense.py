@@ -74,6 +74,11 @@ def attend_latent_online(
     return (acc / total).to(q.dtype)
 
 
+# Requests with at most this many new tokens (a verification round of drafted tokens, a short chunk) go
+# through the batched single-query path row by row rather than the per-request prefill path.
+FEW_ROWS = 8
+
+
 def attend_decode_rows(
     query: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, reqs: list[int], positions: torch.Tensor,
     invalid: torch.Tensor, scale: float, value_dim: int, out: torch.Tensor,
@@ -144,6 +149,10 @@ class DenseAttention:
         out = query.new_empty(query.shape[0], query.shape[1], value_dim)
         decode = meta.decode_requests()
         decode_causal(query, cache, meta, decode, scale, value_dim, out)
-        for i in sorted(set(range(meta.num_reqs)) - set(decode)):
+        few = meta.few_row_requests(FEW_ROWS)
+        if few:  # each row as its own single query: one batched pass instead of a loop over requests
+            singles = meta.rows_as_single_queries(few)
+            decode_causal(query, cache, singles, list(range(singles.num_reqs)), scale, value_dim, out)
+        for i in sorted(set(range(meta.num_reqs)) - set(decode) - set(few)):
             dense_rows(query, cache, meta, i, meta.query_range(i), scale, value_dim, out)
         return out

@@ -57,6 +57,29 @@ class BatchMetadata:
         starts = self.query_start_loc_host
         return [i for i in range(self.num_reqs) if starts[i + 1] - starts[i] == 1]
 
+    def few_row_requests(self, limit: int) -> list[int]:
+        """Requests with 2 … limit new tokens (a verified draft round, a short chunk)."""
+        starts = self.query_start_loc_host
+        return [i for i in range(self.num_reqs) if 1 < starts[i + 1] - starts[i] <= limit]
+
+    def rows_as_single_queries(self, reqs: list[int]) -> "BatchMetadata":
+        """A view for the batched single-query paths: every row of `reqs` as a request of its own whose
+        context ends at the row's position (its query_start_loc is the row's place in the batch; the
+        rows' own keys are already in the cache). Only start, seq_lens and block_tables are meaningful."""
+        rows = [r for i in reqs for r in range(*self.query_range(i))]
+        owners = [i for i in reqs for _ in range(*self.query_range(i))]
+        lens = [self.position_of(i, r) + 1 for i, r in zip(owners, rows)]
+        device = self.block_tables.device
+        starts = tuple(rows) + (rows[-1] + 1,)
+        return BatchMetadata(
+            input_ids=self.input_ids, positions=self.positions,
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
+            block_tables=self.block_tables[torch.tensor(owners, device=device)], slot_mapping=self.slot_mapping,
+            logits_indices=self.logits_indices, block_size=self.block_size, query_start_loc_host=starts,
+            seq_lens_host=tuple(lens),
+        )
+
     def slots_of(self, reqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Physical slots of positions [R, W] (all valid) of the requests reqs [R]."""
         tables = self.block_tables[reqs]

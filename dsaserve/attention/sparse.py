@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsaserve.attention.dense import (
+    FEW_ROWS,
     SCORE_BUDGET,
     attend_decode_rows,
     attend_latent_online,
@@ -52,10 +53,12 @@ class SparseAttention:
         heads = query.shape[1]
         width = topk.shape[1]
         decode = meta.decode_requests()
-        short = [i for i in decode if meta.seq_lens_host[i] <= width]
-        decode_causal(query, cache, meta, short, scale, value_dim, out)
-        self._decode_selected(query, cache, meta, [i for i in decode if i not in set(short)], topk, scale, value_dim, out)
-        for i in sorted(set(range(meta.num_reqs)) - set(decode)):
+        self._single_queries(query, cache, meta, decode, topk, scale, value_dim, out)
+        few = meta.few_row_requests(FEW_ROWS)
+        if few:  # each row as its own single query: one batched pass instead of a loop over requests
+            singles = meta.rows_as_single_queries(few)
+            self._single_queries(query, cache, singles, list(range(singles.num_reqs)), topk, scale, value_dim, out)
+        for i in sorted(set(range(meta.num_reqs)) - set(decode) - set(few)):
             start, end = meta.query_range(i)
             split = meta.split_at_position(i, width)  # rows before it see ≤ width tokens
             dense_rows(query, cache, meta, i, (start, split), scale, value_dim, out)
@@ -76,6 +79,13 @@ class SparseAttention:
                 out[t0:t1] = attend_latent_online(query[t0:t1], keys, ~member[:, positions], scale, value_dim,
                                                   key_chunk)
         return out
+
+    @classmethod
+    def _single_queries(cls, query, cache, meta, reqs, topk, scale, value_dim, out) -> None:
+        """Single-query requests: those that see at most the selection's width attend to everything."""
+        short = [i for i in reqs if meta.seq_lens_host[i] <= topk.shape[1]]
+        decode_causal(query, cache, meta, short, scale, value_dim, out)
+        cls._decode_selected(query, cache, meta, [i for i in reqs if i not in set(short)], topk, scale, value_dim, out)
 
     @staticmethod
     def _decode_selected(query, cache, meta, reqs, topk, scale, value_dim, out) -> None:
