@@ -269,7 +269,22 @@ def rms(x, weight, eps=1e-6):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def reference_drafts(target, block, own, sequence: list[int], num: int) -> list[torch.Tensor]:
+def shared_selection(last: int):
+    """A forward hook for the reference block's indexer: rows after `last` (the draft rows) attend to the
+    selection row `last` made plus the positions drafted since, as with index_share_for_mtp_iteration."""
+    def hook(module, args, out):
+        rows = out.shape[1]  # out: [1, rows, index_topk] positions
+        extra = max(rows - 1 - last, 0)
+        wide = torch.cat([out, out[..., :1].expand(-1, -1, extra)], dim=-1)  # repeats scatter harmlessly
+        for t in range(last + 1, rows):
+            new = torch.arange(last + 1, t + 1, dtype=out.dtype)
+            pad = new[-1:].expand(extra - len(new))
+            wide[:, t] = torch.cat([out[0, last], new, pad])[None]
+        return wide
+    return hook
+
+
+def reference_drafts(target, block, own, sequence: list[int], num: int, share: bool = False) -> list[torch.Tensor]:
     """Draft logits for a verified sequence (its last token not yet computed by the target), from the
     formulas: the block runs over the whole sequence of MTP rows at once, one more row per draft."""
     eps = target.config.rms_norm_eps
@@ -280,6 +295,8 @@ def reference_drafts(target, block, own, sequence: list[int], num: int) -> list[
 
     hooks = [target.model.layers[-1].register_forward_hook(keep("target")),
              block.model.layers[0].register_forward_hook(keep("block"))]
+    if share:
+        hooks.append(block.model.layers[0].self_attn.indexer.register_forward_hook(shared_selection(len(sequence) - 2)))
     try:
         with torch.no_grad():
             target(torch.tensor([sequence[:-1]]))
@@ -297,15 +314,17 @@ def reference_drafts(target, block, own, sequence: list[int], num: int) -> list[
     return logits
 
 
-def test_drafts_match_a_reference_draft_step_built_from_the_formulas(make_checkpoint, tmp_path):
+@pytest.mark.parametrize("share", [False, True])
+def test_drafts_match_a_reference_draft_step_built_from_the_formulas(make_checkpoint, tmp_path, share):
     """Draft k: h_k = block(eh_proj(cat[enorm(embed(t_k)), hnorm(h_{k-1})])), logits = head(norm(h_k)),
     with h_0 the target's last hidden state before its final norm and the embedding zeroed at position 0.
     dsaserve fills the MTP cache with catch-up rows step by step (keeping only verified ones) and drafts
     one row at a time; after every step its draft logits match the reference's for the sequence verified
-    so far. A prompt longer than index_topk makes the MTP indexer's selection matter."""
+    so far. A prompt longer than index_topk makes the MTP indexer's selection matter; with index sharing,
+    the reference's draft rows attend to the first step's selection plus the positions drafted since."""
     from reference import load_reference
 
-    checkpoint = make_checkpoint("tiny-mtp-ref", seed=6, include_mtp=True, index_share_for_mtp_iteration=False)
+    checkpoint = make_checkpoint(f"tiny-mtp-ref-{share}", seed=6, include_mtp=True, index_share_for_mtp_iteration=share)
     target = load_reference(checkpoint)
     own = write_mtp_block_checkpoint(checkpoint, str(tmp_path / "block"))
     block = load_reference(str(tmp_path / "block"))
@@ -322,7 +341,7 @@ def test_drafts_match_a_reference_draft_step_built_from_the_formulas(make_checkp
             request = engine.scheduler.requests.get("r")
             if request is None or not request.spec_token_ids:
                 continue
-            expected = reference_drafts(target, block, own, prompt + request.output_token_ids, len(seen))
+            expected = reference_drafts(target, block, own, prompt + request.output_token_ids, len(seen), share)
             for ours, theirs in zip(seen, expected):
                 torch.testing.assert_close(ours[0], theirs, atol=2e-4, rtol=2e-4)
             assert request.spec_token_ids == [int(t.argmax()) for t in expected]
