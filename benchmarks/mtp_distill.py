@@ -5,7 +5,7 @@
 A random-weight MTP layer drafts tokens the target almost never accepts, so acceptance and speed-ups mean
 nothing until the layer is trained. This script: (1) samples sequences from the target (the demo model),
 half greedy and half at temperature 1, from random prompts; (2) runs the target over them (transformers,
-the numerical oracle) to record, per position p, its hidden state before the final norm and its next-token
+the numerical oracle) to record, per position p, its hidden state after the final norm and its next-token
 distribution; (3) trains the MTP layer, with the target frozen, so that from (h_p, t_{p+1}) it predicts the
 target's distribution for position p + 2 (KL to the target's softmax); (4) writes a copy of the checkpoint
 whose MTP tensors are the trained ones. The training forward is transformers' decoder layer, run as a
@@ -47,10 +47,10 @@ def load_hf(model_dir: str):
 
 
 def target_signals(model_dir: str, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden before the final norm [S, L, H], next-token log-probabilities [S, L, V]) of the target."""
+    """(hidden after the final norm [S, L, H], next-token log-probabilities [S, L, V]) of the target."""
     target = load_hf(model_dir).eval()
     captured = {}
-    target.model.layers[-1].register_forward_hook(
+    target.model.norm.register_forward_hook(
         lambda m, a, out: captured.__setitem__("h", out[0] if isinstance(out, tuple) else out))
     hidden, logprobs = [], []
     with torch.no_grad():

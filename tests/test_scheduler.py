@@ -168,6 +168,15 @@ def test_blocks_filled_over_several_steps_are_cached_too():
     assert b.num_prefix_hit_tokens == 16  # all four full blocks: three from the prompt's chunks, one generated
 
 
+def test_a_request_that_fails_in_its_step_leaves_nothing_in_the_prefix_cache():
+    """Its other per-layer caches (the MTP layer's) were not written for that step: no block is offered."""
+    s = make_scheduler()
+    (a,) = add(s, "a", list(range(100, 112)), max_tokens=4)
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(errors={"a": "boom"}))
+    assert a.finish_reason == "error" and not s.kv.cached
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_token():
     s = make_scheduler()
     prompt = list(range(100, 108))  # two whole blocks

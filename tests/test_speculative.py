@@ -69,7 +69,7 @@ def test_greedy_output_is_unchanged_by_speculation(mtp_checkpoint, reference, n_
     assert token_ids(llm, PROMPTS, GREEDY) == reference
 
 
-@pytest.mark.parametrize("n_spec", [1, 3])
+@pytest.mark.parametrize("n_spec", [1, 2, 3])
 def test_greedy_output_is_unchanged_with_accepted_drafts_chunks_prefix_hits_preemption_and_n2(
         mtp_checkpoint, monkeypatch, n_spec):
     """Drafts that are mostly right (so whole rounds are accepted) through every scheduling corner at once:
@@ -293,14 +293,14 @@ def reference_drafts(target, block, own, sequence: list[int], num: int, share: b
     def keep(name):
         return lambda module, args, out: captured.__setitem__(name, out[0] if isinstance(out, tuple) else out)
 
-    hooks = [target.model.layers[-1].register_forward_hook(keep("target")),
+    hooks = [target.model.norm.register_forward_hook(keep("target")),
              block.model.layers[0].register_forward_hook(keep("block"))]
     if share:
         hooks.append(block.model.layers[0].self_attn.indexer.register_forward_hook(shared_selection(len(sequence) - 2)))
     try:
         with torch.no_grad():
             target(torch.tensor([sequence[:-1]]))
-            hidden, tokens, logits = captured["target"][0], sequence[1:], []  # h_p before the final norm
+            hidden, tokens, logits = captured["target"][0], sequence[1:], []  # h_p after the final norm
             for _ in range(num):
                 embeds = block.model.embed_tokens(torch.tensor(tokens))
                 embeds[0] = 0  # position 0
@@ -317,7 +317,8 @@ def reference_drafts(target, block, own, sequence: list[int], num: int, share: b
 @pytest.mark.parametrize("share", [False, True])
 def test_drafts_match_a_reference_draft_step_built_from_the_formulas(make_checkpoint, tmp_path, share):
     """Draft k: h_k = block(eh_proj(cat[enorm(embed(t_k)), hnorm(h_{k-1})])), logits = head(norm(h_k)),
-    with h_0 the target's last hidden state before its final norm and the embedding zeroed at position 0.
+    with h_0 the target's hidden state after its final norm (as vLLM feeds it) and the embedding zeroed at
+    position 0.
     dsaserve fills the MTP cache with catch-up rows step by step (keeping only verified ones) and drafts
     one row at a time; after every step its draft logits match the reference's for the sequence verified
     so far. A prompt longer than index_topk makes the MTP indexer's selection matter; with index sharing,

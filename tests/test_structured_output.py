@@ -220,6 +220,26 @@ def test_forced_tool_calls_have_arguments_valid_for_the_tools_schema(server, too
             jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA_OF[name])
 
 
+def test_forced_call_string_arguments_may_hold_angle_brackets():
+    """A raw string argument may contain `<` (code, HTML, generics), but not the start of `</arg_value>`."""
+    import xgrammar
+
+    from dsaserve.server.parsers.glm_tool_grammar import tool_call_grammar
+
+    grammar = tool_call_grammar(xgrammar, {"run": {"type": "object", "properties": {"code": {"type": "string"}}}},
+                                "run", False)
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([chr(i) for i in range(32, 127)]))
+    compiled = compiler.compile_grammar(grammar)
+
+    def complete(value: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        return matcher.accept_string(f"<arg_key>code</arg_key><arg_value>{value}</arg_value></tool_call>") \
+            and matcher.is_completed()
+
+    assert complete("if a < b: print(List<int>)") and complete("<div>x</div>") and complete("")
+    assert not complete("x</arg_value>y")
+
+
 @pytest.mark.parametrize("schema, named", [
     ({"type": "object", "not": {"required": ["a"]}}, "'not'"),
     ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "'uniqueItems' at /properties/a"),
@@ -246,6 +266,8 @@ def test_what_the_grammar_cannot_enforce_is_a_400_naming_it(server, schema, name
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "array", "contains": {"type": "integer"}}}}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(?<=x)y"}}}}}], "tool_choice": "required"}, "tools"),
 ])
 def test_bad_constraints_are_a_400(server, extra, param):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=chat_body(server, False, max_tokens=4, **extra))

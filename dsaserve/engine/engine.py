@@ -134,7 +134,7 @@ class LLMEngine:
         scheduler, kv = self.scheduler, self.scheduler.kv
         return EngineStats(len(scheduler.running), len(scheduler.waiting), kv.num_blocks, kv.num_free_blocks,
                            kv.stats.queried_tokens, kv.stats.hit_tokens, scheduler.num_prompt_tokens,
-                           scheduler.num_generation_tokens, scheduler.num_preemptions, scheduler.spec_stats)
+                           scheduler.num_generation_tokens, scheduler.num_preemptions, scheduler.spec_stats.snapshot())
 
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns what is new for every request that took part in it."""

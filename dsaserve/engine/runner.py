@@ -52,7 +52,9 @@ class ModelRunner:
                 if last > first:
                     prompt_rows[s.request_id] = (first, range(len(logits_rows), len(logits_rows) + last - first))
                     logits_rows.extend(range(offset + first - s.num_computed_tokens, offset + last - s.num_computed_tokens))
-            if s.sample:  # the last known token's row, then one row per draft
+            if s.sample and state.error:
+                output.errors[s.request_id] = state.error
+            elif s.sample:  # the last known token's row, then one row per draft
                 k = len(s.spec_token_ids)
                 sample_ids.append(s.request_id)
                 sample_rows.append(list(range(len(logits_rows), len(logits_rows) + k + 1)))
@@ -114,7 +116,9 @@ class ModelRunner:
                 follow = (state.prompt_token_ids + state.output_token_ids)[s.num_computed_tokens + n]
             inputs.append(DraftInput(s.request_id, s.num_computed_tokens, list(s.token_ids[1:kept]) + [follow],
                                      list(range(offset, offset + kept)), s.block_table, max(num_drafts, 0)))
-        output.draft_token_ids = propose(self.model, self.kv_cache, inputs, hidden, self.share_draft_index)
+        # The target's hidden states after its final norm, as vLLM feeds its MTP layer (the model's output).
+        normed = self.model.final_norm(hidden)
+        output.draft_token_ids = propose(self.model, self.kv_cache, inputs, normed, self.share_draft_index)
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         states = [self.requests[r] for r in request_ids]
@@ -129,7 +133,7 @@ class ModelRunner:
             raw = logits[result.rows]  # logprobs are those of the raw model distribution, as in vLLM
             top = top_logprobs(raw.log_softmax(-1), torch.tensor(result.tokens, device=raw.device), n)
         for j, (i, token) in enumerate(zip(result.rows, result.tokens)):
-            if states[i].grammar is not None and not states[i].grammar.accept(token):
+            if states[i].grammar is not None and not _grammar_accepts(states[i], token):
                 output.errors[request_ids[i]] = f"the structured-output grammar rejected sampled token {token}"
                 continue
             states[i].output_token_ids.append(token)
@@ -143,6 +147,13 @@ class ModelRunner:
         n = state.params.prompt_logprobs
         top = top_logprobs(logits.log_softmax(-1), torch.tensor(targets, device=logits.device), n)
         return [position_logprobs(top, j, token, n) for j, token in enumerate(targets)]
+
+
+def _grammar_accepts(state: RunnerRequest, token: int) -> bool:
+    try:
+        return state.grammar.accept(token)
+    except Exception:  # a matcher fault fails its request only
+        return False
 
 
 def position_logprobs(top: TopLogprobs, j: int, token: int, n: int) -> TokenLogprobs:

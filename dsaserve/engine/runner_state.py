@@ -26,6 +26,7 @@ class RunnerRequest:
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled for it
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already returned
     grammar: RequestGrammar | None = None  # the structured-output matcher
+    error: str | None = None  # why this request cannot be sampled (set when its state could not be built)
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def bias_tensors(self, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +42,11 @@ class RunnerRequest:
         generator = None
         if new.seed is not None:
             generator = torch.Generator(device=device).manual_seed(new.seed)
-        grammar = None
+        grammar, error = None, None
         if new.grammar is not None:
-            grammar = RequestGrammar(new.grammar, new.stop_token_ids, new.params.structured_outputs.reasoning)
-        return cls(new.params, new.prompt_token_ids, new.stop_token_ids, generator, new.want_prompt_logprobs, grammar=grammar)
+            try:
+                grammar = RequestGrammar(new.grammar, new.stop_token_ids, new.params.structured_outputs.reasoning)
+            except Exception as e:  # this request fails, not the step
+                error = f"the structured-output grammar could not start: {type(e).__name__}: {e}"
+        return cls(new.params, new.prompt_token_ids, new.stop_token_ids, generator, new.want_prompt_logprobs,
+                   grammar=grammar, error=error)

@@ -216,7 +216,8 @@ class Scheduler:
                 self.spec_stats.record(num_drafts, accepted)
             request.num_computed_tokens += len(s.token_ids) - num_drafts  # the accepted drafts count below
             request.spec_token_ids = []
-            self.kv.cache_computed_blocks(request)
+            if s.request_id not in runner_output.errors:  # a failed row's other caches (MTP) were not written
+                self.kv.cache_computed_blocks(request)
             update = RequestUpdate(s.request_id, prompt_logprobs=runner_output.prompt_logprobs.get(s.request_id),
                                    num_prefix_hit_tokens=request.num_prefix_hit_tokens,
                                    num_preemptions=request.num_preemptions)

@@ -23,6 +23,12 @@ class SpecDecodeStats:
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
 
+    def snapshot(self) -> "SpecDecodeStats":
+        copy = SpecDecodeStats(self.num_speculative_tokens, self.num_drafts, self.num_draft_tokens,
+                               self.num_accepted_tokens)
+        copy.accepted_per_pos = list(self.accepted_per_pos)
+        return copy
+
     @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per verification round: the accepted drafts plus the target's own token."""

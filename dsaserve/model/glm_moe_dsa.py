@@ -90,7 +90,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_hidden(self, meta: BatchMetadata, kv_caches: list[torch.Tensor], indexer_caches: dict) -> torch.Tensor:
-        """Hidden states of every row [T, hidden], before the final norm (what the MTP layer reads)."""
+        """Hidden states of every row [T, hidden], before the final norm."""
         x = self.model.embed_tokens(meta.input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         topk = None

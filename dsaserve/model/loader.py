@@ -170,8 +170,10 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
     check_tensors(cfg, infos, with_mtp)
     block = _fp8_block(cfg)
     by_file: dict[str, list[str]] = {}
+    drafting_layer = f"model.layers.{cfg.num_hidden_layers}."  # further MTP layers are not used
     for name, info in infos.items():
-        if not name.endswith(SCALE_SUFFIX) and (with_mtp or not is_mtp_tensor(cfg, name)):
+        wanted = not is_mtp_tensor(cfg, name) or (with_mtp and name.startswith(drafting_layer))
+        if wanted and not name.endswith(SCALE_SUFFIX):
             by_file.setdefault(info.file, []).append(name)
     load_tensor = model.weight_loader()
     total = sum(len(v) for v in by_file.values())

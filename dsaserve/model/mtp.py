@@ -5,8 +5,9 @@
     logits = head(shared_head.norm(h_k))
 
 `block` is a full decoder layer (MLA with its own indexer, MoE) with its own latent and indexer-key cache.
-h_0 is the target's last hidden state before its final norm at the same position; a draft round then
-feeds the MTP layer's own output back. `embed` and `head` are the main model's unless the checkpoint
+h_0 is the target's hidden state at the same position after its final norm (the model's output, which
+is what vLLM feeds its DeepSeek MTP layer); a draft round then feeds the MTP layer's own output back,
+before shared_head.norm. `embed` and `head` are the main model's unless the checkpoint
 carries the layer's own `embed_tokens` / `shared_head.head`.
 """
 

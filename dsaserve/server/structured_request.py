@@ -38,3 +38,6 @@ def forced_tool_constraint(schemas: dict[str, dict], named: str | None, parallel
         return StructuredOutputsParams(grammar=tool_call_grammar(xgrammar, schemas, named, parallel))
     except ToolSchemaError as e:
         raise APIError(400, str(e), param="tools") from None
+    except (ValueError, RuntimeError) as e:  # too large a grammar, or a schema xgrammar cannot convert
+        raise APIError(400, f"the tools' parameter schemas cannot be enforced as a grammar: {e}",
+                       param="tools") from None

@@ -4,8 +4,9 @@ arguments fit the tool's schema.
 The prompt already ends with `<tool_call>` (required) or `<tool_call>NAME` (named); the grammar covers
 the rest, in the format the glm47 parser reads:
     NAME<arg_key>K</arg_key><arg_value>V</arg_value>…</tool_call>
-A plain string argument is written raw (the parser keeps it as text), any other value as JSON for its
-schema. Properties come in the schema's order, required ones always; a newline may separate the tags,
+A plain string argument is written raw (the parser keeps it as text; it may hold `<`, but not the
+sequence `</a` with which `</arg_value>` begins, nor end in `<` or `</`), any other value as JSON for
+its schema. Properties come in the schema's order, required ones always; a newline may separate the tags,
 as GLM-4.5 writes them.
 """
 
@@ -66,10 +67,14 @@ def _value(xgrammar, name: str, schema: dict, rules: list[str]) -> str:
             rules.append(_renamed(str(xgrammar.Grammar.from_regex(schema["pattern"])), name))
             return f"{name}_root"
         low, high = schema.get("minLength", 0), schema.get("maxLength")
-        return f"[^<]{{{low},{'' if high is None else high}}}" if (low or high is not None) else "[^<]*"
+        if low or high is not None:  # counted in characters: no `<` at all then
+            return f"[^<]{{{low},{'' if high is None else high}}}"
+        return RAW_TEXT
     rules.append(_renamed(json_grammar(xgrammar, json.dumps(schema), strict=True), name))
     return f"{name}_root"
 
+
+RAW_TEXT = '([^<] | "<" [^/] | "</" [^a])*'  # any text in which </arg_value> cannot begin
 
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*')
 
