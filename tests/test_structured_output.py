@@ -327,6 +327,31 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(engine, monkeypatch
     jsonschema.validate(json.loads(text), schema)
 
 
+def test_a_compile_that_takes_too_long_is_refused_and_cached_when_done(engine, monkeypatch):
+    import threading
+
+    from dsaserve.engine.admission import RequestRejected
+    from dsaserve.sampling_params import SamplingParams
+    from dsaserve.structured_output import StructuredOutputsParams
+
+    compiler = engine.engine.grammars
+    release = threading.Event()
+    real = compiler._compile
+
+    def slow(spec):
+        assert release.wait(30)
+        return real(spec)
+
+    monkeypatch.setattr(compiler, "_compile", slow)
+    monkeypatch.setattr(compiler, "timeout", 0.2)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-c]{2,9}"))
+    with pytest.raises(RequestRejected, match="took longer than 0.2s to compile"):
+        engine.make_request("slow-compile", "hi", params)
+    release.set()
+    monkeypatch.setattr(compiler, "timeout", 30)
+    assert engine.make_request("slow-compile-2", "hi", params).grammar is not None  # the finished compile, cached
+
+
 def test_a_grammar_is_compiled_once_per_spec(engine):
     from dsaserve.sampling_params import SamplingParams
     from dsaserve.structured_output import StructuredOutputsParams

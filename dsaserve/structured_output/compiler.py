@@ -1,7 +1,9 @@
 """Compiling structured-output specs into xgrammar grammars: once per spec, shared by every request using it.
 
-Compilation runs on the thread that admits the request (the server's worker thread, or the caller of
-LLM.generate), never inside an engine step. Two requests with the same new spec wait on one compile.
+Compiles run on a small pool of their own, waited for by the thread that admits the request (the
+server's worker thread, or the caller of LLM.generate), never inside an engine step. Two requests with
+the same new spec wait on one compile. A spec that takes longer than `timeout` is refused (its compile
+finishes in the background and is cached), so pathological schemas cannot tie up the server's threads.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from dsaserve.structured_output.params import StructuredOutputsParams
 from dsaserve.structured_output.schema_support import unsupported_feature
 
 MAX_CACHED_GRAMMARS = 256
+COMPILE_TIMEOUT_S = 20.0
 MAX_JSON_WHITESPACE = 16  # per gap: allows pretty-printing, stops a model padding with whitespace forever
 INSTALL_HINT = "structured output needs the xgrammar package: pip install 'dsaserve[structured]'"
 
@@ -25,11 +29,14 @@ class GrammarError(ValueError):
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_threads: int = 1):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_threads: int = 1,
+                 timeout: float = COMPILE_TIMEOUT_S):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.max_threads = max_threads
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
         self.num_compiled = 0  # compiles actually run (cache misses)
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
@@ -47,14 +54,21 @@ class GrammarCompiler:
             else:
                 self._cache.move_to_end(spec.key)
         if owner:
-            try:
-                future.set_result(self._compile(spec))
-            except Exception as e:
-                with self._lock:  # errors are not cached: the next request tries again
-                    if self._cache.get(spec.key) is future:
-                        del self._cache[spec.key]
-                future.set_exception(e if isinstance(e, GrammarError) else GrammarError(_clean(e, spec)))
-        return future.result()
+            self._pool.submit(self._fill, future, spec)
+        try:
+            return future.result(timeout=self.timeout)
+        except FutureTimeout:
+            raise GrammarError(f"structured_outputs.{spec.kind} took longer than {self.timeout:g}s to compile; "
+                               "simplify it") from None
+
+    def _fill(self, future: Future, spec: StructuredOutputsParams) -> None:
+        try:
+            future.set_result(self._compile(spec))
+        except Exception as e:
+            with self._lock:  # errors are not cached: the next request tries again
+                if self._cache.get(spec.key) is future:
+                    del self._cache[spec.key]
+            future.set_exception(e if isinstance(e, GrammarError) else GrammarError(_clean(e, spec)))
 
     def _compile(self, spec: StructuredOutputsParams):
         compiler = self._xgrammar_compiler()
