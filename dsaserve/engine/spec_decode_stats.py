@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -14,7 +14,8 @@ class SpecDecodeStats:
     accepted_per_pos: list[int] = field(default_factory=list)  # how often draft position j was accepted
 
     def __post_init__(self) -> None:
-        self.accepted_per_pos = [0] * self.num_speculative_tokens
+        if not self.accepted_per_pos:
+            self.accepted_per_pos = [0] * self.num_speculative_tokens
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -24,10 +25,7 @@ class SpecDecodeStats:
             self.accepted_per_pos[j] += 1
 
     def snapshot(self) -> "SpecDecodeStats":
-        copy = SpecDecodeStats(self.num_speculative_tokens, self.num_drafts, self.num_draft_tokens,
-                               self.num_accepted_tokens)
-        copy.accepted_per_pos = list(self.accepted_per_pos)
-        return copy
+        return replace(self, accepted_per_pos=list(self.accepted_per_pos))
 
     @property
     def mean_accepted_length(self) -> float:
