@@ -321,7 +321,8 @@ def test_drafts_match_a_reference_draft_step_built_from_the_formulas(make_checkp
     position 0.
     dsaserve fills the MTP cache with catch-up rows step by step (keeping only verified ones) and drafts
     one row at a time; after every step its draft logits match the reference's for the sequence verified
-    so far. A prompt longer than index_topk makes the MTP indexer's selection matter; with index sharing,
+    so far, the prompt having gone through in 7-token chunks. A prompt longer than index_topk makes the
+    MTP indexer's selection matter; with index sharing,
     the reference's draft rows attend to the first step's selection plus the positions drafted since."""
     from reference import load_reference
 
@@ -330,7 +331,7 @@ def test_drafts_match_a_reference_draft_step_built_from_the_formulas(make_checkp
     own = write_mtp_block_checkpoint(checkpoint, str(tmp_path / "block"))
     block = load_reference(str(tmp_path / "block"))
     for prompt in ([3, 9, 27, 81, 243], [7 + (11 * i) % 400 for i in range(37)]):
-        engine = make_llm(checkpoint, 3).engine
+        engine = make_llm(checkpoint, 3, max_num_batched_tokens=7).engine  # prompt chunks catch up too
         seen = []
         real = engine.model.draft_logits
         engine.model.draft_logits = lambda hidden: seen.append(real(hidden)) or seen[-1]

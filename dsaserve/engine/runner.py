@@ -113,7 +113,7 @@ class ModelRunner:
                 num_drafts = min(s.num_drafts, len(s.block_table) * self.kv_cache.block_size - last)
             else:  # a prompt chunk: the token after it is the next prompt (or recomputed output) token
                 kept, num_drafts = n, 0
-                follow = (state.prompt_token_ids + state.output_token_ids)[s.num_computed_tokens + n]
+                follow = state.token_at(s.num_computed_tokens + n)
             inputs.append(DraftInput(s.request_id, s.num_computed_tokens, list(s.token_ids[1:kept]) + [follow],
                                      list(range(offset, offset + kept)), s.block_table, max(num_drafts, 0)))
         # The target's hidden states after its final norm, as vLLM feeds its MTP layer (the model's output).

@@ -37,6 +37,11 @@ class RunnerRequest:
                           torch.tensor(list(bias.values()), dtype=dtype, device=device))
         return self._bias
 
+    def token_at(self, position: int) -> int:
+        """The known token at a position of prompt + what this runner sampled."""
+        prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < prompt else self.output_token_ids[position - prompt]
+
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> "RunnerRequest":
         generator = None
