@@ -65,13 +65,30 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_build_demo(args: argparse.Namespace) -> int:
-    import torch
+    if args.train:
+        from dsaserve.demo.train import TrainConfig, train
 
-    from dsaserve.demo.checkpoint_builder import build_checkpoint
-    from dsaserve.demo import DEMO_CONFIG
+        defaults = TrainConfig()
+        steps = args.steps or defaults.steps
+        dense = defaults.dense_steps if args.steps is None else round(steps * defaults.dense_steps / defaults.steps)
+        train(args.path, TrainConfig(seed=args.seed, steps=steps, dense_steps=dense, threads=args.threads))
+        print(f"trained demo checkpoint written to {args.path}")
+    elif args.random:
+        import torch
 
-    build_checkpoint(args.path, seed=args.seed, dtype=getattr(torch, args.dtype), include_mtp=True, **DEMO_CONFIG)
-    print(f"demo checkpoint written to {args.path}")
+        from dsaserve.demo import RANDOM_DEMO_CONFIG
+        from dsaserve.demo.checkpoint_builder import build_checkpoint
+
+        build_checkpoint(args.path, seed=args.seed, dtype=getattr(torch, args.dtype), include_mtp=True,
+                         **RANDOM_DEMO_CONFIG)
+        print(f"random-weight demo checkpoint written to {args.path}")
+    else:
+        import shutil
+
+        from dsaserve.demo import demo_model_dir
+
+        shutil.copytree(demo_model_dir(), args.path, dirs_exist_ok=True)
+        print(f"demo checkpoint copied to {args.path}")
     return 0
 
 
@@ -119,10 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(sub)
 
-    demo = sub.add_parser("build-demo", help="write the built-in demo checkpoint to a directory")
+    demo = sub.add_parser("build-demo", help="write the built-in demo checkpoint to a directory (a copy of the "
+                                             "shipped one, random weights, or trained anew)")
     demo.add_argument("path")
     demo.add_argument("--seed", type=int, default=1234)
-    demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    demo.add_argument("--random", action="store_true", help="random weights (the earlier demo geometry)")
+    demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                      help="weight dtype (with --random)")
+    demo.add_argument("--train", action="store_true",
+                      help="train the demo model on its synthetic tasks (CPU, about 50 minutes on 2 cores) "
+                           "instead of writing random weights")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (with --train)")
+    demo.add_argument("--threads", type=int, default=2, help="torch threads for training (results depend on it)")
     demo.set_defaults(func=cmd_build_demo)
     return parser
 

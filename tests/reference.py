@@ -64,15 +64,14 @@ def reference_greedy(ref, ids: list[int], steps: int) -> list[int]:
     return out
 
 
-def indexer_margin(ref, ids: list[int]) -> float:
-    """Smallest relative gap, over full layers and queries with more visible tokens than index_topk,
-    between the k-th and (k+1)-th indexer score. Tiny margins make top-k comparisons meaningless."""
-    margins = []
+def reference_index_scores(ref, ids: list[int]) -> dict[int, torch.Tensor]:
+    """Each full layer's indexer scores [S, S] (before the causal mask), recomputed from the hook's inputs."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
-    def hook(layer, module, args, kwargs, out):
+    out = {}
+
+    def hook(layer, module, args, kwargs, _):
         hidden, q_resid, (cos, sin) = args[0], args[1], args[2]
-        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
-
         b, s, _ = hidden.shape
         q = module.wq_b(q_resid).view(b, s, module.n_heads, module.head_dim)
         k = module.k_norm(module.wk(hidden)).unsqueeze(2)
@@ -82,14 +81,38 @@ def indexer_margin(ref, ids: list[int]) -> float:
         k = torch.cat([k_rot, k[..., r:]], -1).squeeze(2)
         scores = torch.relu(q.float() @ k.transpose(-1, -2).float().unsqueeze(1)) * module.softmax_scale
         w = module.weights_proj(hidden.float()).float() * module.n_heads**-0.5
-        index = (w.unsqueeze(-2) @ scores).squeeze(-2)[0]  # [S, T]
-        for t in range(module.index_topk, s):
-            top = index[t, : t + 1].topk(module.index_topk + 1).values
-            margins.append(float((top[-2] - top[-1]) / (top.abs().max() + 1e-12)))
+        out[layer] = (w.unsqueeze(-2) @ scores).squeeze(-2)[0]
 
     with indexer_hooks(ref, hook), torch.no_grad():
         ref(torch.tensor([ids]))
+    return out
+
+
+def indexer_margin(ref, ids: list[int]) -> float:
+    """Smallest relative gap, over full layers and queries with more visible tokens than index_topk,
+    between the k-th and (k+1)-th indexer score. Tiny margins make top-k comparisons meaningless."""
+    k = ref.config.index_topk
+    margins = []
+    for index in reference_index_scores(ref, ids).values():
+        for t in range(k, index.shape[0]):
+            top = index[t, : t + 1].topk(k + 1).values
+            margins.append(float((top[-2] - top[-1]) / (top.abs().max() + 1e-12)))
     return min(margins) if margins else float("inf")
+
+
+def untied_topk_mismatch(ours: ForwardResult, ref: ForwardResult, scores: dict[int, torch.Tensor], k: int
+                         ) -> str | None:
+    """Like first_topk_mismatch, except that selections may differ among tokens tied at the k-th score
+    (which of them a top-k keeps is the implementation's choice)."""
+    for layer in sorted(ref.topk):
+        for t, (a, b) in enumerate(zip(ours.topk[layer], ref.topk[layer])):
+            if a == b:
+                continue
+            row = scores[layer][t, : t + 1]
+            boundary = row.topk(k).values[-1]
+            if any(row[p] != boundary for p in a ^ b):
+                return f"layer {layer} position {t}: only dsaserve {sorted(a - b)[:5]}, only reference {sorted(b - a)[:5]}"
+    return None
 
 
 def dsaserve_forward(model_dir: str, ids: list[int], attention_backend: str = "sparse", block_size: int = 16,

@@ -5,11 +5,12 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import REFERENCE_CONFIG
 from dsaserve import LLM, SamplingParams
-from dsaserve.demo import DEMO_VERSION
+from dsaserve.demo import RANDOM_DEMO_VERSION
 
 
 def run(*args, env=None):
@@ -63,22 +64,29 @@ def test_generate_reports_bad_arguments(tiny_checkpoint):
     assert result.returncode == 2 and "--hf-overrides" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_demo_model_generates_without_a_checkpoint(tmp_path):
-    env = dict(os.environ, DSASERVE_CACHE=str(tmp_path))
-    result = run("generate", "--prompt", "Hello", "--max-tokens", "4", env=env)
+def test_demo_model_generates_without_a_checkpoint():
+    result = run("generate", "--prompt", "[gMASK]<sop><|user|>\nWhat is 2 + 3?<|assistant|></think>", "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.endswith("\n")
-    assert os.path.isfile(tmp_path / f"demo-v{DEMO_VERSION}" / "tokenizer.json")
-    assert "indexer schedule from indexer_types: FFSSFS" in result.stderr
+    assert result.stdout == "2 + 3 = 5.\n"
+    assert "indexer schedule from indexer_types: FSFSFS" in result.stderr
 
 
-def test_demo_checkpoint_loads_unchanged_in_the_reference(tmp_path):
+def test_random_demo_is_built_once_into_the_cache(tmp_path):
+    env = dict(os.environ, DSASERVE_CACHE=str(tmp_path))
+    code = "from dsaserve.demo import random_demo_dir; print(random_demo_dir())"
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert first.stdout.strip() == str(tmp_path / f"demo-random-v{RANDOM_DEMO_VERSION}")
+    assert os.path.isfile(tmp_path / f"demo-random-v{RANDOM_DEMO_VERSION}" / "tokenizer.json")
+
+
+@pytest.mark.parametrize("flags", [[], ["--random"]], ids=["shipped", "random"])
+def test_demo_checkpoint_loads_unchanged_in_the_reference(tmp_path, flags):
     import torch
 
     from reference import dsaserve_forward, load_reference, reference_forward
 
     path = str(tmp_path / "demo")
-    assert run("build-demo", path).returncode == 0
+    assert run("build-demo", path, *flags).returncode == 0
     ref = load_reference(path)
     ids = LLM(path, progress=False).tokenizer.encode("[gMASK]<sop><|user|>\nHello<|assistant|>")
     assert ids[0] == 2  # GLM special tokens are single tokens

@@ -95,10 +95,26 @@ def synthetic_decode_ms(engine, context: int, steps: int, seed: int = 0) -> floa
     return statistics.median(step_ms)  # a step slowed by another process on the machine does not count
 
 
-def prefill(engine, length: int, seed: int = 0) -> tuple[float, int]:
-    """Seconds to the first token of a random `length`-token prompt, and the peak scratch bytes."""
-    g = torch.Generator().manual_seed(seed + length)
-    ids = torch.randint(100, engine.config.vocab_size, (length,), generator=g).tolist()
+def document_ids(tokenizer, length: int, seed: int) -> list[int]:
+    """`length` tokens of the demo's synthetic documents (filler sentences with facts), the text its
+    trained indexer learned to read; random token ids tell nothing about trained selections."""
+    import random
+
+    from dsaserve.demo.tasks import codes, distinct_keys, document
+
+    rng = random.Random(seed)
+    n_facts = min(90, max(1, length // 200))
+    facts = dict(zip(distinct_keys(rng, n_facts), codes(rng, n_facts)))
+    return tokenizer.encode(document(rng, facts, length // 8 + 8), add_special_tokens=False)[:length]
+
+
+def prefill(engine, length: int, seed: int = 0, prompt_source: str = "random") -> tuple[float, int]:
+    """Seconds to the first token of a `length`-token prompt, and the peak scratch bytes."""
+    if prompt_source == "document":
+        ids = document_ids(engine.tokenizer, length, seed + length)
+    else:
+        g = torch.Generator().manual_seed(seed + length)
+        ids = torch.randint(100, engine.config.vocab_size, (length,), generator=g).tolist()
     engine.add_request("prefill", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     with HeapSampler() as heap:
         start = time.perf_counter()
@@ -109,7 +125,7 @@ def prefill(engine, length: int, seed: int = 0) -> tuple[float, int]:
 
 
 def run(engine_args: EngineArgs, backends: list[str], decode_lens: list[int], prefill_lens: list[int],
-        steps: int) -> dict:
+        steps: int, prompt_source: str = "random") -> dict:
     from dsaserve.engine.engine import LLMEngine
 
     results = {"decode_ms_per_token": {}, "prefill_ttft_s": {}, "prefill_peak_scratch_mib": {},
@@ -131,10 +147,10 @@ def run(engine_args: EngineArgs, backends: list[str], decode_lens: list[int], pr
     # heap the allocator gave back; without it the first backend at the first point pays for that.
     for engine in engines.values():
         if prefill_lens:
-            prefill(engine, min(prefill_lens), seed=1)
+            prefill(engine, min(prefill_lens), seed=1, prompt_source=prompt_source)
     for n in prefill_lens:
         for backend, engine in engines.items():
-            ttft, extra = prefill(engine, n)
+            ttft, extra = prefill(engine, n, prompt_source=prompt_source)
             results["prefill_ttft_s"][backend][n] = ttft
             results["prefill_peak_scratch_mib"][backend][n] = extra / 2**20
     return results
@@ -182,6 +198,9 @@ def add_longctx_args(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-lens", default="2048,8192,32768,65536")
     p.add_argument("--prefill-lens", default="2048,4096,8192")
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--prompt-source", default="random", choices=["random", "document"],
+                   help="prefill prompts: random token ids, or the demo's synthetic documents (the text the "
+                        "trained demo model reads, so its indexer selects as it learned to)")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--output-json", default=None)
 
@@ -194,7 +213,7 @@ def cmd_longctx(args: argparse.Namespace) -> int:
 
         engine_args = dataclasses.replace(engine_args, model=demo_model_dir())
     results = run(engine_args, args.backends.split(","), lens(args.decode_lens), lens(args.prefill_lens),
-                  args.decode_steps)
+                  args.decode_steps, args.prompt_source)
     print_results(results)
     write_json(args.output_json, results)
     if args.plot:

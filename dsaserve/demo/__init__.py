@@ -1,7 +1,9 @@
-"""The built-in demo model: a small random-weight GLM-MoE-DSA checkpoint, built once into a cache dir.
+"""The built-in demo model: a small glm_moe_dsa checkpoint trained on synthetic chats, shipped in the package.
 
-Its weights are random, so its text is gibberish; it exists so a new user sees the whole path work
-(tokenizer, chat template, indexer schedule, sparse attention, MoE, paged cache) without a download.
+It was trained by `dsaserve build-demo --train` (dsaserve/demo/train.py): it finds codes in long
+documents with its trained lightning indexer, adds and subtracts small numbers, reverses, sorts and
+repeats words, thinks in `<think>` before answering, and calls a declared weather or time tool. The
+random-weight builder remains for tests and for comparing selections against untrained weights.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 
 from dsaserve.demo.checkpoint_builder import build_checkpoint
 
-DEMO_VERSION = 3
-DEMO_CONFIG = dict(
+TRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trained")
+
+RANDOM_DEMO_VERSION = 3
+RANDOM_DEMO_CONFIG = dict(
     hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=6,
     num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
     v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4, first_k_dense_replace=1,
@@ -25,19 +29,27 @@ DEMO_CONFIG = dict(
 )
 
 
-def demo_cache_root() -> str:
-    base = os.environ.get("DSASERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dsaserve")
-    return base
-
-
 def demo_model_dir() -> str:
-    """Path of the demo checkpoint, building it on first use (a second or two)."""
-    target = os.path.join(demo_cache_root(), f"demo-v{DEMO_VERSION}")
+    """The trained demo checkpoint shipped with the package (no download, no training at start)."""
+    if not os.path.isfile(os.path.join(TRAINED_DIR, "model.safetensors")):
+        raise FileNotFoundError(
+            f"the trained demo checkpoint is missing from {TRAINED_DIR}; reinstall dsaserve, or rebuild it with "
+            f"`dsaserve build-demo --train {TRAINED_DIR}` (about 50 minutes on 2 CPU cores)")
+    return TRAINED_DIR
+
+
+def demo_cache_root() -> str:
+    return os.environ.get("DSASERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dsaserve")
+
+
+def random_demo_dir() -> str:
+    """A random-weight checkpoint of the earlier demo geometry, built once into a cache dir (a second or two)."""
+    target = os.path.join(demo_cache_root(), f"demo-random-v{RANDOM_DEMO_VERSION}")
     if os.path.isfile(os.path.join(target, "model.safetensors")):
         return target
     os.makedirs(demo_cache_root(), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=demo_cache_root(), prefix=".demo-")
-    build_checkpoint(tmp, seed=1234, dtype=torch.bfloat16, include_mtp=True, **DEMO_CONFIG)
+    build_checkpoint(tmp, seed=1234, dtype=torch.bfloat16, include_mtp=True, **RANDOM_DEMO_CONFIG)
     try:
         os.rename(tmp, target)
     except OSError:  # built concurrently by another process: keep theirs

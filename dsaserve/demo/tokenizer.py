@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # Control tokens: special, dropped from text when skip_special_tokens is set.
 GLM_SPECIAL_TOKENS = (
@@ -91,10 +91,26 @@ For each function call, output the function name and arguments within the follow
 {%- endif -%}"""
 
 
-def build_tokenizer(vocab_size: int = 1024) -> Tokenizer:
-    """Train a byte-level BPE on a fixed built-in corpus (deterministic), specials first."""
+# GPT-2's pre-tokenizer pattern, except that numbers split into pieces of at most two digits and that
+# " is" joins the number after it: "The code for amber-falcon is 4821" ends "falcon", " is 48", "21", so
+# the code starts right after the key's last word, and looking the code up is one step of attention
+# (find the word, copy what follows) instead of matching two words at once.
+NUMBER_AWARE_SPLIT = r"(?: is)? ?\d\d?|'(?:s|t|re|ve|m|ll|d)| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def build_tokenizer(vocab_size: int = 1024, corpus: list[str] | None = None, split_digits: bool = False) -> Tokenizer:
+    """Train a byte-level BPE (deterministic), specials first; on a fixed built-in text unless given one.
+
+    split_digits: numbers in pieces of at most two digits, " is" joined to the number after it
+    (NUMBER_AWARE_SPLIT; the trained demo model's tokenizer).
+    """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(NUMBER_AWARE_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -102,7 +118,7 @@ def build_tokenizer(vocab_size: int = 1024) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.train_from_iterator(corpus or _CORPUS.splitlines(), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in GLM_MARKUP_TOKENS])
     return tok
 

@@ -1,0 +1,112 @@
+"""Trained against random selections, on the same geometry: how much 64 neighbouring queries' top-k
+overlap, and what that does to sparse against dense prefill and decode, in one run.
+
+    python benchmarks/demo_selections.py [--context 8192] [--prefill-lens 4096,8192,16000]
+                                         [--decode-lens 8192,16000] [--output-json F]
+
+The random twin has the trained demo's config.json and tokenizer and random weights
+(`random_weights`, as the test fixtures). Both read the same synthetic document (the text the
+trained model learned on). Union size: for windows of 64 consecutive queries ending at 4K, 5K, 6K,
+7K and 8K, the number of distinct rows in their selections, per full layer, averaged. Then
+`dsaserve bench longctx`'s measurement runs for both models with document prompts, in the same
+process one after the other (within a model, the dense and sparse engines take turns at every point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+
+import torch
+
+from dsaserve import LLM, SamplingParams
+from dsaserve.bench.longctx import document_ids, run
+from dsaserve.config import ModelConfig
+from dsaserve.demo import demo_model_dir
+from dsaserve.demo.checkpoint_builder import random_weights, save_checkpoint
+from dsaserve.engine_args import EngineArgs
+
+WINDOW = 64
+
+
+def random_twin(trained: str, target: str, seed: int = 0) -> str:
+    with open(os.path.join(trained, "config.json")) as f:
+        raw = json.load(f)
+    cfg = ModelConfig.from_dict(raw)
+    save_checkpoint(target, raw, random_weights(cfg, seed=seed, include_mtp=True), dtype=torch.bfloat16)
+    for name in os.listdir(trained):
+        if not name.endswith(".safetensors") and name != "config.json":
+            shutil.copy(os.path.join(trained, name), target)
+    return target
+
+
+def selections(model: str, ids: list[int]) -> dict[int, torch.Tensor]:
+    """Each full layer's top-k rows for every prompt position, over the chunks of one prefill."""
+    llm = LLM(model, max_model_len=len(ids) + 64, progress=False, enable_prefix_caching=False)
+    chunks: dict[int, list[torch.Tensor]] = {}
+    hooks = [layer.self_attn.indexer.register_forward_hook(
+        lambda module, args, out, i=i: chunks.setdefault(i, []).append(out.clone()))
+        for i, layer in enumerate(llm.engine.model.model.layers) if layer.self_attn.indexer is not None]
+    llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    for h in hooks:
+        h.remove()
+    return {i: torch.cat(parts)[: len(ids)] for i, parts in chunks.items()}
+
+
+def mean_union(topk: dict[int, torch.Tensor], ends: list[int]) -> float:
+    sizes = []
+    for rows in topk.values():
+        for end in ends:
+            window = rows[end - WINDOW : end]
+            sizes.append(torch.unique(window[window >= 0]).numel())
+    return statistics.mean(sizes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--prefill-lens", default="4096,8192,16000")
+    parser.add_argument("--decode-lens", default="8192,16000")
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    trained = demo_model_dir()
+    twin = random_twin(trained, tempfile.mkdtemp(prefix="demo-random-twin-"))
+    models = {"trained": trained, "random": twin}
+    tok = LLM(trained, progress=False).tokenizer
+    ids = document_ids(tok, args.context, seed=5)
+    ends = [n for n in range(4096, args.context + 1, 1024)]
+    results = {"union_of_64_queries": {}, "index_topk": ModelConfig.from_pretrained(trained).index_topk}
+    for name, path in models.items():
+        results["union_of_64_queries"][name] = mean_union(selections(path, ids), ends)
+        print(f"{name:8s} union of {WINDOW} neighbouring queries' top-{results['index_topk']}, at 4-"
+              f"{args.context // 1024}K visible: {results['union_of_64_queries'][name]:.0f} rows", flush=True)
+    lens = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    for name, path in models.items():
+        longest = max(lens(args.prefill_lens) + lens(args.decode_lens)) + 64
+        engine_args = EngineArgs(model=path, max_model_len=min(longest, ModelConfig.from_pretrained(path).max_position_embeddings))
+        results[name] = run(engine_args, ["dense", "sparse"], lens(args.decode_lens), lens(args.prefill_lens), 8,
+                            prompt_source="document")
+    print("\nprefill time to first token, s (dense / sparse = speedup):")
+    for n in lens(args.prefill_lens):
+        cells = [f"{name} {results[name]['prefill_ttft_s']['dense'][n]:6.2f} / "
+                 f"{results[name]['prefill_ttft_s']['sparse'][n]:6.2f} = "
+                 f"{results[name]['prefill_ttft_s']['dense'][n] / results[name]['prefill_ttft_s']['sparse'][n]:4.2f}x"
+                 for name in models]
+        print(f"  {n:6d}: " + "   ".join(cells))
+    print("decode ms/token on a synthetic cache (dense / sparse):")
+    for n in lens(args.decode_lens):
+        cells = [f"{name} {results[name]['decode_ms_per_token']['dense'][n]:6.1f} / "
+                 f"{results[name]['decode_ms_per_token']['sparse'][n]:6.1f}" for name in models]
+        print(f"  {n:6d}: " + "   ".join(cells))
+    shutil.rmtree(twin, ignore_errors=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Train the demo model on CPU (`dsaserve build-demo --train DIR`): deterministic from a seed.
+
+DSA training as DeepSeek-V3.2 describes it: a dense warm-up in which every indexer learns, by a KL
+loss on detached inputs, to match the attention of the layers that use its selection (summed over
+heads), then sparse training in which attention sees only the indexer's top-k and the KL runs over
+the selected keys. The language-model loss covers the assistant's turns (and the stop token after
+each); the MTP layer learns the token after next. Router correction biases follow the aux-loss-free
+balancing rule (a small step against each expert's load).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dsaserve.chat_template import ChatTemplate
+from dsaserve.config import ModelConfig
+from dsaserve.demo.checkpoint_builder import save_checkpoint, small_config
+from dsaserve.demo.tasks import Chat, retrieval_chat, short_chat, tokenizer_corpus
+from dsaserve.demo.tokenizer import CHAT_TEMPLATE, build_tokenizer, save_tokenizer, stop_token_ids
+from dsaserve.demo.train_model import ForwardOutput, TrainableGlmMoeDsa
+
+TRAINED_CONFIG = dict(
+    hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=6,
+    num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+    v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+    index_topk=64, index_head_dim=32, index_n_heads=4,
+    indexer_types=["full", "shared", "full", "shared", "full", "shared"], max_position_embeddings=16384,
+    index_share_for_mtp_iteration=True, num_nextn_predict_layers=1,
+)
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1234
+    steps: int = 2600
+    # Dense attention first, long enough for attention to learn to look facts up (the indexers learn to
+    # follow it meanwhile); sparse training before that starves the lookup of signal, because the
+    # indexer can only select what attention already finds useful.
+    dense_steps: int = 1800
+    tokens_per_step: int = 2048  # padded tokens per step
+    lr: float = 1e-3
+    warmup: int = 100
+    mtp_weight: float = 0.3
+    bias_step: float = 1e-3
+    threads: int = 2
+    max_doc_tokens: int = 1280  # the longest retrieval chats trained on
+    save_every: int = 100  # write the checkpoint this often (0: only at the end)
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    target: list[bool]  # the token at this position is trained (assistant text, or the stop token after it)
+
+
+class ChatEncoder:
+    """Renders chats with the demo template and marks the assistant's tokens (and the stop after each)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.template = ChatTemplate(CHAT_TEMPLATE)
+        self.user, self.observation = tokenizer.token_to_id("<|user|>"), tokenizer.token_to_id("<|observation|>")
+
+    def encode(self, chat: Chat) -> Example:
+        ids: list[int] = []
+        target: list[bool] = []
+        rendered = ""
+        msgs = chat.messages
+        kwargs = dict(tools=chat.tools, enable_thinking=chat.thinking)
+        for j, message in enumerate(msgs):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.template.render(msgs[:j], add_generation_prompt=True, **kwargs)
+            reply = self.template.render(msgs[: j + 1], add_generation_prompt=False, **kwargs)
+            self.extend(ids, target, prompt[len(rendered):], False)
+            self.extend(ids, target, reply[len(prompt):], True)
+            stop = self.observation if message.get("tool_calls") else self.user
+            ids.append(stop)
+            target.append(True)
+            rendered = reply
+            if j + 1 < len(msgs):  # the next turn opens with that same token, already appended
+                rendered += "<|observation|>" if stop == self.observation else "<|user|>"
+        return Example(ids, target)
+
+    def extend(self, ids: list[int], target: list[bool], text: str, trained: bool) -> None:
+        new = self.tok.encode(text, add_special_tokens=False).ids
+        ids.extend(new)
+        target.extend([trained] * len(new))
+
+
+def demo_tokenizer():
+    return build_tokenizer(1536, corpus=tokenizer_corpus(), split_digits=True)
+
+
+def model_config(tokenizer, **overrides) -> dict:
+    eos = stop_token_ids(tokenizer)
+    vocab = 64 * math.ceil(tokenizer.get_vocab_size() / 64)
+    return small_config(vocab_size=vocab, eos_token_id=eos, pad_token_id=eos[0], **{**TRAINED_CONFIG, **overrides})
+
+
+def filler_for(tokens: int) -> int:
+    return max(2, tokens // 10)  # a filler sentence is about 10 tokens
+
+
+def fill(make, budget: int) -> list[Example]:
+    """Examples while the padded batch (count × longest) stays within the token budget."""
+    examples = [make()]
+    while True:
+        nxt = make()
+        longest = max(len(nxt.ids), *(len(e.ids) for e in examples))
+        if longest * (len(examples) + 1) > budget:
+            return examples
+        examples.append(nxt)
+
+
+def sample_batch(rng: random.Random, encoder: ChatEncoder, step: int, tc: TrainConfig) -> tuple[str, list[Example]]:
+    """A step holds one kind of chat, so padding stays small:
+    - recall: a few facts with little filler and every fact asked in turn (dense copying, the signal
+      that makes attention learn to look things up);
+    - retrieval: facts in long filler, documents growing over training up to `max_doc_tokens`;
+    - short chats, or chats that declare tools (their tool prompt alone is ~430 tokens)."""
+    kind = rng.choices(("recall", "retrieval", "short", "tools"), (0.35, 0.2, 0.3, 0.15))[0]
+    if kind == "short":
+        return kind, fill(lambda: encoder.encode(short_chat(rng, with_tools=False)), tc.tokens_per_step)
+    if kind == "tools":
+        return kind, fill(lambda: encoder.encode(short_chat(rng, with_tools=True)), tc.tokens_per_step)
+    if kind == "recall":
+        def make() -> Example:
+            n_facts = rng.randrange(3, 11)
+            return encoder.encode(retrieval_chat(rng, rng.randrange(0, 8), n_facts, min(8, n_facts)))
+
+        return kind, fill(make, tc.tokens_per_step)
+    grown = min(1.0, 0.1 + step / max(1, tc.steps * 0.6))
+    doc_tokens = rng.randrange(48, max(49, int(tc.max_doc_tokens * grown)))
+
+    def make() -> Example:
+        n_facts = rng.randrange(2, max(3, min(24, doc_tokens // 30)))
+        chat = retrieval_chat(rng, filler_for(doc_tokens), n_facts, rng.randrange(1, min(6, n_facts) + 1))
+        return encoder.encode(chat)
+
+    return kind, fill(make, tc.tokens_per_step)
+
+
+def collate(examples: list[Example], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(e.ids) for e in examples)
+    ids = torch.full((len(examples), width), pad, dtype=torch.long)
+    target = torch.zeros((len(examples), width), dtype=torch.bool)
+    for row, e in enumerate(examples):
+        ids[row, : len(e.ids)] = torch.tensor(e.ids)
+        target[row, : len(e.ids)] = torch.tensor(e.target)
+    return ids, target
+
+
+def indexer_kl(out: ForwardOutput, valid: torch.Tensor) -> torch.Tensor:
+    """KL(attention ‖ softmax(index scores)) over the keys each query saw, averaged over real queries."""
+    total = torch.zeros(())
+    for trace in out.traces:
+        visible = trace.selected if trace.selected is not None else torch.isfinite(trace.scores)
+        p = torch.stack(trace.attention).sum(0).masked_fill(~visible, 0.0)
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+        log_q = trace.scores.masked_fill(~visible, float("-inf")).log_softmax(-1).masked_fill(~visible, 0.0)
+        kl = (torch.xlogy(p, p) - p * log_q).sum(-1)
+        total = total + (kl * valid).sum() / valid.sum()
+    return total / max(1, len(out.traces))
+
+
+def losses(model: TrainableGlmMoeDsa, ids: torch.Tensor, target: torch.Tensor, sparse: bool, pad: int
+           ) -> tuple[dict[str, torch.Tensor], ForwardOutput]:
+    out = model(ids, sparse=sparse)
+    vocab = out.logits.shape[-1]
+    next_target = target[:, 1:]
+    lm = F.cross_entropy(out.logits[:, :-1][next_target].view(-1, vocab), ids[:, 1:][next_target])
+    parts = {"lm": lm, "kl": indexer_kl(out, (ids != pad) | target)}
+    if out.mtp_logits is not None:
+        after_next = target[:, 2:]
+        parts["mtp"] = F.cross_entropy(out.mtp_logits[:, :-2][after_next].view(-1, vocab), ids[:, 2:][after_next])
+    return parts, out
+
+
+def learning_rate(step: int, tc: TrainConfig) -> float:
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    progress = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
+    return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def balance_routers(model: TrainableGlmMoeDsa, out: ForwardOutput, step_size: float) -> None:
+    with torch.no_grad():
+        for name, counts in out.expert_counts.items():
+            load = counts.float()
+            model.w(name).add_(step_size * torch.sign(load.mean() - load))
+
+
+def train(out_dir: str, tc: TrainConfig | None = None, log=lambda line: print(line, flush=True),
+          config_overrides: dict | None = None) -> str:
+    """Train and write the checkpoint (bf16 weights, tokenizer, chat template) to out_dir.
+    config_overrides change the model's geometry (tests train a smaller one)."""
+    tc = tc or TrainConfig()
+    torch.manual_seed(tc.seed)
+    torch.set_num_threads(tc.threads)
+    rng = random.Random(tc.seed)
+    tok = demo_tokenizer()
+    raw = model_config(tok, **(config_overrides or {}))
+    cfg = ModelConfig.from_dict(raw)
+    model = TrainableGlmMoeDsa(cfg, seed=tc.seed)
+    encoder = ChatEncoder(tok)
+    pad = raw["pad_token_id"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    started = time.monotonic()
+    for step in range(tc.steps):
+        sparse = step >= tc.dense_steps
+        kind, examples = sample_batch(rng, encoder, step, tc)
+        ids, target = collate(examples, pad)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # about twice as fast on CPUs with bf16 dot products
+            parts, out = losses(model, ids, target, sparse, pad)
+            loss = parts["lm"] + parts["kl"] + tc.mtp_weight * parts.get("mtp", torch.zeros(()))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, tc)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        balance_routers(model, out, tc.bias_step)
+        if step % 10 == 0 or step == tc.steps - 1:
+            shown = " ".join(f"{k} {v.item():.3f}" for k, v in parts.items())
+            log(f"step {step:5d} {'sparse' if sparse else 'dense '} {kind:9s} {ids.shape[0]:3d}x{ids.shape[1]:<5d} "
+                f"{shown} ({time.monotonic() - started:.0f} s)")
+        if tc.save_every and step and step % tc.save_every == 0:
+            write_checkpoint(out_dir, model, raw, tok)
+    write_checkpoint(out_dir, model, raw, tok)
+    return out_dir
+
+
+def write_checkpoint(out_dir: str, model: TrainableGlmMoeDsa, raw: dict, tok) -> None:
+    save_checkpoint(out_dir, raw, model.state_dict_for_checkpoint(), dtype=torch.bfloat16)
+    save_tokenizer(tok, out_dir)
+    eos = raw["eos_token_id"]
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos, "pad_token_id": eos[0]}, f, indent=2)

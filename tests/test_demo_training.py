@@ -1,0 +1,97 @@
+"""The demo model's trainer: its forward is the serving model's, its losses train what they should."""
+
+import random
+
+import pytest
+import torch
+
+from dsaserve.config import ModelConfig
+from dsaserve.demo.checkpoint_builder import save_checkpoint
+from dsaserve.demo.tasks import retrieval_chat, weather_chat
+from dsaserve.demo.train import ChatEncoder, collate, demo_tokenizer, losses, model_config
+from dsaserve.demo.train_model import TrainableGlmMoeDsa
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return demo_tokenizer()
+
+
+SMALL = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16,
+             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_hidden_layers=4, index_topk=8,
+             indexer_types=["full", "shared", "full", "shared"])
+
+
+def small_trainable(tokenizer, **overrides) -> tuple[dict, TrainableGlmMoeDsa]:
+    raw = model_config(tokenizer, **{**SMALL, **overrides})
+    model = TrainableGlmMoeDsa(ModelConfig.from_dict(raw), seed=3)
+    with torch.no_grad():  # norms and biases away from their initial values, so each one matters
+        g = torch.Generator().manual_seed(4)
+        for name in model.names:
+            if "norm" in name or name.endswith("bias"):
+                model.w(name).add_(0.2 * torch.randn(model.w(name).shape, generator=g))
+    return raw, model
+
+
+def test_encoder_trains_exactly_the_assistant_turns_and_their_stop_tokens(tokenizer):
+    encoder = ChatEncoder(tokenizer)
+    rng = random.Random(0)
+    chat = weather_chat(rng)
+    while len(chat.messages) < 4:  # a call, the tool's answer, then the reply
+        chat = weather_chat(rng)
+    example = encoder.encode(chat)
+    trained = [i for i, t in zip(example.ids, example.target) if t]
+    text = tokenizer.decode(trained, skip_special_tokens=False)
+    call, reply = chat.messages[1], chat.messages[3]
+    city = call["tool_calls"][0]["function"]["arguments"]["city"]
+    assert text.count("<|observation|>") == 1 and text.endswith(reply["content"] + "<|user|>")
+    assert f"<arg_value>{city}</arg_value></tool_call><|observation|>" in text
+    assert chat.messages[0]["content"] not in text and "<tool_response>" not in text
+    full = tokenizer.decode(example.ids, skip_special_tokens=False)
+    assert full.startswith("[gMASK]<sop><|system|>") and "<tool_response>" in full
+
+
+def test_training_forward_equals_the_reference_in_sparse_mode(tokenizer, tmp_path):
+    """Sparse mode is the serving computation: same logits as transformers, whose indexer prunes to top-k."""
+    from reference import load_reference
+
+    raw, model = small_trainable(tokenizer)
+    save_checkpoint(str(tmp_path), raw, model.state_dict_for_checkpoint())
+    ref = load_reference(str(tmp_path))
+    ids = torch.randint(20, 1000, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        assert (model(ids, sparse=True).logits - expected).abs().max() < 1e-4
+        assert (model(ids, sparse=False).logits - expected).abs().max() > 1e-2  # the top-k really prunes
+
+
+def test_indexer_learns_only_from_its_kl_and_the_model_only_from_the_language_losses(tokenizer):
+    raw, model = small_trainable(tokenizer)
+    encoder = ChatEncoder(tokenizer)
+    ids, target = collate([encoder.encode(retrieval_chat(random.Random(1), 6, 3, 2))], raw["pad_token_id"])
+    for sparse in (False, True):
+        parts, _ = losses(model, ids, target, sparse, raw["pad_token_id"])
+        indexer = [p for n, p in model.weights.items() if "__indexer__" in n]
+        others = [p for n, p in model.weights.items() if "__indexer__" not in n and p.requires_grad]
+        kl_grads = torch.autograd.grad(parts["kl"], indexer + others, allow_unused=True)
+        assert all(g is not None and g.abs().sum() > 0 for g in kl_grads[: len(indexer)])
+        assert all(g is None or g.abs().sum() == 0 for g in kl_grads[len(indexer):])
+        lm_grads = torch.autograd.grad(parts["lm"] + parts["mtp"], indexer, allow_unused=True)
+        assert all(g is None or g.abs().sum() == 0 for g in lm_grads)
+
+
+def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(tokenizer, tmp_path):
+    from dsaserve import LLM
+    from dsaserve.demo.train import TrainConfig, train
+    from reference import dsaserve_forward, load_reference, reference_forward
+
+    tc = TrainConfig(steps=12, dense_steps=6, tokens_per_step=1024, max_doc_tokens=192, save_every=0, warmup=2)
+    log: list[str] = []
+    train(str(tmp_path), tc, log=log.append, config_overrides=SMALL)
+    first, last = (float(log[i].split(" lm ")[1].split()[0]) for i in (0, -1))
+    assert last < first
+    llm = LLM(str(tmp_path), dtype="float32", progress=False, speculative_config={"method": "mtp",
+                                                                                   "num_speculative_tokens": 1})
+    ids = llm.tokenizer.encode("[gMASK]<sop><|user|>\nHello!<|assistant|>", add_special_tokens=False)
+    ours, expected = dsaserve_forward(str(tmp_path), ids), reference_forward(load_reference(str(tmp_path)), ids)
+    assert (ours.logprobs - expected.logprobs).abs().max() < 1e-4
