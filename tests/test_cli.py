@@ -65,9 +65,10 @@ def test_generate_reports_bad_arguments(tiny_checkpoint):
 
 
 def test_demo_model_generates_without_a_checkpoint():
-    result = run("generate", "--prompt", "[gMASK]<sop><|user|>\nWhat is 2 + 3?<|assistant|></think>", "--max-tokens", "12")
+    result = run("generate", "--prompt", "[gMASK]<sop><|user|>\nReverse these words: pine river lotus<|assistant|></think>",
+                 "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "2 + 3 = 5.\n"
+    assert result.stdout == "lotus river pine\n"
     assert "indexer schedule from indexer_types: FSFSFS" in result.stderr
 
 
