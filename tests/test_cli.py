@@ -143,3 +143,17 @@ def test_engine_args_name_the_bad_value():
             assert field in str(e)
         else:
             raise AssertionError(f"{kwargs} was accepted")
+
+
+def test_bench_longctx_prefills_demo_documents(tiny_checkpoint):
+    """--prompt-source document: the prefill prompt is the demo's synthetic document, cut to length."""
+    from dsaserve.bench.longctx import document_ids
+    from dsaserve.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_checkpoint)
+    ids = document_ids(tok, 300, seed=1)
+    assert len(ids) == 300 and "The code for" in tok.decode(ids)
+    result = run("bench", "longctx", tiny_checkpoint, "--backends", "dense,sparse", "--decode-lens", "",
+                 "--prefill-lens", "96", "--prompt-source", "document", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert "prefill time to first token" in result.stdout and "sparse" in result.stdout
