@@ -108,3 +108,17 @@ def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(t
     ids = llm.tokenizer.encode("[gMASK]<sop><|user|>\nHello!<|assistant|>", add_special_tokens=False)
     ours, expected = dsaserve_forward(str(tmp_path), ids), reference_forward(load_reference(str(tmp_path)), ids)
     assert (ours.logprobs - expected.logprobs).abs().max() < 1e-4
+
+
+def test_training_is_deterministic_from_its_seed(tmp_path):
+    import hashlib
+
+    from dsaserve.demo.train import TrainConfig, train
+
+    digests = []
+    for seed, name in ((5, "a"), (5, "b"), (6, "c")):
+        tc = TrainConfig(seed=seed, steps=4, dense_steps=2, tokens_per_step=1024, max_doc_tokens=192, save_every=0,
+                         warmup=2)
+        train(str(tmp_path / name), tc, log=lambda line: None, config_overrides=SMALL)
+        digests.append(hashlib.sha256((tmp_path / name / "model.safetensors").read_bytes()).hexdigest())
+    assert digests[0] == digests[1] != digests[2]
