@@ -190,7 +190,12 @@ def build_checkpoint(model_dir: str, seed: int = 0, std: float = 0.0, shards: in
     cfg = ModelConfig.from_dict(raw)
     weights = random_weights(cfg, seed=seed, std=std, include_mtp=include_mtp)
     save_checkpoint(model_dir, raw, weights, shards=shards, dtype=dtype, fp8=fp8)
+    save_tokenizer_files(tok, model_dir, eos)
+    return model_dir
+
+
+def save_tokenizer_files(tok, model_dir: str, eos: list[int]) -> None:
+    """tokenizer.json, tokenizer_config.json (with the chat template) and generation_config.json."""
     save_tokenizer(tok, model_dir)
     with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": eos, "pad_token_id": eos[0]}, f, indent=2)
-    return model_dir

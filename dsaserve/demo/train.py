@@ -10,9 +10,7 @@ balancing rule (a small step against each expert's load).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -22,9 +20,9 @@ import torch.nn.functional as F
 
 from dsaserve.chat_template import ChatTemplate
 from dsaserve.config import ModelConfig
-from dsaserve.demo.checkpoint_builder import save_checkpoint, small_config
+from dsaserve.demo.checkpoint_builder import save_checkpoint, save_tokenizer_files, small_config
 from dsaserve.demo.tasks import Chat, retrieval_chat, short_chat, tokenizer_corpus
-from dsaserve.demo.tokenizer import CHAT_TEMPLATE, build_tokenizer, save_tokenizer, stop_token_ids
+from dsaserve.demo.tokenizer import CHAT_TEMPLATE, build_tokenizer, stop_token_ids
 from dsaserve.demo.train_model import ForwardOutput, TrainableGlmMoeDsa
 
 TRAINED_CONFIG = dict(
@@ -242,7 +240,4 @@ def train(out_dir: str, tc: TrainConfig | None = None, log=lambda line: print(li
 
 def write_checkpoint(out_dir: str, model: TrainableGlmMoeDsa, raw: dict, tok) -> None:
     save_checkpoint(out_dir, raw, model.state_dict_for_checkpoint(), dtype=torch.bfloat16)
-    save_tokenizer(tok, out_dir)
-    eos = raw["eos_token_id"]
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": eos, "pad_token_id": eos[0]}, f, indent=2)
+    save_tokenizer_files(tok, out_dir, raw["eos_token_id"])

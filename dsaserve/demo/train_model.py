@@ -20,6 +20,7 @@ from torch import nn
 
 from dsaserve.config import ModelConfig
 from dsaserve.model.checkpoint_layout import checkpoint_shapes
+from dsaserve.model.layers import rope_inv_freq
 
 
 @dataclass
@@ -62,8 +63,7 @@ class TrainableGlmMoeDsa(nn.Module):
         self.weights = nn.ParameterDict({
             key(n): nn.Parameter(init_weight(n, s, gen, cfg.num_hidden_layers), requires_grad=not n.endswith("e_score_correction_bias"))
             for n, s in shapes.items()})
-        half = cfg.qk_rope_head_dim // 2
-        self.inv_freq = 1.0 / (cfg.rope.theta ** (torch.arange(half, dtype=torch.float32) * 2 / cfg.qk_rope_head_dim))
+        self.inv_freq, _ = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim)  # the demo uses default rope (no yarn factor)
         self.include_mtp = include_mtp
 
     def w(self, name: str) -> torch.Tensor:
