@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from dsaserve.attention.context_shard import ContextShard
 from dsaserve.attention.indexer_cache import IndexerKeyCache
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.native import index_scores as native_scores
@@ -50,12 +51,14 @@ def select_topk(keys: torch.Tensor, queries: Callable[[], tuple[torch.Tensor, to
     """Write this step's indexer keys [T, D] at their slots; return the selected logical positions
     int32 [T, width] (-1 = empty). `queries()` gives (q [T, H, D], weights [T, H] fp32) and is called
     only when some request sees more than `width` tokens."""
-    key_cache.write(meta.slot_mapping, keys)
+    key_cache.write(meta.slot_mapping, meta.rows_to_write(keys))
     width = selection.width(meta.block_size)
     if max(meta.seq_lens_host) <= width:
         # Every request sees at most `width` tokens, so all of them are selected: no scoring.
         return all_visible(meta.positions, width)
     q, weights = queries()
+    if meta.shard is not None:
+        return select_sharded(q, weights, key_cache, meta, selection)
     return select(q, weights, key_cache, meta, selection)
 
 
@@ -87,6 +90,38 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
                                               selection, score_dtype(q), q.device)
             out[t0:t1] = stream_select(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection,
                                        (meta.position_of(i, t0), meta.position_of(i, t1 - 1)), scratch)
+    return out
+
+
+def select_sharded(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
+                   selection: Selection) -> torch.Tensor:
+    """`select` under decode context parallelism (token top-k): each rank streams the top-k of the keys
+    it holds, the group exchanges (score, position) pairs, and every rank keeps the top-k of their union:
+    the same set as the top-k over the whole context, since each of those is in its own rank's top-k."""
+    shard = meta.shard
+    width = selection.index_topk
+    values = torch.full((q.shape[0], width), float("-inf"), device=q.device)
+    positions = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
+    scored = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+    scratch = None
+    for i in range(meta.num_reqs):
+        start, end = meta.query_range(i)
+        split = meta.split_at_position(i, width)  # rows before it see ≤ width tokens: all selected
+        for t0 in range(split, end, QUERY_TILE):
+            t1 = min(t0 + QUERY_TILE, end)
+            scratch = scratch or ScoreScratch(min(QUERY_TILE, q.shape[0]), q.shape[1], q.shape[2], shard.block_size,
+                                              selection, score_dtype(q), q.device)
+            best, ids = stream_best(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection,
+                                    (meta.position_of(i, t0), meta.position_of(i, t1 - 1)), scratch)
+            values[t0:t1] = best
+            positions[t0:t1] = torch.where(best == float("-inf"), -1, ids)
+        scored[split:end] = True
+    every_value = shard.comm.all_gather(values, dim=1)  # [T, N · width]
+    every_position = shard.comm.all_gather(positions, dim=1)
+    best, order = every_value.topk(width, dim=1, sorted=False)
+    chosen = torch.where(best == float("-inf"), -1, every_position.gather(1, order))
+    out = all_visible(meta.positions, width)
+    out[scored] = chosen[scored].to(torch.int32)
     return out
 
 
@@ -136,31 +171,44 @@ def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyC
                   scratch: ScoreScratch | None = None) -> torch.Tensor:
     """Running top-k (tokens or pages) of one query tile of request i over its visible blocks.
     `position_range` (the tile's smallest and largest position, known on the host) saves device syncs."""
+    best, best_ids = stream_best(q, weights, key_cache, meta, i, positions, selection, position_range, scratch)
+    chosen = torch.where(best == float("-inf"), -1, best_ids)
+    if not selection.pages:
+        return chosen.to(torch.int32)
+    # Pages → their tokens, each query keeping only the ones it may see.
     bs = meta.block_size
+    tokens = chosen[:, :, None] * bs + torch.arange(bs, device=q.device)
+    tokens = torch.where((chosen[:, :, None] >= 0) & (tokens <= positions[:, None, None]), tokens, -1)
+    return tokens.view(positions.shape[0], -1).to(torch.int32)
+
+
+def stream_best(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata, i: int,
+                positions: torch.Tensor, selection: Selection, position_range: tuple[int, int] | None = None,
+                scratch: ScoreScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, ids) [t, keep] of the tile's best candidates: token positions (global ones under decode
+    context parallelism, over the tokens this rank holds) or page numbers; -inf scores are no choice."""
+    shard = meta.shard
+    bs = meta.block_size if shard is None else shard.block_size  # tokens per block of the key cache
     t, heads = q.shape[0], q.shape[1]
     scratch = scratch or ScoreScratch(t, heads, q.shape[2], bs, selection, score_dtype(q), q.device)
     keep = scratch.keep
     first_position, last_position = position_range or (int(positions.min()), int(positions.max()))
-    visible_blocks = last_position // bs + 1  # later blocks are in every query's future
+    # Later blocks are in every query's future.
+    visible_blocks = (last_position // bs + 1 if shard is None
+                      else -(-shard.local_count(last_position + 1) // bs))
     per_block = 1 if selection.pages else bs  # candidates per block
     q = q.to(scratch.score_dtype).reshape(t * heads, -1)
 
     def candidates_of(b0: int, b1: int) -> torch.Tensor:
         return chunk_candidates(q, weights, key_cache, meta.block_tables[i], (b0, b1), bs, scratch, positions,
-                                first_position, selection)
+                                first_position, selection, shard)
 
     if visible_blocks <= scratch.chunk_blocks and visible_blocks * per_block >= keep:
         # One chunk holds every visible key (decode at a few thousand tokens): rank it directly.
         best, best_ids = topk_rows(candidates_of(0, visible_blocks), keep)
     else:
         best, best_ids = running_top_k(candidates_of, visible_blocks, per_block, t, scratch)
-    chosen = torch.where(best == float("-inf"), -1, best_ids)
-    if not selection.pages:
-        return chosen.to(torch.int32)
-    # Pages → their tokens, each query keeping only the ones it may see.
-    tokens = chosen[:, :, None] * bs + torch.arange(bs, device=q.device)
-    tokens = torch.where((chosen[:, :, None] >= 0) & (tokens <= positions[:, None, None]), tokens, -1)
-    return tokens.view(t, -1).to(torch.int32)
+    return best, best_ids if shard is None else shard.to_global(best_ids)
 
 
 def running_top_k(candidates_of, visible_blocks: int, per_block: int, t: int,
@@ -191,13 +239,18 @@ def running_top_k(candidates_of, visible_blocks: int, per_block: int, t: int,
 
 def chunk_candidates(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, table: torch.Tensor,
                      blocks: tuple[int, int], block_size: int, scratch: ScoreScratch, positions: torch.Tensor,
-                     first_position: int, selection: Selection) -> torch.Tensor:
+                     first_position: int, selection: Selection, shard: ContextShard | None = None) -> torch.Tensor:
     """Masked candidate scores [t, tokens or pages] of whole blocks: invisible keys are -inf before
-    any maximum or top-k, and in page mode each page scores as its best visible token."""
+    any maximum or top-k, and in page mode each page scores as its best visible token. With a shard the
+    blocks hold this rank's tokens (local index c is position shard.to_global(c))."""
     b0, b1 = blocks
     scores = score_chunk(q, weights, key_cache, table, blocks, block_size, scratch)
-    if b1 * block_size - 1 > first_position:  # some key of this chunk is in some query's future
+    last_key = b1 * block_size - 1
+    if (last_key if shard is None else shard.to_global(last_key)) > first_position:
+        # Some key of this chunk is in some query's future.
         key_pos = torch.arange(b0 * block_size, b1 * block_size, device=q.device)
+        if shard is not None:
+            key_pos = shard.to_global(key_pos)
         scores.masked_fill_(invisible(key_pos, positions), float("-inf"))
     if selection.pages:
         scores = scores.view(scores.shape[0], b1 - b0, block_size).amax(dim=-1)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaserve.attention.context_shard import ContextShard
+
 
 @dataclass(frozen=True)
 class BatchMetadata:
@@ -27,6 +29,14 @@ class BatchMetadata:
     # Host copies of the boundaries, made once per batch, so per-layer loops never sync with the device.
     query_start_loc_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    # Decode context parallelism: this rank's share of the context; only the rows of tokens it owns
+    # (`write_rows`) are written to its caches, at `slot_mapping`. None: every row, every token.
+    shard: ContextShard | None = None
+    write_rows: torch.Tensor | None = None
+
+    def rows_to_write(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of x ([T, ...], one per new token) whose tokens this rank's caches store."""
+        return x if self.write_rows is None else x[self.write_rows]
 
     @property
     def num_reqs(self) -> int:
@@ -103,8 +113,10 @@ class BatchMetadata:
         block_size: int,
         logits_indices: list[int],
         device: torch.device | str = "cpu",
+        shard: ContextShard | None = None,
     ) -> "BatchMetadata":
-        """token_ids[i] are request i's new tokens, placed after context_lens[i] cached ones."""
+        """token_ids[i] are request i's new tokens, placed after context_lens[i] cached ones. With a
+        shard, block_size is the scheduler's (tokens per block across the DCP group)."""
         if not (len(token_ids) == len(context_lens) == len(block_tables)):
             raise ValueError("token_ids, context_lens and block_tables need one entry per request")
         flat_ids, positions, starts, seq_lens = [], [], [0], []
@@ -124,7 +136,13 @@ class BatchMetadata:
         req_of_token = torch.repeat_interleave(
             torch.arange(len(token_ids)), torch.tensor([len(t) for t in token_ids], dtype=torch.int64)
         )
-        slot_mapping = tables[req_of_token, pos // block_size] * block_size + pos % block_size
+        write_rows = None
+        if shard is None:
+            slot_mapping = tables[req_of_token, pos // block_size] * block_size + pos % block_size
+        else:
+            write_rows = shard.owns(pos).nonzero().squeeze(1)
+            slot_mapping = shard.local_slots(tables[req_of_token[write_rows]], pos[write_rows, None]).squeeze(1)
+            write_rows = write_rows.to(device)
         return cls(
             input_ids=torch.tensor(flat_ids, dtype=torch.int64, device=device),
             positions=pos.to(device),
@@ -136,4 +154,6 @@ class BatchMetadata:
             block_size=block_size,
             query_start_loc_host=tuple(starts),
             seq_lens_host=tuple(seq_lens),
+            shard=shard,
+            write_rows=write_rows,
         )

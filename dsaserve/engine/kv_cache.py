@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaserve.attention.context_shard import ContextShard
 from dsaserve.attention.indexer_cache import IndexerKeyCache
 from dsaserve.config import ModelConfig
 
@@ -39,12 +40,17 @@ class KVCacheLayout:
 
 
 class KVCache:
-    """The cache tensors. Allocated once at load time; written at `slot_mapping`, read via block tables."""
+    """The cache tensors. Allocated once at load time; written at `slot_mapping`, read via block tables.
+
+    Under decode context parallelism (`shard`) this rank's tensors hold `block_size` of each block's
+    shard.size × block_size tokens; `self.block_size` is then the scheduler's tokens per block."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, with_indexer: bool = True, indexer_dtype: str = "auto", with_mtp: bool = False):
+                 device: torch.device, with_indexer: bool = True, indexer_dtype: str = "auto", with_mtp: bool = False,
+                 shard: ContextShard | None = None):
         self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.shard = shard
+        self.block_size = block_size if shard is None else shard.tokens_per_block
         self.latent = [
             torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device)
             for _ in cache_layers(cfg, with_mtp)

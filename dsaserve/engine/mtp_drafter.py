@@ -41,7 +41,8 @@ def propose(model, kv_cache, inputs: list[DraftInput], hidden: torch.Tensor, sha
         ends.append((ends[-1] if ends else 0) + len(item.next_tokens))
     last_rows = [end - 1 for end in ends]
     meta = BatchMetadata.build([item.next_tokens for item in inputs], [item.start for item in inputs],
-                               [item.block_table for item in inputs], block_size, last_rows, device=hidden.device)
+                               [item.block_table for item in inputs], block_size, last_rows, device=hidden.device,
+                               shard=kv_cache.shard)
     rows = torch.tensor([r for item in inputs for r in item.hidden_rows], dtype=torch.long, device=hidden.device)
     out, topk = model.draft(meta, hidden[rows], kv_cache.latent, kv_cache.indexer)
     drafting = [i for i, item in enumerate(inputs) if item.num_drafts > 0]
@@ -60,7 +61,7 @@ def propose(model, kv_cache, inputs: list[DraftInput], hidden: torch.Tensor, sha
         ids = [inputs[drafting[j]].request_id for j in active]
         meta = BatchMetadata.build([[drafts[r][-1]] for r in ids], [positions[j] + step for j in active],
                                    [inputs[drafting[j]].block_table for j in active], block_size,
-                                   list(range(len(active))), device=hidden.device)
+                                   list(range(len(active))), device=hidden.device, shard=kv_cache.shard)
         select = None
         if shared is not None:
             pick = torch.tensor(active, device=hidden.device)

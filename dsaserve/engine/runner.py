@@ -64,7 +64,7 @@ class ModelRunner:
             [s.token_ids for s in scheduler_output.scheduled],
             [s.num_computed_tokens for s in scheduler_output.scheduled],
             [s.block_table for s in scheduler_output.scheduled],
-            self.kv_cache.block_size, logits_rows, device=self.device,
+            self.kv_cache.block_size, logits_rows, device=self.device, shard=self.kv_cache.shard,
         )
         hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
         logits = self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices]))

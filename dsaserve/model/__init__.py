@@ -5,23 +5,25 @@ from __future__ import annotations
 import torch
 
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.loader import load_checkpoint, mtp_extras
 from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
 
 
 def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
                attention_backend: str = "sparse", progress: bool = True, page_budget: int | None = None,
-               with_mtp: bool = False) -> GlmMoeDsaForCausalLM:
+               with_mtp: bool = False, parallel: ParallelContext | None = None) -> GlmMoeDsaForCausalLM:
     """Build the model without initializing weights, then fill every parameter from the checkpoint
-    (the MTP layer too, with_mtp)."""
+    (the MTP layer too, with_mtp); with `parallel`, this rank's share of it."""
     mtp = mtp_extras(cfg, model_dir) if with_mtp else None
+    parallel = parallel or ParallelContext.single()
     with torch.device("meta"):
-        model = GlmMoeDsaForCausalLM(cfg, attention_backend, page_budget, mtp)
+        model = GlmMoeDsaForCausalLM(cfg, attention_backend, page_budget, mtp, parallel)
         for name, param in model.named_parameters():
             param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
     model.to_empty(device=device)
     model.tie_weights()
-    load_checkpoint(model, cfg, model_dir, progress=progress, with_mtp=with_mtp)
+    load_checkpoint(model, cfg, model_dir, progress=progress, with_mtp=with_mtp, plan=parallel.plan)
     return model.eval()
 
 

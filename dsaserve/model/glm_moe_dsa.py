@@ -16,10 +16,12 @@ from dsaserve.attention import make_attention_backend
 from dsaserve.attention.indexer import Selection
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import FULL, ModelConfig
+from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from dsaserve.model.mla import MLAAttention
 from dsaserve.model.moe import MoE
 from dsaserve.model.mtp import MTPLayer, mtp_param_name
+from dsaserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 
 # Parameters computed in fp32 whatever the model dtype (as in the reference implementation).
 FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -27,6 +29,8 @@ FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "i
 _EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _GATE_UP = re.compile(r"^(.*)\.(gate|up)_proj\.weight$")
 _KV_B = re.compile(r"^(.*\.self_attn)\.kv_b_proj\.weight$")
+# Vocabulary-split parameters: the last rank's shard may end in rows past the vocabulary (zeros).
+_VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight", "mtp.head.weight", "mtp.embed.weight")
 
 
 class DecoderLayer(nn.Module):
@@ -34,15 +38,16 @@ class DecoderLayer(nn.Module):
     past the schedule, is always both)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection, full: bool | None = None,
-                 moe: bool | None = None):
+                 moe: bool | None = None, parallel: ParallelContext | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext.single()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg, layer_idx, backend, selection, full)
+        self.self_attn = MLAAttention(cfg, layer_idx, backend, selection, full, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.mlp_layer_types[layer_idx] == "sparse" if moe is None else moe:
-            self.mlp = MoE(cfg)
+            self.mlp = MoE(cfg, parallel)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = GatedMLP(cfg.hidden_size, parallel.plan.local(cfg.intermediate_size), parallel.tp)
 
     def forward(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk, run_indexer: bool = True):
         attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, indexer_cache, prev_topk,
@@ -52,30 +57,33 @@ class DecoderLayer(nn.Module):
 
 
 class GlmMoeDsaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, selection: Selection):
+    def __init__(self, cfg: ModelConfig, backend, selection: Selection, parallel: ParallelContext):
         super().__init__()
-        # An explicit weight skips nn.Embedding's random init (slow, and overwritten by the checkpoint).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, selection) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel.plan, parallel.tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, selection, parallel=parallel)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, attention_backend: str = "sparse", page_budget: int | None = None,
-                 mtp: tuple[bool, bool] | None = None):
-        """mtp: build the MTP layer, as (its own shared_head.head?, its own embed_tokens?); None skips it."""
+                 mtp: tuple[bool, bool] | None = None, parallel: ParallelContext | None = None):
+        """mtp: build the MTP layer, as (its own shared_head.head?, its own embed_tokens?); None skips it.
+        parallel: this rank's share of a tensor-parallel model (None: all of it)."""
         super().__init__()
         check_shared_layers_have_producer(cfg.indexer_types)
         self.config = cfg
+        self.parallel = parallel = parallel or ParallelContext.single()
         self.backend = make_attention_backend(attention_backend)
         self.selection = Selection(cfg.index_topk, pages=page_budget if attention_backend == "page" else None)
-        self.model = GlmMoeDsaModel(cfg, self.backend, self.selection)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = GlmMoeDsaModel(cfg, self.backend, self.selection, parallel)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel.plan, parallel.tp)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         self.mtp = None
         if mtp is not None:
-            block = DecoderLayer(cfg, cfg.num_hidden_layers, self.backend, self.selection, full=True, moe=True)
-            self.mtp = MTPLayer(cfg, block, own_head=mtp[0], own_embed=mtp[1])
+            block = DecoderLayer(cfg, cfg.num_hidden_layers, self.backend, self.selection, full=True, moe=True,
+                                 parallel=parallel)
+            self.mtp = MTPLayer(cfg, block, own_head=mtp[0], own_embed=mtp[1], parallel=parallel)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -128,18 +136,20 @@ class GlmMoeDsaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         first_mtp = f"model.layers.{self.config.num_hidden_layers}."
+        first_expert, _ = self.parallel.plan.local_experts(self.config.n_routed_experts)
 
         def load(name: str, tensor: torch.Tensor) -> None:
             if name.startswith(first_mtp):
                 name = mtp_param_name(name, self.config.num_hidden_layers)
-            _load_tensor(params, name, tensor)
+            _load_tensor(params, name, tensor, first_expert)
 
         return load
 
 
-def _load_tensor(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
+def _load_tensor(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, first_expert: int = 0) -> None:
+    """tensor: this rank's slice of checkpoint tensor `name` (distributed/sharding.py)."""
     if m := _EXPERT.match(name):
-        moe, expert, kind = m.group(1), int(m.group(2)), m.group(3)
+        moe, expert, kind = m.group(1), int(m.group(2)) - first_expert, m.group(3)
         if kind == "down":
             _copy(params[f"{moe}.experts_down"][expert], tensor, name)
         else:
@@ -158,7 +168,12 @@ def _load_tensor(params: dict[str, torch.Tensor], name: str, tensor: torch.Tenso
         _copy(w_uk, per_head[:, :nope], name)
         _copy(w_uv, per_head[:, nope:], name)
     elif name in params:
-        _copy(params[name], tensor, name)
+        dst = params[name]
+        if name.endswith(_VOCAB_PARAMS) and tensor.shape[0] < dst.shape[0]:  # the last rank's padding rows
+            with torch.no_grad():
+                dst[tensor.shape[0]:].zero_()
+            dst = dst[: tensor.shape[0]]
+        _copy(dst, tensor, name)
     else:
         raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
 

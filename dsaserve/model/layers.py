@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsaserve.config import RopeConfig
+from dsaserve.model.parallel_layers import RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -25,13 +26,17 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SiLU-gated MLP with gate and up projections fused into one weight at load time."""
+    """SiLU-gated MLP with gate and up projections fused into one weight at load time.
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    With tensor parallelism each rank holds `intermediate_size` (its share) of the gate, up and down
+    projections; the partial outputs are summed over `comm` (None: the caller sums them, as MoE does
+    once for its routed and shared experts together)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, comm=None):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, comm=comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)

@@ -1,4 +1,5 @@
-"""Load safetensors checkpoints (single file or sharded) strictly, in parallel, with FP8 dequantization.
+"""Load safetensors checkpoints (single file or sharded) strictly, in parallel, with FP8 dequantization;
+under tensor parallelism each rank reads only its slices.
 
 Strict means: the set of tensors must equal the layout derived from the config (indexer weights on
 every full layer and on no shared layer, per-expert MoE tensors; the MTP layers are skipped),
@@ -19,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.sharding import ShardPlan, TensorSlice, tensor_slice
 from dsaserve.model.checkpoint_layout import checkpoint_shapes, is_mtp_tensor, optional_mtp_shapes
 
 logger = logging.getLogger(__name__)
@@ -120,14 +122,17 @@ def _listing(names: list[str], limit: int = 20) -> str:
     return shown + (f", … and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
-    """weight (float8_e4m3fn) × its per-block scale. The tile is derived from the tensor's own scale grid."""
-    rows, cols = weight.shape
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str,
+                   full_shape: tuple[int, int] | None = None, offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """weight (float8_e4m3fn) × its per-block scale. The tile is derived from the tensor's own scale grid.
+    weight may be the part of a [full_shape] tensor starting at row, column `offset` (one rank's slice)."""
+    rows, cols = full_shape or weight.shape
     grid_r, grid_c = scale_inv.shape if scale_inv.dim() == 2 else (1, 1)
     tile_r = _tile(rows, grid_r, block[0], name)
     tile_c = _tile(cols, grid_c, block[1], name)
-    scale = scale_inv.float().reshape(grid_r, grid_c)
-    scale = scale.repeat_interleave(tile_r, 0)[:rows].repeat_interleave(tile_c, 1)[:, :cols]
+    row_block = (torch.arange(weight.shape[0]) + offset[0]) // tile_r
+    col_block = (torch.arange(weight.shape[1]) + offset[1]) // tile_c
+    scale = scale_inv.float().reshape(grid_r, grid_c)[row_block][:, col_block]
     return weight.float() * scale
 
 
@@ -159,10 +164,22 @@ def mtp_extras(cfg: ModelConfig, model_dir: str) -> tuple[bool, bool]:
     return optional[0] in infos, optional[1] in infos
 
 
+def read_part(f, name: str, info: TensorInfo, part: TensorSlice) -> torch.Tensor:
+    """Only `part` of tensor `name` from an open safetensors file (its bytes, not the whole tensor)."""
+    if part.dim is None:
+        return f.get_tensor(name)
+    index = [slice(None)] * len(info.shape)
+    index[part.dim] = slice(part.start, part.stop)
+    return f.get_slice(name)[tuple(index)]
+
+
 def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = True,
-                    max_workers: int | None = None, with_mtp: bool = False) -> None:
+                    max_workers: int | None = None, with_mtp: bool = False, plan: ShardPlan | None = None) -> None:
     """Load every tensor of `model_dir` into `model` (via `model.weight_loader()`). The MTP layer's
-    tensors load with_mtp (speculative decoding) and are skipped otherwise."""
+    tensors load with_mtp (speculative decoding) and are skipped otherwise. With a tensor-parallel
+    `plan`, each tensor's slice for that rank is read (distributed/sharding.py), and none of the
+    tensors the rank does not hold."""
+    plan = plan or ShardPlan()
     files = checkpoint_files(model_dir)
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir!r}")
@@ -171,10 +188,14 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
     block = _fp8_block(cfg)
     by_file: dict[str, list[str]] = {}
     drafting_layer = f"model.layers.{cfg.num_hidden_layers}."  # further MTP layers are not used
+    parts: dict[str, TensorSlice] = {}
     for name, info in infos.items():
         wanted = not is_mtp_tensor(cfg, name) or (with_mtp and name.startswith(drafting_layer))
         if wanted and not name.endswith(SCALE_SUFFIX):
-            by_file.setdefault(info.file, []).append(name)
+            part = tensor_slice(cfg, plan, name, info.shape)
+            if part is not None:
+                parts[name] = part
+                by_file.setdefault(info.file, []).append(name)
     load_tensor = model.weight_loader()
     total = sum(len(v) for v in by_file.values())
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
@@ -183,11 +204,14 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
         try:
             with safe_open(path, "pt") as f:
                 for name in by_file[path]:
-                    tensor = f.get_tensor(name)
-                    if infos[name].dtype in FP8_DTYPES:
+                    part = parts[name]
+                    tensor = read_part(f, name, infos[name], part)
+                    if infos[name].dtype in FP8_DTYPES:  # dequantized per slice, with its blocks' scales
                         scale_name = name + SCALE_SUFFIX
+                        offset = tuple(part.start if part.dim == d else 0 for d in (0, 1))
                         with safe_open(infos[scale_name].file, "pt") as sf:
-                            tensor = dequantize_fp8(tensor, sf.get_tensor(scale_name), block, name)
+                            tensor = dequantize_fp8(tensor, sf.get_tensor(scale_name), block, name,
+                                                    infos[name].shape, offset)
                     load_tensor(name, tensor)
                     bar.update(1)
         except SafetensorError as e:

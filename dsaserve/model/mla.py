@@ -3,6 +3,11 @@
 The cache row of a token is `[kv_a_layernorm(latent) | rope(k_rope)]`. W_UK (from kv_b_proj) is folded
 into the query so scores are taken against cached rows directly, and W_UV is applied after the
 weighted sum of latents: the cache is never re-expanded into per-head keys and values.
+
+With tensor parallelism a rank computes its own heads (q_b_proj, W_UK, W_UV split by head) against the
+full latent cache, and o_proj all-reduces; the latent, the rope key and the indexer are the same on
+every rank. With decode context parallelism the cache holds this rank's share of the tokens only
+(attention/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -10,18 +15,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.attention.context_parallel import attend_context_shard
 from dsaserve.attention.indexer import Selection
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.parallel_context import ParallelContext, check_same_on_ranks
 from dsaserve.model.indexer import Indexer
 from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale
+from dsaserve.model.parallel_layers import RowParallelLinear
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection, full: bool | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection, full: bool | None = None,
+                 parallel: ParallelContext | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext.single()
+        self.parallel = parallel
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
+        self.num_heads = parallel.plan.local(cfg.num_attention_heads)  # this rank's heads
         self.nope_dim = cfg.qk_nope_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
@@ -38,8 +49,9 @@ class MLAAttention(nn.Module):
         # kv_b_proj split per head at load time: W_UK [H, nope, rank] and W_UV [H, v, rank].
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope_dim, cfg.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.v_dim, cfg.kv_lora_rank))
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=bias)
-        self.indexer = Indexer(cfg, selection) if (cfg.is_full(layer_idx) if full is None else full) else None
+        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, cfg.hidden_size, bias, parallel.tp)
+        full = cfg.is_full(layer_idx) if full is None else full
+        self.indexer = Indexer(cfg, selection) if full else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
@@ -55,14 +67,20 @@ class MLAAttention(nn.Module):
         q_rope = apply_rope(q_rope, cos, sin, self.rope_interleave)
         k_rope = apply_rope(k_rope, cos, sin, self.rope_interleave)
         row = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
-        kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row.to(kv_cache.dtype))
+        kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, meta.rows_to_write(row).to(kv_cache.dtype))
 
         topk = prev_topk
         if self.backend.uses_indexer and self.indexer is not None and run_indexer:
             topk = self.indexer(x, q_resid, cos, sin, meta, indexer_cache)
+            if self.parallel.check_ranks:
+                check_same_on_ranks(self.parallel.tp, topk, f"layer {self.layer_idx} top-k")
 
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, rank]
         query = torch.cat([q_latent, q_rope], dim=-1)
-        out_latent = self.backend.forward(query, kv_cache, meta, self.scale, self.kv_lora_rank, topk)
+        if meta.shard is None:
+            out_latent = self.backend.forward(query, kv_cache, meta, self.scale, self.kv_lora_rank, topk)
+        else:  # this rank holds 1/N of the context: attend to it, merge with the other ranks' parts
+            out_latent = attend_context_shard(query, kv_cache, meta, self.scale, self.kv_lora_rank,
+                                              topk if self.backend.uses_indexer else None)
         out = torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.reshape(tokens, -1)), topk

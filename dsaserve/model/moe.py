@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.layers import GatedMLP
 
 
@@ -41,32 +42,43 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Routed experts plus shared experts. With tensor parallelism each rank holds its share of every
+    expert's intermediate dimension; with expert parallelism it holds whole experts [first, first + n)
+    and runs only the tokens routed to them. Either way the router runs on every rank (replicated), and
+    one all-reduce sums the ranks' partial outputs: the combine of the dispatch, since every rank already
+    has every token."""
+
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext | None = None):
         super().__init__()
-        n, hidden, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        parallel = parallel or ParallelContext.single()
+        plan = parallel.plan
+        self.comm = parallel.tp
+        hidden = cfg.hidden_size
+        self.first_expert, last = plan.local_experts(cfg.n_routed_experts)
+        inter = cfg.moe_intermediate_size if parallel.expert_parallel else plan.local(cfg.moe_intermediate_size)
         self.gate = Router(cfg)
         self.inter = inter
         # Per-expert checkpoint tensors are stacked here at load time: gate|up fused, then down.
-        self.experts_gate_up = nn.Parameter(torch.empty(n, 2 * inter, hidden))
-        self.experts_down = nn.Parameter(torch.empty(n, hidden, inter))
+        self.experts_gate_up = nn.Parameter(torch.empty(last - self.first_expert, 2 * inter, hidden))
+        self.experts_down = nn.Parameter(torch.empty(last - self.first_expert, hidden, inter))
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = GatedMLP(hidden, shared) if shared else None
+        self.shared_experts = GatedMLP(hidden, plan.local(shared)) if shared else None  # summed below
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.experts_gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.gate.weight.shape[0]).tolist()
         token_of = order // ids.shape[1]
         weight_of = weights.flatten()[order]
-        start = 0
-        for expert, count in enumerate(counts):
+        start = sum(counts[: self.first_expert])
+        for local, count in enumerate(counts[self.first_expert : self.first_expert + self.experts_gate_up.shape[0]]):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
-            gate, up = F.linear(x[tokens], self.experts_gate_up[expert]).split(self.inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts_down[expert])
+            gate, up = F.linear(x[tokens], self.experts_gate_up[local]).split(self.inter, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts_down[local])
             out.index_add_(0, tokens, (y * weight_of[start : start + count, None]).to(out.dtype))
             start += count
-        return out
+        return self.comm.all_reduce(out)

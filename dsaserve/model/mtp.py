@@ -18,13 +18,17 @@ from torch import nn
 
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.layers import RMSNorm
+from dsaserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, block: nn.Module, own_head: bool = False, own_embed: bool = False):
+    def __init__(self, cfg: ModelConfig, block: nn.Module, own_head: bool = False, own_embed: bool = False,
+                 parallel: ParallelContext | None = None):
         """block: a full MoE decoder layer at index num_hidden_layers."""
         super().__init__()
+        parallel = parallel or ParallelContext.single()
         h = cfg.hidden_size
         self.layer_idx = cfg.num_hidden_layers
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -32,10 +36,10 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.block = block
         self.head_norm = RMSNorm(h, cfg.rms_norm_eps)  # shared_head.norm
-        self.head = nn.Linear(h, cfg.vocab_size, bias=False) if own_head else None  # shared_head.head
-        self.embed = nn.Embedding(cfg.vocab_size, h, _weight=torch.empty(cfg.vocab_size, h)) if own_embed else None
+        self.head = ParallelLMHead(cfg.vocab_size, h, parallel.plan, parallel.tp) if own_head else None  # shared_head.head
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, h, parallel.plan, parallel.tp) if own_embed else None
 
-    def forward(self, embed: nn.Embedding, rotary, meta: BatchMetadata, prev_hidden: torch.Tensor,
+    def forward(self, embed: nn.Module, rotary, meta: BatchMetadata, prev_hidden: torch.Tensor,
                 kv_cache: torch.Tensor, indexer_cache, topk: torch.Tensor | None = None):
         """meta: the rows to run (input ids = the next tokens); prev_hidden [T, hidden]. With `topk`, the
         indexer does not run and attention uses it. Returns (hidden before the head norm, the top-k used)."""
@@ -45,7 +49,7 @@ class MTPLayer(nn.Module):
         cos, sin = rotary.cos_sin(meta.positions, x.dtype)
         return self.block(x, cos, sin, meta, kv_cache, indexer_cache, topk, run_indexer=topk is None)
 
-    def logits(self, lm_head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return (self.head or lm_head)(self.head_norm(hidden)).float()
 
 
