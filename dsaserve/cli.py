@@ -1,4 +1,4 @@
-"""The `dsaserve` command line: serve, generate, bench, doctor, build-demo."""
+"""The `dsaserve` command line: serve, generate, bench, doctor, worker, build-demo."""
 
 from __future__ import annotations
 
@@ -40,9 +40,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from dsaserve.distributed.node import torchrun_overrides, torchrun_rank
     from dsaserve.server.launcher import serve
-
     from dsaserve.server.state import ServerConfig
+
+    overrides = {}
+    if (launched := torchrun_rank()) is not None:  # torchrun started every rank: rank 0 serves
+        overrides = torchrun_overrides()
+        if args.tensor_parallel_size not in (1, overrides["tensor_parallel_size"]):
+            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} but torchrun started "
+                             f"{overrides['tensor_parallel_size']} ranks; they must agree")
+        rank, local_rank = launched
+        if rank != 0:
+            from dsaserve.engine.worker_process import run_worker
+
+            return run_worker(rank, local_rank, overrides["master_addr"], overrides["master_port"], args.model,
+                              world_size=overrides["tensor_parallel_size"])
 
     config = ServerConfig(
         model_name=args.served_model_name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
@@ -52,14 +65,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         idle_shutdown=args.idle_shutdown, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
     )
-    return serve(EngineArgs.from_cli_args(args), config, host=args.host, port=args.port,
+    return serve(EngineArgs.from_cli_args(args, **overrides), config, host=args.host, port=args.port,
                  chat_template=args.chat_template)
 
 
-def cmd_doctor(args: argparse.Namespace) -> int:
-    from dsaserve.doctor import report
+def cmd_worker(args: argparse.Namespace) -> int:
+    from dsaserve.distributed.node import run_node
+    from dsaserve.distributed.parallel_config import ParallelConfig
 
-    text, ok = report(args.model, hf_overrides=args.hf_overrides, max_model_len=args.max_model_len)
+    parallel = ParallelConfig(args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+                              master_addr=args.master_addr, master_port=args.master_port)
+    return run_node(parallel, args.model)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dsaserve.distributed.parallel_config import ParallelConfig
+    from dsaserve.doctor import report
+    from dsaserve.engine_args import parse_bytes
+
+    parallel = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel, args.decode_context_parallel_size)
+    text, ok = report(args.model, hf_overrides=args.hf_overrides, max_model_len=args.max_model_len, parallel=parallel,
+                      device_memory=parse_bytes(args.device_memory), utilization=args.memory_utilization)
     print(text)
     return 0 if ok else 1
 
@@ -132,7 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("model", help="checkpoint directory (config.json is enough)")
     doc.add_argument("--hf-overrides", default=None)
     doc.add_argument("--max-model-len", type=int, default=None)
+    doc.add_argument("--tensor-parallel-size", type=int, default=1, help="print each rank's share for this many ranks")
+    doc.add_argument("--decode-context-parallel-size", type=int, default=1)
+    doc.add_argument("--enable-expert-parallel", action="store_true")
+    doc.add_argument("--device-memory", default=None, help="memory per rank, e.g. 141GB: how much context fits")
+    doc.add_argument("--memory-utilization", type=float, default=0.9,
+                     help="fraction of --device-memory for weights and KV cache (vLLM's gpu-memory-utilization)")
     doc.set_defaults(func=cmd_doctor)
+
+    wrk = sub.add_parser("worker", help="run the ranks of one more node for a server started with --nnodes "
+                                        "(the engine's other arguments come from node 0)")
+    wrk.add_argument("model", nargs="?", default=None, help="this node's copy of the checkpoint (default: node 0's path)")
+    wrk.add_argument("--tensor-parallel-size", type=int, required=True)
+    wrk.add_argument("--nnodes", type=int, required=True)
+    wrk.add_argument("--node-rank", type=int, required=True)
+    wrk.add_argument("--master-addr", required=True, help="node 0's address")
+    wrk.add_argument("--master-port", type=int, required=True)
+    wrk.set_defaults(func=cmd_worker)
 
     add_bench_args(sub)
 
@@ -155,11 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from dsaserve.distributed.process_group import RankFailure
+    from dsaserve.engine.executor import ExecutorFailure
+
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (RankFailure, ExecutorFailure) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@ from collections import defaultdict
 import torch
 
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.engine.kv_cache import KVCacheLayout
 from dsaserve.model.loader import CheckpointError, check_tensors, checkpoint_files, read_tensor_infos
 from dsaserve.model.checkpoint_layout import checkpoint_shapes, component_of, is_mtp_tensor
+from dsaserve.parallel_plan import plan_lines, stored_items
 
 _BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "U8": 1, "I8": 1}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -36,8 +38,11 @@ def count(n: int) -> str:
     return str(n)
 
 
-def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None) -> tuple[str, bool]:
-    """Returns (text, ok). ok is False when the checkpoint's tensors do not match its config."""
+def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, parallel: ParallelConfig | None = None,
+           device_memory: int | None = None, utilization: float = 0.9) -> tuple[str, bool]:
+    """Returns (text, ok). ok is False when the checkpoint's tensors do not match its config. With a
+    parallel layout, also each rank's share (parallel_plan.py), and the context that fits in
+    device_memory bytes per rank."""
     cfg = ModelConfig.from_pretrained(model_dir, hf_overrides=hf_overrides)
     sched = cfg.indexer_schedule
     lines = [f"dsaserve doctor: {os.path.abspath(model_dir)}"]
@@ -78,13 +83,21 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None) 
         sizes = {n: (i.shape, _BYTES.get(i.dtype, 2)) for n, i in infos.items() if not is_mtp_tensor(cfg, n)}
         lines.append(_mtp_line(cfg, infos))
         source = "checkpoint headers"
+        stored = {n: v for n, v in sizes.items() if not n.endswith("_scale_inv")}  # the plan adds scales per slice
     else:
         lines.append("weights: none in this directory (sizes below are computed from config.json)")
         item = _DTYPE_BYTES.get(cfg.checkpoint_dtype, 2)
         sizes = {n: (s, item) for n, s in checkpoint_shapes(cfg).items()}
         source = f"config.json at {cfg.checkpoint_dtype}"
+        stored = stored_items(cfg, checkpoint_shapes(cfg), item)
     lines += _component_table(sizes, source)
     lines += _kv_lines(cfg, max_model_len)
+    if parallel is not None and parallel.distributed:
+        parallel.check_model(cfg, "sparse")
+        dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.checkpoint_dtype, torch.bfloat16)
+        lines += plan_lines(cfg, parallel, stored, torch.empty((), dtype=dtype).element_size(),
+                            str(dtype).removeprefix("torch."), KVCacheLayout.of(cfg, dtype).bytes_per_token,
+                            device_memory, utilization, human)
     return "\n".join(lines), ok
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from dsaserve.attention import ATTENTION_BACKENDS
 from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES
+from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.speculative_config import SpeculativeConfig
 
 
@@ -60,7 +61,17 @@ class EngineArgs:
     max_num_batched_tokens: int = field(default=8192, metadata=_help("token budget of one step"))
     enable_prefix_caching: bool = field(default=True, metadata=_help("turn prefix caching off (on by default)"))
     enable_chunked_prefill: bool = field(default=True, metadata=_help("turn chunked prefill off (on by default)"))
-    tensor_parallel_size: int = field(default=1, metadata=_help("devices to split the model over (only 1 so far)"))
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "ranks (devices or processes) to split the model over: attention heads, MLPs, experts and vocabulary"))
+    enable_expert_parallel: bool = field(default=False, metadata=_help(
+        "place whole routed experts on the tensor-parallel ranks instead of splitting every expert"))
+    decode_context_parallel_size: int = field(default=1, metadata=_help(
+        "split the KV cache along the sequence over this many of the tensor-parallel ranks (N× KV capacity per rank)"))
+    nnodes: int = field(default=1, metadata=_help("nodes the ranks run on (tensor_parallel_size / nnodes each)"))
+    node_rank: int = field(default=0, metadata=_help("this node's index; node 0 runs the server and rank 0"))
+    master_addr: str = field(default="127.0.0.1", metadata=_help("node 0's address, where the ranks meet"))
+    master_port: int | None = field(default=None, metadata=_help(
+        "port on node 0 where the ranks meet (default on one node: a free one)"))
     hf_overrides: dict | str | None = field(default=None, metadata=_help(
         "JSON object patched into config.json, e.g. '{\"index_topk_pattern\": \"FFSS\"}'"))
     speculative_config: dict | str | None = field(default=None, metadata=_help(
@@ -70,8 +81,7 @@ class EngineArgs:
     progress: bool = field(default=True, metadata=_help("show a progress bar while loading weights"))
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is supported so far")
+        self.parallel  # a bad parallel layout fails here, before anything loads
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -79,6 +89,11 @@ class EngineArgs:
             raise ValueError(f"page_budget={self.page_budget} must be at least 1 page")
         parse_bytes(self.kv_cache_memory)  # a bad size fails here, before anything loads
         SpeculativeConfig.parse(self.speculative_config)  # and so does a bad speculative config
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel, self.decode_context_parallel_size,
+                              self.nnodes, self.node_rank, self.master_addr, self.master_port)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -99,6 +114,8 @@ class EngineArgs:
                 parser.add_argument("model", nargs="?", default=None, **meta)
             elif f.type == "bool" and f.default is True:
                 parser.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false", **meta)
+            elif f.type == "bool":
+                parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action="store_true", **meta)
             else:
                 kind = int if f.type in ("int", "int | None") else str
                 parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=f.default, **meta)

@@ -28,6 +28,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel LLM (also done at exit; nothing to do on one device)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType] | None = None,

@@ -136,7 +136,9 @@ def test_engine_args_name_the_bad_value():
     from dsaserve.engine_args import EngineArgs
 
     for kwargs, field in (({"max_num_seqs": 0}, "max_num_seqs"), ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
-                          ({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"page_budget": 0}, "page_budget")):
+                          ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+                          ({"tensor_parallel_size": 2, "decode_context_parallel_size": 3}, "decode_context_parallel_size"),
+                          ({"page_budget": 0}, "page_budget")):
         try:
             EngineArgs(**kwargs)
         except ValueError as e:

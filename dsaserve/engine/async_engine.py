@@ -12,7 +12,10 @@ thread: torch's OpenMP parallel regions cost more when started from a non-main t
 whole decode steps (docs/design-notes.md has the numbers). Cancelling or closing the consumer aborts
 the request and frees its blocks. A request whose logits go non-finite ends with finish_reason
 "error"; an exception inside a step fails every running request (the step does not say which one
-broke it) and the loop carries on with the waiting ones and new arrivals.
+broke it) and the loop carries on with the waiting ones and new arrivals. A failed rank of a
+distributed executor is different: no step can run any more, so the loop stops, every request fails
+with the rank's error and `fatal_error` says why (the server then exits non-zero). The stepping thread
+shuts the executor's workers down when the loop ends.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 from dsaserve.engine.admission import EngineRequest
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.executor import ExecutorFailure
 from dsaserve.engine.stats import EngineStats
 from dsaserve.engine_args import EngineArgs
 from dsaserve.outputs import RequestOutput
@@ -59,8 +63,11 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
         self._running = False
+        self.fatal_error: str | None = None  # why the engine cannot run any more (a failed rank)
+        self._ended = False  # the stepping loop has returned: nothing runs new requests any more
         self.last_activity = time.monotonic()
         self._thread = None
+        engine.executor.add_failure_listener(self._on_executor_failure)
         if start_thread:
             self._thread = threading.Thread(target=self.run, name="dsaserve-engine", daemon=True)
             self._thread.start()
@@ -110,13 +117,15 @@ class AsyncLLMEngine:
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Run an admitted request; yields its outputs until it finishes."""
-        if self._stopped.is_set():
-            raise EngineStepError("the engine has stopped")
+        self._raise_if_stopped()
         request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
+        if self._ended:  # the loop ended after the check above, maybe before it failed this stream
+            self._streams.pop(request_id, None)
+            self._raise_if_stopped()
         self._submit(("add", request))
         finished = False
         try:
@@ -133,11 +142,20 @@ class AsyncLLMEngine:
             if not finished:
                 self._submit(("abort", request_id))
 
+    def _raise_if_stopped(self) -> None:
+        if self._stopped.is_set() or self._ended:
+            raise EngineStepError(f"the engine has stopped: {self.fatal_error}" if self.fatal_error
+                                  else "the engine has stopped")
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped.set()
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def _on_executor_failure(self, cause: str) -> None:
+        self.fatal_error = self.fatal_error or cause
+        self._wakeup.set()
 
     def _submit(self, op) -> None:
         self.last_activity = time.monotonic()
@@ -153,13 +171,19 @@ class AsyncLLMEngine:
             self._loop(should_stop or (lambda: False))
         finally:
             self._running = False
+            self._ended = True
             for request_id in self.engine.unfinished_request_ids():
                 self.engine.abort_request(request_id)
+            reason = f"the engine stopped: {self.fatal_error}" if self.fatal_error else "the engine stopped"
             for stream in list(self._streams.values()):
-                stream.put(EngineStepError("the engine stopped"))
+                stream.put(EngineStepError(reason))
+            try:
+                self.engine.shutdown()
+            except Exception:
+                logger.exception("shutting the executor down failed")
 
     def _loop(self, should_stop) -> None:
-        while not self._stopped.is_set() and not should_stop():
+        while not self._stopped.is_set() and not should_stop() and not self.fatal_error:
             try:
                 self._apply_ops()
             except Exception:  # never let one bad operation stop the loop
@@ -170,6 +194,10 @@ class AsyncLLMEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except ExecutorFailure as e:  # a rank is gone: nothing can run any more
+                self.fatal_error = self.fatal_error or str(e)
+                logger.error("engine stopped: %s", self.fatal_error)
+                return
             except Exception as e:  # a bug or a device error: fail what was running, keep serving
                 logger.exception("engine step failed")
                 try:

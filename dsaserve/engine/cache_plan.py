@@ -12,24 +12,26 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when the caller does not say
 
 
 def plan_num_blocks(layout: KVCacheLayout, block_size: int, memory: int | None, max_model_len: int,
-                    max_num_seqs: int) -> int:
+                    max_num_seqs: int, tokens_per_block: int | None = None) -> int:
+    """Blocks of `block_size` stored tokens each in `memory` bytes (per rank); a block holds
+    `tokens_per_block` tokens of a request (more than it stores under decode context parallelism)."""
     per_block = layout.bytes_per_token * block_size
     if memory is None:
-        wanted = blocks_needed(max_model_len, block_size) * max_num_seqs
+        wanted = blocks_needed(max_model_len, tokens_per_block or block_size) * max_num_seqs
         return max(1, min(wanted, DEFAULT_KV_CACHE_MEMORY // per_block))
     if memory < per_block:
         raise ValueError(f"kv_cache_memory={memory} bytes is smaller than one KV block ({per_block} bytes)")
     return memory // per_block
 
 
-def fit_max_model_len(max_model_len: int, capacity: int, bytes_per_token: int, explicit: bool) -> int:
+def fit_max_model_len(max_model_len: int, capacity: int, bytes_per_token: float, explicit: bool) -> int:
     """One sequence of max_model_len tokens must fit in the cache, or no long request could ever run."""
     if max_model_len <= capacity:
         return max_model_len
     if explicit:
         raise ValueError(
             f"max_model_len={max_model_len} needs {max_model_len} tokens of KV cache but the cache holds {capacity} "
-            f"({bytes_per_token} bytes per token); raise kv_cache_memory or lower max_model_len"
+            f"({bytes_per_token:g} bytes per token per rank); raise kv_cache_memory or lower max_model_len"
         )
     logger.info("max_model_len lowered from %d to %d, what the KV cache holds (set kv_cache_memory for more)",
                 max_model_len, capacity)

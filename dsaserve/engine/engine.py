@@ -11,20 +11,17 @@ from __future__ import annotations
 import logging
 import time
 
-from dsaserve import native
 from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_device, resolve_dtype
 from dsaserve.engine.admission import AdmissionLimits, EngineRequest, compile_grammar
 from dsaserve.engine.block_manager import KVCacheManager
 from dsaserve.engine.cache_plan import fit_max_model_len, plan_num_blocks, requested_max_model_len
-from dsaserve.engine.kv_cache import KVCache, KVCacheLayout
+from dsaserve.engine.executor import InProcessExecutor, make_executor
 from dsaserve.engine.output_processor import OutputProcessor
 from dsaserve.engine.request import Request, samples_of
-from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.scheduler import Scheduler, SchedulerConfig
 from dsaserve.engine.stats import EngineStats
 from dsaserve.engine_args import EngineArgs
-from dsaserve.model import load_model
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.structured_output.compiler import GrammarCompiler
@@ -38,38 +35,50 @@ class LLMEngine:
         start = time.perf_counter()
         self.model_dir = args.model
         self.config = cfg = ModelConfig.from_pretrained(args.model, hf_overrides=args.hf_overrides)
+        parallel = args.parallel
+        parallel.check_model(cfg, args.attention_backend)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype, self.device)
         self.tokenizer = Tokenizer(args.model)
         max_model_len = requested_max_model_len(args.max_model_len, cfg)
-        page_budget = args.page_budget or max(1, cfg.index_topk // args.block_size)  # the same token budget as top-k
         self.speculative, with_mtp = args.speculative, args.speculative is not None
-        self.model = load_model(cfg, args.model, self.dtype, self.device, args.attention_backend,
-                                progress=args.progress, page_budget=page_budget, with_mtp=with_mtp)
-        with_indexer = self.model.backend.uses_indexer
-        if with_indexer and self.device.type == "cpu":
-            native.library()  # build (first time on this machine) or load the CPU kernels now, not in a step
-        self.kv_layout = layout = KVCacheLayout.of(cfg, self.dtype, args.indexer_cache_dtype, with_indexer, with_mtp)
-        num_blocks = plan_num_blocks(layout, args.block_size, args.kv_cache_bytes, max_model_len, args.max_num_seqs)
-        self.max_model_len = fit_max_model_len(max_model_len, num_blocks * args.block_size, layout.bytes_per_token,
-                                               explicit=args.max_model_len is not None)
-        self.kv_cache = KVCache(cfg, num_blocks, args.block_size, self.dtype, self.device, with_indexer=with_indexer,
-                                indexer_dtype=args.indexer_cache_dtype, with_mtp=with_mtp)
+        self.executor = make_executor(args, cfg, self.device, self.dtype)  # loads the model on every rank
+        try:
+            driver = self.executor.driver
+            self.model = driver.model
+            self.kv_layout = layout = driver.kv_layout
+            # Under decode context parallelism a scheduler block holds dcp × block_size tokens, of which each
+            # rank stores block_size.
+            dcp = parallel.decode_context_parallel_size
+            tokens_per_block = args.block_size * dcp
+            num_blocks = plan_num_blocks(layout, args.block_size, args.kv_cache_bytes, max_model_len,
+                                         args.max_num_seqs, tokens_per_block)
+            self.max_model_len = fit_max_model_len(max_model_len, num_blocks * tokens_per_block,
+                                                   layout.bytes_per_token / dcp, explicit=args.max_model_len is not None)
+            self.executor.init_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_cache, self.runner = driver.kv_cache, driver.runner
         self.scheduler = Scheduler(SchedulerConfig(self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                                                    args.enable_chunked_prefill,
                                                    self.speculative.num_speculative_tokens if with_mtp else 0,
                                                    self.speculative.disable_by_batch_size if with_mtp else None),
-                                   KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching))
-        self.limits = AdmissionLimits(cfg.vocab_size, self.max_model_len, num_blocks, args.block_size,
+                                   KVCacheManager(num_blocks, tokens_per_block, args.enable_prefix_caching))
+        self.limits = AdmissionLimits(cfg.vocab_size, self.max_model_len, num_blocks, tokens_per_block,
                                       args.enable_chunked_prefill, args.max_num_batched_tokens, cfg.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, args.seed, cfg.index_share_for_mtp_iteration)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)  # xgrammar loads on first use
         logger.info(
-            "engine ready in %.1fs: %s, %s, backend=%s, %d KV blocks of %d tokens (%.1f MiB), prefix caching %s",
+            "engine ready in %.1fs: %s, %s, backend=%s, %d KV blocks of %d tokens (%.1f MiB%s), prefix caching %s",
             time.perf_counter() - start, self.device, str(self.dtype).removeprefix("torch."), args.attention_backend,
-            num_blocks, args.block_size, self.kv_cache.nbytes() / 2**20, "on" if args.enable_prefix_caching else "off",
+            num_blocks, tokens_per_block, self.kv_cache.nbytes() / 2**20,
+            " per rank" if parallel.distributed else "", "on" if args.enable_prefix_caching else "off",
         )
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (nothing to do on one device)."""
+        self.executor.shutdown()
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      prompt_text: str | None = None) -> EngineRequest:
@@ -93,6 +102,8 @@ class LLMEngine:
     def add_prefilled_request(self, request: EngineRequest, num_prefilled: int, fill) -> None:
         """Start a request (n = 1) whose first `num_prefilled` tokens are not computed: `fill(kv_cache,
         block_table, num_prefilled)` writes their cache entries (synthetic long contexts for benchmarks)."""
+        if not isinstance(self.executor, InProcessExecutor):
+            raise ValueError("prefilled requests write rank 0's cache only: use tensor_parallel_size=1")
         if request.params.n != 1 or not 0 <= num_prefilled < len(request.prompt_token_ids):
             raise ValueError(f"a prefilled request has one sample (n={request.params.n}) and leaves at least its last "
                              f"prompt token to compute (num_prefilled={num_prefilled})")
@@ -139,7 +150,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns what is new for every request that took part in it."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)  # also drops the state of finished requests
+        runner_output = self.executor.execute(scheduler_output)  # also drops the state of finished requests
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(updates)
         self.scheduler.finish_requests(stopped, "stop")

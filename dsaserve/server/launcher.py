@@ -110,5 +110,10 @@ def serve(engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1"
     http_thread = threading.Thread(target=server.run, name="dsaserve-http", daemon=True)
     http_thread.start()
     engine.run(should_stop=lambda: not http_thread.is_alive())  # returns once uvicorn has shut down
+    if engine.fatal_error:  # a rank failed: the requests have their errors; stop serving, exit non-zero
+        logger.error("shutting down: %s", engine.fatal_error)
+        server.should_exit = True
+        http_thread.join(graceful_timeout + 5)
+        return 1
     http_thread.join()
     return 0 if server.started else 1

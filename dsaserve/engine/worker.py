@@ -1,0 +1,52 @@
+"""Worker: one rank's share of the model, its KV cache and its ModelRunner.
+
+With one device the engine owns the only worker. With several ranks every rank's process owns one
+(rank 0's lives in the engine process, the driver) and every step they all run the same
+SchedulerOutput, exchanging partial results inside the model's layers; rank 0's output is the one
+the engine uses (engine/executor.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaserve import native
+from dsaserve.attention.context_shard import ContextShard
+from dsaserve.config import ModelConfig
+from dsaserve.distributed.parallel_context import ParallelContext
+from dsaserve.engine.kv_cache import KVCache, KVCacheLayout
+from dsaserve.engine.runner import ModelRunner
+from dsaserve.engine.runner_output import ModelRunnerOutput
+from dsaserve.engine.scheduler_output import SchedulerOutput
+from dsaserve.engine_args import EngineArgs
+from dsaserve.model import load_model
+
+
+class Worker:
+    def __init__(self, args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 parallel: ParallelContext | None = None, progress: bool = True):
+        self.args, self.cfg, self.device, self.dtype = args, cfg, device, dtype
+        self.parallel = parallel or ParallelContext.single()
+        self.with_mtp = args.speculative is not None
+        page_budget = args.page_budget or max(1, cfg.index_topk // args.block_size)  # the same token budget as top-k
+        self.model = load_model(cfg, args.model, dtype, device, args.attention_backend, progress=progress,
+                                page_budget=page_budget, with_mtp=self.with_mtp, parallel=self.parallel)
+        self.with_indexer = self.model.backend.uses_indexer
+        if self.with_indexer and device.type == "cpu":
+            native.library()  # build (first time on this machine) or load the CPU kernels now, not in a step
+        # Bytes per token this rank stores (under DCP, per token it holds: 1/N of a request's tokens).
+        self.kv_layout = KVCacheLayout.of(cfg, dtype, args.indexer_cache_dtype, self.with_indexer, self.with_mtp)
+        self.kv_cache: KVCache | None = None
+        self.runner: ModelRunner | None = None
+
+    def init_cache(self, num_blocks: int) -> None:
+        dcp = self.parallel.dcp
+        shard = ContextShard(dcp.rank, dcp.size, self.args.block_size, dcp) if dcp.size > 1 else None
+        self.kv_cache = KVCache(self.cfg, num_blocks, self.args.block_size, self.dtype, self.device,
+                                with_indexer=self.with_indexer, indexer_dtype=self.args.indexer_cache_dtype,
+                                with_mtp=self.with_mtp, shard=shard)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.args.seed,
+                                  self.cfg.index_share_for_mtp_iteration)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output)

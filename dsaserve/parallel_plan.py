@@ -1,0 +1,107 @@
+"""The per-rank plan `dsaserve doctor --tensor-parallel-size N [...]` prints: before a long load, what
+each rank reads and holds, and how much context fits.
+
+It adds up the slices distributed/sharding.py assigns (the loader reads exactly these), so the
+numbers are the loader's own: bytes as stored in the checkpoint, bytes resident once loaded
+(dsaserve computes in the model dtype; FP8 weights are dequantized at load today), KV bytes per token
+per rank, and the tokens of KV that fit in a given device memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from dsaserve.config import ModelConfig
+from dsaserve.distributed.parallel_config import ParallelConfig
+from dsaserve.distributed.sharding import ShardPlan, tensor_slice
+from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES
+
+FP8_BLOCK = 128 * 128  # elements per weight_scale_inv entry
+KIND_WORDS = {"replicated": "whole", "heads": "by attention head", "intermediate": "by intermediate dimension",
+              "experts": "whole experts of its own", "vocab": "by vocabulary rows"}
+
+
+@dataclass
+class RankShare:
+    stored: int = 0  # bytes read from the checkpoint
+    resident: int = 0  # bytes held once loaded
+    kinds: Counter = field(default_factory=Counter)  # tensors read, by how they are split
+    ranges: dict = field(default_factory=dict)  # heads / experts / vocab rows this rank holds
+
+
+def rank_shares(cfg: ModelConfig, parallel: ParallelConfig, tensors: dict[str, tuple[tuple[int, ...], int]],
+                resident_item: int) -> list[RankShare]:
+    """tensors: name → (shape, bytes per element as stored; 1 for FP8 weights, which add their scales)."""
+    shares = []
+    for rank in range(parallel.world_size):
+        plan = ShardPlan(rank, parallel.world_size, parallel.enable_expert_parallel)
+        share = RankShare()
+        for name, (shape, item) in tensors.items():
+            part = tensor_slice(cfg, plan, name, shape)
+            if part is None:
+                continue
+            numel = math.prod(part.shape_of(shape))
+            share.kinds[part.kind] += 1
+            share.stored += numel * item + (math.ceil(numel / FP8_BLOCK) * 4 if item == 1 else 0)
+            if part.kind == "vocab":  # every rank holds as many rows, the last one's past V being padding
+                first, last = plan.vocab_rows(cfg.vocab_size)
+                numel = (last - first) * math.prod(shape[1:])
+            share.resident += numel * (4 if name.endswith(FP32_PARAM_SUFFIXES) else resident_item)
+        heads = plan.split(cfg.num_attention_heads)
+        vocab = plan.vocab_rows(cfg.vocab_size)
+        share.ranges = {"heads": f"{heads[0]}-{heads[1] - 1}",
+                        "vocab rows": f"{vocab[0]}-{min(vocab[1], cfg.vocab_size) - 1}"}
+        if parallel.enable_expert_parallel:
+            experts = plan.local_experts(cfg.n_routed_experts)
+            share.ranges["experts"] = f"{experts[0]}-{experts[1] - 1}"
+        shares.append(share)
+    return shares
+
+
+def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_item: int, resident_dtype: str,
+               kv_bytes_per_token: int, device_memory: int | None, utilization: float, human) -> list[str]:
+    """The plan as doctor prints it; kv_bytes_per_token is one rank's for a token it stores."""
+    dcp = parallel.decode_context_parallel_size
+    shares = rank_shares(cfg, parallel, tensors, resident_item)
+    lines = [f"parallel plan: tensor parallel {parallel.tensor_parallel_size}"
+             + (", expert parallel" if parallel.enable_expert_parallel else "")
+             + (f", decode context parallel {dcp}" if dcp > 1 else "") + f" ({parallel.world_size} ranks)"]
+    first = shares[0]
+    kinds = ", ".join(f"{first.kinds[kind]:,} {how}" for kind, how in KIND_WORDS.items() if first.kinds[kind])
+    lines.append(f"  rank 0 reads {sum(first.kinds.values()):,} tensors: {kinds}")
+    lines.append(f"  {'rank':>6} {'stored':>12} {'resident':>12}  holds")
+    for rank, share in enumerate(shares):
+        ranges = ", ".join(f"{k} {v}" for k, v in share.ranges.items())
+        lines.append(f"  {rank:>6} {human(share.stored):>12} {human(share.resident):>12}  {ranges}")
+    lines.append(f"  (stored: read from the checkpoint; resident: held once loaded, in {resident_dtype})")
+    per_rank = kv_bytes_per_token / dcp
+    lines.append(f"  KV cache per token per rank: {human(per_rank)}"
+                 + (f" (each rank stores 1/{dcp} of a request's tokens)" if dcp > 1 else
+                    " (MLA's one latent head: every rank holds the whole latent)"))
+    if device_memory:
+        weights = max(s.resident for s in shares)
+        room = device_memory * utilization - weights
+        if room <= 0:
+            lines.append(f"  with {human(device_memory)} per rank (× {utilization:g}): does not fit, the weights "
+                         f"alone need {human(weights)} per rank; use more ranks")
+        else:
+            lines.append(f"  with {human(device_memory)} per rank (× {utilization:g}): {human(room)} left for the "
+                         f"KV cache = {int(room // per_rank):,} tokens of context in all")
+    return lines
+
+
+def stored_items(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], item: int) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Bytes per element of each tensor of a config-only checkpoint: FP8 weights where the config says
+    the checkpoint is FP8 (scales added per 128×128 block), the checkpoint dtype elsewhere."""
+    from dsaserve.demo.checkpoint_builder import is_fp8_quantizable
+
+    qc = cfg.quantization_config or {}
+    fp8 = qc.get("quant_method") == "fp8"
+    skip = tuple(qc.get("modules_to_not_convert") or ())
+
+    def stored(name: str) -> int:
+        return 1 if fp8 and is_fp8_quantizable(name) and not any(m in name for m in skip) else item
+
+    return {name: (shape, stored(name)) for name, shape in shapes.items()}

@@ -1,0 +1,165 @@
+"""Which part of each checkpoint tensor a rank reads and holds, checked without starting any process: the
+loader reads only a rank's slices, FP8 slices dequantize exactly as the whole tensor does, doctor's per-rank
+plan is what the model holds, and layouts the model cannot take are refused naming the field."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dsaserve.model.loader as loader
+from conftest import REFERENCE_CONFIG
+from dsaserve.config import ModelConfig
+from dsaserve.demo.checkpoint_builder import quantize_fp8
+from dsaserve.distributed.communicator import Communicator
+from dsaserve.distributed.parallel_config import ParallelConfig
+from dsaserve.distributed.parallel_context import ParallelContext
+from dsaserve.distributed.sharding import ShardPlan
+from dsaserve.model import load_model
+from dsaserve.model.glm_moe_dsa import GlmMoeDsaForCausalLM
+from dsaserve.parallel_plan import rank_shares
+
+
+def rank_of(rank: int, size: int, expert_parallel: bool = False) -> ParallelContext:
+    """Rank `rank` of `size` as the model sees it; building and loading need no process group."""
+    return ParallelContext(Communicator(None, tuple(range(size)), rank), expert_parallel=expert_parallel)
+
+
+class ReadLog:
+    """safe_open that records what is read: whole tensors, or the index of a slice."""
+
+    def __init__(self, monkeypatch):
+        self.whole, self.sliced = set(), {}
+        real = loader.safe_open
+        log = self
+
+        class Handle:
+            def __init__(self, path, framework):
+                self.f = real(path, framework)
+
+            def __enter__(self):
+                self.f.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.f.__exit__(*exc)
+
+            def keys(self):
+                return self.f.keys()
+
+            def get_tensor(self, name):
+                log.whole.add(name)
+                return self.f.get_tensor(name)
+
+            def get_slice(self, name):
+                piece = self.f.get_slice(name)
+
+                class Slice:
+                    def __getitem__(self, index):
+                        log.sliced[name] = index
+                        return piece[index]
+
+                    def __getattr__(self, attr):
+                        return getattr(piece, attr)
+
+                return Slice()
+
+        monkeypatch.setattr(loader, "safe_open", Handle)
+
+
+def test_each_rank_reads_only_its_slices(tiny_checkpoint, monkeypatch):
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    full = load_file(f"{tiny_checkpoint}/model.safetensors")
+    log = ReadLog(monkeypatch)
+    model = load_model(cfg, tiny_checkpoint, torch.float32, torch.device("cpu"), progress=False,
+                       parallel=rank_of(1, 2, expert_parallel=True))
+    params = dict(model.named_parameters())
+    attn = "model.layers.2.self_attn"
+    assert log.sliced[f"{attn}.q_b_proj.weight"] == (slice(48, 96), slice(None))  # heads 2-3 of 4, 24 rows each
+    assert log.sliced[f"{attn}.o_proj.weight"] == (slice(None), slice(32, 64))
+    assert log.sliced["lm_head.weight"] == (slice(cfg.vocab_size // 2, cfg.vocab_size), slice(None))
+    assert torch.equal(params[f"{attn}.q_b_proj.weight"], full[f"{attn}.q_b_proj.weight"][48:96])
+    assert torch.equal(params[f"{attn}.o_proj.weight"], full[f"{attn}.o_proj.weight"][:, 32:64])
+    # Whole experts 4-7 of 8, and none of the others.
+    experts = {int(n.split(".")[5]) for n in log.whole | set(log.sliced) if ".experts." in n}
+    assert experts == {4, 5, 6, 7}
+    assert torch.equal(params["model.layers.1.mlp.experts_down"][0], full["model.layers.1.mlp.experts.4.down_proj.weight"])
+    split = [n for n in full if n.endswith(("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight", "lm_head.weight",
+                                            "embed_tokens.weight", "shared_experts.down_proj.weight"))]
+    assert split and not log.whole & set(split)  # never read whole and then cut
+
+
+def test_fp8_slices_dequantize_exactly_as_the_whole_tensor():
+    weight = torch.randn(300, 200)  # partial 128-blocks in both directions
+    q, scale = quantize_fp8(weight)
+    whole = loader.dequantize_fp8(q, scale, (128, 128), "w")
+    rows = loader.dequantize_fp8(q[100:250], scale, (128, 128), "w", (300, 200), (100, 0))
+    cols = loader.dequantize_fp8(q[:, 70:190], scale, (128, 128), "w", (300, 200), (0, 70))
+    assert torch.equal(rows, whole[100:250]) and torch.equal(cols, whole[:, 70:190])
+    shifted = loader.dequantize_fp8(q[100:250], scale, (128, 128), "w", (300, 200), (0, 0))  # a wrong block index
+    assert not torch.equal(shifted, whole[100:250])
+
+
+@pytest.mark.parametrize("ranks, expert_parallel", [(2, False), (2, True), (3, False)])
+def test_doctor_plan_is_what_each_rank_holds(tiny_checkpoint, ranks, expert_parallel):
+    """Three ranks split the 640-row vocabulary into 214-row shards, the last one padded."""
+    overrides = {"num_attention_heads": 6, "intermediate_size": 384, "moe_intermediate_size": 96} if ranks == 3 else {}
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint, hf_overrides=overrides)
+    from dsaserve.model.checkpoint_layout import checkpoint_shapes
+
+    tensors = {n: (s, 4) for n, s in checkpoint_shapes(cfg).items()}
+    shares = rank_shares(cfg, ParallelConfig(ranks, expert_parallel), tensors, resident_item=4)
+    for rank in range(ranks):
+        with torch.device("meta"):
+            model = GlmMoeDsaForCausalLM(cfg, parallel=rank_of(rank, ranks, expert_parallel))
+        held = sum(p.numel() * 4 for p in model.parameters())
+        assert shares[rank].resident == held
+
+
+def doctor(*args):
+    return subprocess.run([sys.executable, "-m", "dsaserve", "doctor", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_doctor_prints_the_glm52_fp8_plan_with_and_without_dcp(tmp_path):
+    (tmp_path / "config.json").write_text(open(REFERENCE_CONFIG).read())
+    fp8 = '{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}'
+    common = [str(tmp_path), "--hf-overrides", fp8, "--tensor-parallel-size", "8", "--device-memory", "141GB"]
+    tp = doctor(*common)
+    dcp = doctor(*common, "--decode-context-parallel-size", "8")
+    assert tp.returncode == dcp.returncode == 0, tp.stderr + dcp.stderr
+    assert "parallel plan: tensor parallel 8 (8 ranks)" in tp.stdout
+    assert "parallel plan: tensor parallel 8, decode context parallel 8 (8 ranks)" in dcp.stdout
+    # MLA's one latent head is on every rank: 93.0 KiB per token each; DCP 8 stores an eighth of the tokens.
+    assert "KV cache per token per rank: 93.0 KiB" in tp.stdout
+    assert "KV cache per token per rank: 11.6 KiB" in dcp.stdout
+    assert "heads 56-63, vocab rows 135520-154879" in tp.stdout
+    assert "88.2 GiB" in tp.stdout  # FP8 weights as stored, per rank
+    assert "the weights alone need 175.9 GiB per rank" in tp.stdout  # dequantized to bf16 at load
+
+
+@pytest.mark.parametrize("layout, overrides, field", [
+    (dict(tensor_parallel_size=3), {}, "num_attention_heads=4"),
+    (dict(tensor_parallel_size=2), {"moe_intermediate_size": 65}, "moe_intermediate_size=65"),
+    (dict(tensor_parallel_size=2, enable_expert_parallel=True), {"n_routed_experts": 7}, "n_routed_experts=7"),
+    (dict(tensor_parallel_size=4, decode_context_parallel_size=3), {}, "decode_context_parallel_size=3"),
+    (dict(tensor_parallel_size=1, enable_expert_parallel=True), {}, "enable_expert_parallel"),
+    (dict(tensor_parallel_size=2, nnodes=2), {}, "master-port"),
+])
+def test_layouts_the_model_cannot_take_are_refused(tiny_checkpoint, layout, overrides, field):
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint, hf_overrides=overrides)
+    with pytest.raises(ValueError, match=field):
+        config = ParallelConfig(**{"tensor_parallel_size": 1, **layout})
+        config.check_model(cfg, "sparse")
+
+
+def test_page_backend_refuses_dcp(tiny_checkpoint):
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    with pytest.raises(ValueError, match="page"):
+        ParallelConfig(2, decode_context_parallel_size=2).check_model(cfg, "page")
+
+
+def test_vocab_rows_pad_the_last_rank():
+    plans = [ShardPlan(r, 3) for r in range(3)]
+    assert [p.vocab_rows(1000) for p in plans] == [(0, 334), (334, 668), (668, 1002)]
