@@ -91,6 +91,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
         source = f"config.json at {cfg.checkpoint_dtype}"
         stored = stored_items(cfg, checkpoint_shapes(cfg), item)
     lines += _component_table(sizes, source)
+    lines += _weight_form_lines(cfg)
     lines += _kv_lines(cfg, max_model_len)
     if parallel is not None and parallel.distributed:
         parallel.check_model(cfg, "sparse")
@@ -161,6 +162,18 @@ def _component_table(sizes: dict, source: str) -> list[str]:
     for key in sorted(nbytes, key=lambda k: -nbytes[k]):
         lines.append(f"  {key:<16} {count(params[key]):>10} params  {human(nbytes[key]):>12}")
     lines.append(f"  {'total':<16} {count(sum(params.values())):>10} params  {human(sum(nbytes.values())):>12}")
+    return lines
+
+
+def _weight_form_lines(cfg: ModelConfig) -> list[str]:
+    """Resident weight bytes in each form dsaserve can hold them in (the MTP layer not counted)."""
+    from dsaserve.quantization.weight_bytes import resident_bytes
+
+    params = resident_bytes(cfg, None, torch.float32) // 4
+    lines = ["resident weights by form (--quantization; an FP8 checkpoint stays fp8 where the CPU kernels run):"]
+    for form, what in ((None, "bf16, float"), ("fp8", "fp8"), ("int8", "int8"), ("int4", "int4")):
+        size = resident_bytes(cfg, form, torch.bfloat16)
+        lines.append(f"  {what:<12} {human(size):>12}  {size / params:.3f} bytes per parameter")
     return lines
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from dsaserve.attention import ATTENTION_BACKENDS
 from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES
 from dsaserve.distributed.parallel_config import ParallelConfig
+from dsaserve.quantization.formats import QUANTIZATION_MODES
 from dsaserve.speculative_config import SpeculativeConfig
 
 
@@ -72,6 +73,9 @@ class EngineArgs:
     master_addr: str = field(default="127.0.0.1", metadata=_help("node 0's address, where the ranks meet"))
     master_port: int | None = field(default=None, metadata=_help(
         "port on node 0 where the ranks meet (default on one node: a free one)"))
+    quantization: str | None = field(default=None, metadata=_help(
+        "keep the projections' weights in 8 or 4 bits: fp8 (128x128 blocks), int8 (per row) or int4 (groups of 128); "
+        "an FP8 checkpoint stays in FP8 without it (where the CPU kernels run)", choices=QUANTIZATION_MODES))
     hf_overrides: dict | str | None = field(default=None, metadata=_help(
         "JSON object patched into config.json, e.g. '{\"index_topk_pattern\": \"FFSS\"}'"))
     speculative_config: dict | str | None = field(default=None, metadata=_help(
@@ -87,6 +91,9 @@ class EngineArgs:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.page_budget is not None and self.page_budget < 1:
             raise ValueError(f"page_budget={self.page_budget} must be at least 1 page")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
+                             f"{', '.join(QUANTIZATION_MODES)} (or leave it unset)")
         parse_bytes(self.kv_cache_memory)  # a bad size fails here, before anything loads
         SpeculativeConfig.parse(self.speculative_config)  # and so does a bad speculative config
 

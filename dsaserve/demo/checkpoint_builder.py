@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from dsaserve.config import ModelConfig
 from dsaserve.demo.tokenizer import build_tokenizer, save_tokenizer, stop_token_ids
 from dsaserve.model.checkpoint_layout import checkpoint_shapes
+from dsaserve.model.fp8_blocks import FP8_MAX, quantize_fp8  # noqa: F401 (tests and scripts import them here)
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def small_config(**overrides) -> dict:
@@ -114,18 +114,6 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.0, include_mt
         elif name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wk.weight")):
             w[:, SEPARATION_CHANNEL] = 0.0  # else every query and key would point the same way
     return weights
-
-
-def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-wise FP8: returns (float8_e4m3fn weight, float32 weight_scale_inv [ceil(r/b), ceil(c/b)])."""
-    rows, cols = weight.shape
-    grid_r, grid_c = math.ceil(rows / block[0]), math.ceil(cols / block[1])
-    padded = torch.zeros(grid_r * block[0], grid_c * block[1])
-    padded[:rows, :cols] = weight.float()
-    tiles = padded.view(grid_r, block[0], grid_c, block[1])
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    q = (tiles / scale[:, None, :, None]).view(grid_r * block[0], grid_c * block[1])[:rows, :cols]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
 def is_fp8_quantizable(name: str) -> bool:

@@ -27,7 +27,6 @@ import torch
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed import process_group as pg
-from dsaserve.distributed.process_group import RankFailure
 from dsaserve.engine.runner_output import ModelRunnerOutput
 from dsaserve.engine.scheduler_output import SchedulerOutput
 from dsaserve.engine.worker import Worker

@@ -20,6 +20,7 @@ from dsaserve.engine.runner_output import ModelRunnerOutput
 from dsaserve.engine.scheduler_output import SchedulerOutput
 from dsaserve.engine_args import EngineArgs
 from dsaserve.model import load_model
+from dsaserve.quantization.apply import fp8_params, weight_forms
 
 
 class Worker:
@@ -29,8 +30,10 @@ class Worker:
         self.parallel = parallel or ParallelContext.single()
         self.with_mtp = args.speculative is not None
         page_budget = args.page_budget or max(1, cfg.index_topk // args.block_size)  # the same token budget as top-k
+        forms = weight_forms(args.quantization, fp8_params(cfg, args.model), dtype, device)
         self.model = load_model(cfg, args.model, dtype, device, args.attention_backend, progress=progress,
-                                page_budget=page_budget, with_mtp=self.with_mtp, parallel=self.parallel)
+                                page_budget=page_budget, with_mtp=self.with_mtp, parallel=self.parallel,
+                                weight_forms=forms)
         self.with_indexer = self.model.backend.uses_indexer
         if self.with_indexer and device.type == "cpu":
             native.library()  # build (first time on this machine) or load the CPU kernels now, not in a step

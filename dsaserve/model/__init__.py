@@ -8,20 +8,33 @@ from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.loader import load_checkpoint, mtp_extras
 from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
+from dsaserve.quantization.apply import pack_weights
+from dsaserve.quantization.packed import is_packed
 
 
 def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
                attention_backend: str = "sparse", progress: bool = True, page_budget: int | None = None,
-               with_mtp: bool = False, parallel: ParallelContext | None = None) -> GlmMoeDsaForCausalLM:
+               with_mtp: bool = False, parallel: ParallelContext | None = None,
+               weight_forms=None) -> GlmMoeDsaForCausalLM:
     """Build the model without initializing weights, then fill every parameter from the checkpoint
-    (the MTP layer too, with_mtp); with `parallel`, this rank's share of it."""
+    (the MTP layer too, with_mtp); with `parallel`, this rank's share of it; with `weight_forms` (a
+    parameter name → fp8, int8, int4, bf16 or None), its projections packed (quantization/apply.py).
+    A plain string packs every projection in that form."""
     mtp = mtp_extras(cfg, model_dir) if with_mtp else None
     parallel = parallel or ParallelContext.single()
     with torch.device("meta"):
         model = GlmMoeDsaForCausalLM(cfg, attention_backend, page_budget, mtp, parallel)
+        if isinstance(weight_forms, str):
+            pack_weights(model, lambda name, form=weight_forms: form)
+        elif weight_forms is not None:
+            pack_weights(model, weight_forms)
         for name, param in model.named_parameters():
             param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
     model.to_empty(device=device)
+    for module in model.modules():
+        if is_packed(module):  # padding rows and columns must read as zeros
+            module.qweight.zero_()
+            module.scale.zero_()
     model.tie_weights()
     load_checkpoint(model, cfg, model_dir, progress=progress, with_mtp=with_mtp, plan=parallel.plan)
     return model.eval()

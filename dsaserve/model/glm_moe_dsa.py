@@ -22,6 +22,9 @@ from dsaserve.model.mla import MLAAttention
 from dsaserve.model.moe import MoE
 from dsaserve.model.mtp import MTPLayer, mtp_param_name
 from dsaserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+from dsaserve.model.fp8_blocks import as_float
+from dsaserve.quantization.packed import is_packed
+from dsaserve.quantization.quantized_weight import QuantizedWeight
 
 # Parameters computed in fp32 whatever the model dtype (as in the reference implementation).
 FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -99,7 +102,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward_hidden(self, meta: BatchMetadata, kv_caches: list[torch.Tensor], indexer_caches: dict) -> torch.Tensor:
         """Hidden states of every row [T, hidden], before the final norm."""
-        x = self.model.embed_tokens(meta.input_ids)
+        x = self.model.embed_tokens(meta.input_ids, self.model.norm.weight.dtype)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         topk = None
         for i, layer in enumerate(self.model.layers):
@@ -135,6 +138,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         Made once the parameters are on their device; safe to call from several threads.
         """
         params = dict(self.named_parameters())
+        params.update((name, module) for name, module in self.named_modules() if is_packed(module))
         first_mtp = f"model.layers.{self.config.num_hidden_layers}."
         first_expert, _ = self.parallel.plan.local_experts(self.config.n_routed_experts)
 
@@ -146,36 +150,61 @@ class GlmMoeDsaForCausalLM(nn.Module):
         return load
 
 
-def _load_tensor(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, first_expert: int = 0) -> None:
-    """tensor: this rank's slice of checkpoint tensor `name` (distributed/sharding.py)."""
+def param_of(checkpoint_name: str, num_hidden_layers: int) -> str:
+    """The model parameter (or packed weight) a checkpoint tensor is loaded into."""
+    name = checkpoint_name
+    if name.startswith(f"model.layers.{num_hidden_layers}."):
+        name = mtp_param_name(name, num_hidden_layers)
+    if m := _EXPERT.match(name):
+        return f"{m.group(1)}.experts_{'down' if m.group(3) == 'down' else 'gate_up'}"
+    if (m := _GATE_UP.match(name)) and ".mlp." in name and not name.endswith("mlp.gate.weight"):
+        return f"{m.group(1)}.gate_up_proj"
+    return name
+
+
+def _load_tensor(params: dict, name: str, tensor, first_expert: int = 0) -> None:
+    """tensor: this rank's slice of checkpoint tensor `name` (distributed/sharding.py), a float tensor or,
+    from an FP8 checkpoint, an Fp8Slice. A target is a Parameter or a QuantizedWeight (packed)."""
     if m := _EXPERT.match(name):
         moe, expert, kind = m.group(1), int(m.group(2)) - first_expert, m.group(3)
         if kind == "down":
-            _copy(params[f"{moe}.experts_down"][expert], tensor, name)
+            _copy_rows(params[f"{moe}.experts_down"], 0, tensor, name, expert)
         else:
-            inter = tensor.shape[0]
-            offset = 0 if kind == "gate" else inter
-            _copy(params[f"{moe}.experts_gate_up"][expert, offset : offset + inter], tensor, name)
+            _copy_rows(params[f"{moe}.experts_gate_up"], 0 if kind == "gate" else tensor.shape[0], tensor, name, expert)
     elif (m := _GATE_UP.match(name)) and f"{m.group(1)}.gate_up_proj" in params:
         fused = params[f"{m.group(1)}.gate_up_proj"]
-        inter = fused.shape[0] // 2
-        offset = 0 if m.group(2) == "gate" else inter
-        _copy(fused[offset : offset + inter], tensor, name)
+        _copy_rows(fused, 0 if m.group(2) == "gate" else fused.shape[0] // 2, tensor, name)
     elif m := _KV_B.match(name):
         w_uk, w_uv = params[f"{m.group(1)}.w_uk"], params[f"{m.group(1)}.w_uv"]
-        heads, nope, rank = w_uk.shape
-        per_head = tensor.view(heads, nope + w_uv.shape[1], rank)
-        _copy(w_uk, per_head[:, :nope], name)
-        _copy(w_uv, per_head[:, nope:], name)
+        heads, v = w_uv.shape[0], w_uv.shape[1]
+        rank = tensor.shape[1]
+        per_head = as_float(tensor).view(heads, -1, rank)
+        nope = per_head.shape[1] - v
+        if isinstance(w_uk, QuantizedWeight):  # packed per head, W_UK transposed
+            for h in range(heads):
+                w_uk.load_rows(0, per_head[h, :nope].T, h, name)
+                w_uv.load_rows(0, per_head[h, nope:], h, name)
+        else:
+            _copy(w_uk, per_head[:, :nope], name)
+            _copy(w_uv, per_head[:, nope:], name)
     elif name in params:
         dst = params[name]
         if name.endswith(_VOCAB_PARAMS) and tensor.shape[0] < dst.shape[0]:  # the last rank's padding rows
-            with torch.no_grad():
-                dst[tensor.shape[0]:].zero_()
-            dst = dst[: tensor.shape[0]]
-        _copy(dst, tensor, name)
+            if isinstance(dst, torch.Tensor):
+                with torch.no_grad():
+                    dst[tensor.shape[0]:].zero_()
+        _copy_rows(dst, 0, tensor, name)
     else:
         raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+
+
+def _copy_rows(dst, first: int, src, name: str, expert: int | None = None) -> None:
+    """src [n, K] into rows first … first + n of dst (of expert `expert` of a stacked one)."""
+    if is_packed(dst):
+        dst.load_rows(first, src, expert, name)
+        return
+    target = dst if expert is None else dst[expert]
+    _copy(target[first : first + src.shape[0]], as_float(src), name)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -17,6 +17,7 @@ from dsaserve.attention.indexer import Selection, select_topk
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.model.layers import apply_rope
+from dsaserve.model.linear import Linear
 
 
 class Indexer(nn.Module):
@@ -27,8 +28,8 @@ class Indexer(nn.Module):
         self.rope_dim = cfg.qk_rope_head_dim
         self.selection = selection
         self.rope_interleave = cfg.indexer_rope_interleave
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)  # kept in fp32
         self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsaserve.config import RopeConfig
+from dsaserve.model.linear import linear
 from dsaserve.model.parallel_layers import RowParallelLinear
 
 
@@ -32,14 +33,19 @@ class GatedMLP(nn.Module):
     projections; the partial outputs are summed over `comm` (None: the caller sums them, as MoE does
     once for its routed and shared experts together)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, comm=None):
+    QUANTIZABLE = ("gate_up_proj",)
+
+    def __init__(self, hidden_size: int, intermediate_size: int, comm=None, first_column: int | None = None):
+        """first_column: where this rank's share starts in the full intermediate dimension (default: comm's
+        rank × intermediate_size)."""
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, comm=comm)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, comm=comm,
+                                           first_column=first_column)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

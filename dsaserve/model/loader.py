@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,17 +20,14 @@ from tqdm import tqdm
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.sharding import ShardPlan, TensorSlice, tensor_slice
-from dsaserve.model.checkpoint_layout import checkpoint_shapes, is_mtp_tensor, optional_mtp_shapes
+from dsaserve.model.checkpoint_layout import CheckpointError, checkpoint_shapes, is_mtp_tensor, optional_mtp_shapes
+from dsaserve.model.fp8_blocks import Fp8Slice, dequantize_fp8  # noqa: F401 (dequantize_fp8: the loader's rule)
 
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` holds the block scales of an FP8 `X.weight`
 FP8_DTYPES = ("F8_E4M3",)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's files or tensors do not match what the config describes."""
 
 
 @dataclass(frozen=True)
@@ -122,29 +118,6 @@ def _listing(names: list[str], limit: int = 20) -> str:
     return shown + (f", … and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str,
-                   full_shape: tuple[int, int] | None = None, offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """weight (float8_e4m3fn) × its per-block scale. The tile is derived from the tensor's own scale grid.
-    weight may be the part of a [full_shape] tensor starting at row, column `offset` (one rank's slice)."""
-    rows, cols = full_shape or weight.shape
-    grid_r, grid_c = scale_inv.shape if scale_inv.dim() == 2 else (1, 1)
-    tile_r = _tile(rows, grid_r, block[0], name)
-    tile_c = _tile(cols, grid_c, block[1], name)
-    row_block = (torch.arange(weight.shape[0]) + offset[0]) // tile_r
-    col_block = (torch.arange(weight.shape[1]) + offset[1]) // tile_c
-    scale = scale_inv.float().reshape(grid_r, grid_c)[row_block][:, col_block]
-    return weight.float() * scale
-
-
-def _tile(size: int, grid: int, block: int, name: str) -> int:
-    if math.ceil(size / block) == grid:
-        return block
-    tile = math.ceil(size / grid)
-    if grid < 1 or math.ceil(size / tile) != grid:
-        raise CheckpointError(f"{name}: a scale grid of {grid} blocks cannot cover {size} rows/columns")
-    return tile
-
-
 def _fp8_block(cfg: ModelConfig) -> tuple[int, int]:
     qc = cfg.quantization_config or {}
     block = qc.get("weight_block_size") or [128, 128]
@@ -175,7 +148,8 @@ def read_part(f, name: str, info: TensorInfo, part: TensorSlice) -> torch.Tensor
 
 def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = True,
                     max_workers: int | None = None, with_mtp: bool = False, plan: ShardPlan | None = None) -> None:
-    """Load every tensor of `model_dir` into `model` (via `model.weight_loader()`). The MTP layer's
+    """Load every tensor of `model_dir` into `model` (via `model.weight_loader()`); FP8 tensors arrive
+    as Fp8Slice (kept as shipped by FP8 weights, dequantized by others). The MTP layer's
     tensors load with_mtp (speculative decoding) and are skipped otherwise. With a tensor-parallel
     `plan`, each tensor's slice for that rank is read (distributed/sharding.py), and none of the
     tensors the rank does not hold."""
@@ -206,12 +180,11 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
                 for name in by_file[path]:
                     part = parts[name]
                     tensor = read_part(f, name, infos[name], part)
-                    if infos[name].dtype in FP8_DTYPES:  # dequantized per slice, with its blocks' scales
+                    if infos[name].dtype in FP8_DTYPES:  # as shipped; the target keeps it or dequantizes it
                         scale_name = name + SCALE_SUFFIX
                         offset = tuple(part.start if part.dim == d else 0 for d in (0, 1))
                         with safe_open(infos[scale_name].file, "pt") as sf:
-                            tensor = dequantize_fp8(tensor, sf.get_tensor(scale_name), block, name,
-                                                    infos[name].shape, offset)
+                            tensor = Fp8Slice(tensor, sf.get_tensor(scale_name), infos[name].shape, offset, block, name)
                     load_tensor(name, tensor)
                     bar.update(1)
         except SafetensorError as e:

@@ -22,10 +22,16 @@ from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext, check_same_on_ranks
 from dsaserve.model.indexer import Indexer
 from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale
+from dsaserve.model.linear import Linear
 from dsaserve.model.parallel_layers import RowParallelLinear
 
 
 class MLAAttention(nn.Module):
+    # W_UK and W_UV may be packed per head; W_UK then as its transpose [H, rank, nope], so that both are
+    # products x @ Wᵀ like every other projection.
+    QUANTIZABLE = ("w_uk", "w_uv")
+    TRANSPOSED = ("w_uk",)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection, full: bool | None = None,
                  parallel: ParallelContext | None = None):
         super().__init__()
@@ -41,10 +47,10 @@ class MLAAttention(nn.Module):
         self.scale = attention_scale(cfg.qk_head_dim, cfg.rope)
         self.backend = backend
         bias = cfg.attention_bias
-        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=bias)
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
         # kv_b_proj split per head at load time: W_UK [H, nope, rank] and W_UV [H, v, rank].
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope_dim, cfg.kv_lora_rank))
@@ -75,12 +81,21 @@ class MLAAttention(nn.Module):
             if self.parallel.check_ranks:
                 check_same_on_ranks(self.parallel.tp, topk, f"layer {self.layer_idx} top-k")
 
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, rank]
+        q_latent = per_head(q_nope, self.w_uk, transposed=True)  # [T, H, rank]
         query = torch.cat([q_latent, q_rope], dim=-1)
         if meta.shard is None:
             out_latent = self.backend.forward(query, kv_cache, meta, self.scale, self.kv_lora_rank, topk)
         else:  # this rank holds 1/N of the context: attend to it, merge with the other ranks' parts
             out_latent = attend_context_shard(query, kv_cache, meta, self.scale, self.kv_lora_rank,
                                               topk if self.backend.uses_indexer else None)
-        out = torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        out = per_head(out_latent, self.w_uv)  # [T, H, v]
         return self.o_proj(out.reshape(tokens, -1)), topk
+
+
+def per_head(x: torch.Tensor, weight, transposed: bool = False) -> torch.Tensor:
+    """x [T, H, K] by each head's weight: [T, H, N]. A float weight is [H, N, K] ([H, K, N] when
+    `transposed`, as W_UK is stored unpacked); a packed one is [H, N, K] either way."""
+    rows = x.transpose(0, 1)
+    if isinstance(weight, torch.Tensor):
+        return torch.bmm(rows, weight if transposed else weight.transpose(1, 2)).transpose(0, 1)
+    return weight.batched_matmul(rows).transpose(0, 1)

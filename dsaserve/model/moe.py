@@ -9,6 +9,7 @@ from torch import nn
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.layers import GatedMLP
+from dsaserve.model.linear import expert_weight, linear
 
 
 class Router(nn.Module):
@@ -42,6 +43,8 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    QUANTIZABLE = ("experts_gate_up", "experts_down")
+
     """Routed experts plus shared experts. With tensor parallelism each rank holds its share of every
     expert's intermediate dimension; with expert parallelism it holds whole experts [first, first + n)
     and runs only the tokens routed to them. Either way the router runs on every rank (replicated), and
@@ -62,7 +65,10 @@ class MoE(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(last - self.first_expert, 2 * inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(last - self.first_expert, hidden, inter))
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = GatedMLP(hidden, plan.local(shared)) if shared else None  # summed below
+        self.shared_experts = (GatedMLP(hidden, plan.local(shared), first_column=plan.split(shared)[0])
+                               if shared else None)  # summed below, with the routed experts
+        # experts_down's first column in the full expert (its input is this rank's share of the intermediate).
+        self.column_offsets = {"experts_down": 0 if parallel.expert_parallel else plan.rank * inter}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -77,8 +83,8 @@ class MoE(nn.Module):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
-            gate, up = F.linear(x[tokens], self.experts_gate_up[local]).split(self.inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts_down[local])
+            gate, up = linear(x[tokens], expert_weight(self.experts_gate_up, local)).split(self.inter, dim=-1)
+            y = linear(F.silu(gate) * up, expert_weight(self.experts_down, local))
             out.index_add_(0, tokens, (y * weight_of[start : start + count, None]).to(out.dtype))
             start += count
         return self.comm.all_reduce(out)

@@ -20,6 +20,7 @@ from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.layers import RMSNorm
+from dsaserve.model.linear import Linear
 from dsaserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 
 
@@ -33,7 +34,7 @@ class MTPLayer(nn.Module):
         self.layer_idx = cfg.num_hidden_layers
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, bias=False)
         self.block = block
         self.head_norm = RMSNorm(h, cfg.rms_norm_eps)  # shared_head.norm
         self.head = ParallelLMHead(cfg.vocab_size, h, parallel.plan, parallel.tp) if own_head else None  # shared_head.head
@@ -43,7 +44,7 @@ class MTPLayer(nn.Module):
                 kv_cache: torch.Tensor, indexer_cache, topk: torch.Tensor | None = None):
         """meta: the rows to run (input ids = the next tokens); prev_hidden [T, hidden]. With `topk`, the
         indexer does not run and attention uses it. Returns (hidden before the head norm, the top-k used)."""
-        e = (self.embed or embed)(meta.input_ids)
+        e = (self.embed or embed)(meta.input_ids, prev_hidden.dtype)
         e = e.masked_fill((meta.positions == 0)[:, None], 0)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev_hidden.to(e.dtype))], dim=-1))
         cos, sin = rotary.cos_sin(meta.positions, x.dtype)

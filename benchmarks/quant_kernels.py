@@ -1,0 +1,63 @@
+"""The packed-weight kernels alone: GB/s of weights read by one [8192, 4096] product, per form and row count.
+
+    python benchmarks/quant_kernels.py
+
+Against torch's bf16 F.linear on the same weight and this machine's copy bandwidth (bytes copied per
+second, 1 GiB buffers). 64 MiB of bf16 weights (32, 16 MiB packed in 8, 4 bits) is past the caches here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dsaserve.model.fp8_blocks import fp8_row_scales, quantize_fp8
+from dsaserve.native import torch_ops
+from dsaserve.quantization import formats
+
+N, K = 8192, 4096
+
+
+def per_call(fn, n: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    if torch_ops.cpu_kernels() != "avx512_bf16":
+        raise SystemExit(f"the kernels do not run here ({torch_ops.cpu_kernels()})")
+    a = torch.ones(1 << 30, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    copy = a.numel() / min(per_call(lambda: b.copy_(a), 3) for _ in range(2))
+    print(f"copy bandwidth {copy / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
+    w = torch.randn(N, K)
+    wb = w.bfloat16()
+    for m in (1, 4, 16):
+        x = torch.randn(m, K).bfloat16()
+        t = per_call(lambda: torch.nn.functional.linear(x, wb))
+        print(f"torch bf16 F.linear, {m:2d} rows: {N * K * 2 / t / 1e9:5.1f} GB/s ({t * 1e3:.2f} ms)")
+    for kind in ("bf16", "fp8", "int8", "int4"):
+        if kind == "bf16":
+            q, scale = wb, torch.ones(N, 1)
+        elif kind == "fp8":
+            q8, scale_inv = quantize_fp8(w)
+            q, scale = q8.view(torch.uint8), fp8_row_scales(scale_inv, (0, N), (0, K), (N, K), (128, 128))
+        else:
+            q, scale = formats.quantize_int8(w) if kind == "int8" else formats.quantize_int4(w)
+        packed, scales = formats.pack(kind, q, scale)
+        size = packed.numel() * packed.element_size() + scales.numel() * 4
+        args = (formats.KINDS[kind], formats.group_of(kind, K), 0, N, K)
+        for m in (1, 4, 16):
+            x = torch.randn(m, K).bfloat16()
+            t = per_call(lambda: torch.ops.dsaserve.quant_linear(x, packed, scales, *args))
+            print(f"{kind:>4} kernel, {m:2d} rows: {size / t / 1e9:5.1f} GB/s ({t * 1e3:.2f} ms, "
+                  f"{size / t / copy:.0%} of copy)")
+
+
+if __name__ == "__main__":
+    main()

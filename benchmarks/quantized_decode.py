@@ -1,0 +1,144 @@
+"""Decode with weights in 16, 8 and 4 bits against the memory-bandwidth bound.
+
+    python benchmarks/quantized_decode.py [--out docs/quantized_decode.json]
+
+On the checkpoint benchmarks/model_core.py builds (GLM-5.2 per-head geometry, 214M parameters, bf16),
+each weight form in its own process, the forms taking turns for three rounds (medians reported): bf16 through torch's matmuls (the kernels off), bf16 packed for
+the bandwidth kernel (the default on a CPU with AVX-512 BF16), and --quantization fp8, int8, int4.
+For each: batch-1 decode (median step, 128-token prompts), batch-16 output tokens/s, a 2,048-token
+prefill, the weight bytes one decode token reads (every projection once, the shared expert, and 4 of
+the 8 routed experts per MoE layer), and the resident bytes. The bound is those bytes ÷ this machine's
+copy bandwidth (bytes copied per second, 1 GiB buffers, as many threads as the decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+FORMS = ["torch-bf16", "bf16", "fp8", "int8", "int4"]
+
+
+def copy_bandwidth() -> float:
+    a = torch.ones(1 << 30, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - start)
+    return a.numel() / min(times)
+
+
+def active_bytes(engine) -> tuple[int, int, int]:
+    """(bytes one decode token reads, resident weight bytes, parameters) of the loaded model."""
+    from dsaserve.quantization.packed import is_packed
+
+    cfg = engine.config
+    model = engine.model
+    share = cfg.num_experts_per_tok / cfg.n_routed_experts
+    read = resident = params = 0
+    seen = set()
+    for name, module in model.named_modules():
+        tensors = []
+        if is_packed(module):
+            stacked = module.qweight.shape[0] if module.qweight.dim() == 4 else 1  # experts or heads
+            tensors.append((name, module.nbytes(), module.out_features * module.in_features * stacked))
+        else:
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    tensors.append((f"{name}.{pname}", p.numel() * p.element_size(), p.numel()))
+        for full, size, count in tensors:
+            resident += size
+            params += count
+            if "embed_tokens" in full:
+                continue  # one row per token
+            read += size * share if ".experts_" in full else size
+    return int(read), resident, params
+
+
+def measure(form: str) -> dict:
+    from parallel import decode_steps
+    from model_core import checkpoint_dir
+
+    import dsaserve.quantization.apply as apply
+    from dsaserve.engine.engine import LLMEngine
+    from dsaserve.engine_args import EngineArgs
+    from dsaserve.sampling_params import SamplingParams
+
+    if form == "torch-bf16":
+        apply.kernels_here = lambda device: False
+    quantization = form if form in ("fp8", "int8", "int4") else None
+    engine = LLMEngine(EngineArgs(model=checkpoint_dir(), kv_cache_memory="512MiB", max_model_len=4096,
+                                  progress=False, quantization=quantization))
+    decode_steps(engine, 1, steps=4)  # warm-up
+    step_1, _ = decode_steps(engine, 1, steps=32)
+    step_16, _ = decode_steps(engine, 16, steps=24)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prefill = []
+    for i in range(2):  # different prompts: no prefix-cache hits
+        prompt = torch.randint(10, 16000, (2048,), generator=torch.Generator().manual_seed(7 + i)).tolist()
+        engine.add_request(f"prefill-{i}", prompt, params)
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        prefill.append(time.perf_counter() - start)
+    read, resident, count = active_bytes(engine)
+    return {"form": form, "decode_ms_batch1": step_1, "tok_s_batch1": 1e3 / step_1,
+            "tok_s_batch16": 16e3 / step_16, "prefill_2048_s": min(prefill), "bytes_per_token": read,
+            "resident_bytes": resident, "parameters": count, "bytes_per_parameter": resident / count,
+            "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one form in this process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one)))
+        return
+    from model_core import checkpoint_dir
+
+    checkpoint_dir()  # build it once, before the measuring processes
+    bandwidth = copy_bandwidth()
+    runs = {form: [] for form in FORMS}
+    for _ in range(args.rounds):  # the forms take turns, so a slow phase of a shared machine hits them all
+        for form in FORMS:
+            out = subprocess.run([sys.executable, __file__, "--one", form], capture_output=True, text=True, check=True)
+            runs[form].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    rows = []
+    for form in FORMS:
+        row = {key: (statistics.median(r[key] for r in runs[form]) if isinstance(value, float) else value)
+               for key, value in runs[form][0].items()}  # medians over the rounds
+        row["tok_s_batch1_runs"] = [r["tok_s_batch1"] for r in runs[form]]
+        row["bound_tok_s"] = bandwidth / row["bytes_per_token"]
+        row["fraction_of_bound"] = row["tok_s_batch1"] / row["bound_tok_s"]
+        rows.append(row)
+        print(f"{form:>10}: batch 1 {row['tok_s_batch1']:6.1f} tok/s ({row['fraction_of_bound']:.0%} of "
+              f"{row['bound_tok_s']:.1f}), batch 16 {row['tok_s_batch16']:6.1f} tok/s, prefill 2K "
+              f"{row['prefill_2048_s']:.2f} s, {row['bytes_per_token'] / 2**20:.0f} MiB/token, "
+              f"{row['bytes_per_parameter']:.3f} B/param", flush=True)
+    flags = open("/proc/cpuinfo").read()
+    result = {"copy_bandwidth_GBps": bandwidth / 1e9, "rows": rows,
+              "cpu": {f: f in flags for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")}}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

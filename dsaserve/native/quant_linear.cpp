@@ -1,0 +1,440 @@
+// Weight-only quantized matrix products for a few rows of activations (decode, draft verification),
+// registered as torch operators in the `dsaserve` namespace.
+//
+//   y[m, n] = sum_k x[m, k] * dequant(w)[n, k]      dequant(w)[n, k] = q[n, k] * scale[n, g(k)]
+//
+// with g(k) = (k + col_offset) / group - col_offset / group: one scale per row and `group` columns
+// (col_offset: a slice's first column in the full tensor, whose scale blocks it keeps).
+//
+// Weights are stored packed for the kernel, 16 output rows by 2 columns at a time: the pair (row
+// n, columns k and k + 1) of a 16-row block is one 32-bit lane, so one vector holds 16 rows' products
+// for two columns (vdpbf16ps) and no horizontal sums are needed. Element (n, k) of a [N, K] weight
+// (N padded to 16, K to 2) is entry ((n / 16) * K2 + k / 2) * 32 + (n % 16) * 2 + k % 2, K2 = K / 2;
+// scales are [N / 16, G, 16]. Kinds:
+//   0 bf16   2-byte entries (the unquantized weight, at memory bandwidth)
+//   1 fp8    float8 e4m3 bytes with their block scales as shipped (128 x 128, kept per row)
+//   2 int8   bytes, symmetric, one scale per row (group = K) or per group
+//   3 int4   half bytes, value + 8: byte (n / 16 * K2 + k / 2) * 16 + n % 16 holds column k of row n in its
+//            low nibble and column k + 1 in its high one
+//
+// The AVX-512 BF16 body decodes 32 weights to bf16 (exact for every kind), multiplies them into every
+// activation row, scales each group's sum once, and shares 16-row blocks out over torch's intra-op
+// threads (at::parallel_for). It is compiled for that ISA alone and chosen at run time from the CPU's
+// flags. `dequantize_t` (vectorized there, portable elsewhere) gives the transposed float weight for the
+// torch GEMM: many activation rows, or a CPU without the kernels.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define DSASERVE_X86 1
+#else
+#define DSASERVE_X86 0
+#endif
+
+namespace {
+
+constexpr int64_t kBF16 = 0, kFP8 = 1, kINT8 = 2, kINT4 = 3;
+constexpr int64_t kMaxRows = 16;  // activation rows per call; more go to a dequantized GEMM
+
+struct Problem {
+  int64_t M, N, K, K2;
+  bool out_bf16;  // y in bf16 (converted in registers) rather than fp32
+  const uint8_t* w;  // block b starts at w + b * block_bytes
+  int64_t block_bytes;
+  const float* scale;  // [N / 16, G, 16]
+  int64_t G, group, col_offset;
+  int64_t kind;
+};
+
+int64_t entry_bytes(int64_t kind) { return kind == kBF16 ? 2 : 1; }
+
+int64_t block_bytes_of(int64_t kind, int64_t K2) { return kind == kINT4 ? K2 * 16 : K2 * 32 * entry_bytes(kind); }
+
+int64_t scale_column_count(int64_t K, int64_t group, int64_t col_offset) {
+  return (K - 1 + col_offset) / group - col_offset / group + 1;
+}
+
+int64_t scale_column(const Problem& p, int64_t k) { return (k + p.col_offset) / p.group - p.col_offset / p.group; }
+
+float fp8_e4m3_to_float(uint8_t b) {
+  // Exponent and mantissa into an fp16's bits: the fp16 value is the e4m3 value times 2^-8, for
+  // normal and subnormal numbers alike.
+  uint16_t h = static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8));
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits())) * 256.0f;
+}
+
+float weight_at(const Problem& p, int64_t n, int64_t k) {
+  const uint8_t* block = p.w + (n / 16) * p.block_bytes;
+  const int64_t lane = (n % 16) * 2 + k % 2;
+  switch (p.kind) {
+    case kBF16: {
+      uint16_t bits;
+      std::memcpy(&bits, block + ((k / 2) * 32 + lane) * 2, 2);
+      uint32_t f = static_cast<uint32_t>(bits) << 16;
+      float v;
+      std::memcpy(&v, &f, 4);
+      return v;
+    }
+    case kFP8:
+      return fp8_e4m3_to_float(block[(k / 2) * 32 + lane]);
+    case kINT8:
+      return static_cast<float>(static_cast<int8_t>(block[(k / 2) * 32 + lane]));
+    default: {
+      uint8_t byte = block[(k / 2) * 16 + n % 16];
+      return static_cast<float>((k % 2 == 0 ? (byte & 0xF) : (byte >> 4)) - 8);
+    }
+  }
+}
+
+float scale_at(const Problem& p, int64_t n, int64_t column) {
+  return p.scale[((n / 16) * p.G + column) * 16 + n % 16];
+}
+
+#if DSASERVE_X86
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma")))
+
+// Sixteen outputs (one per row of a block) at element `index` of y, in y's dtype; `rows` < 16 for a
+// last, partial block (masked stores only there: they are slow on Zen 4).
+AVX512BF16 inline void store16(const Problem& p, void* y, int64_t index, __m512 v, int64_t rows) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+  if (p.out_bf16) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    uint16_t* dst = static_cast<uint16_t*>(y) + index;
+    if (rows == 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+    else _mm256_mask_storeu_epi16(dst, mask, h);
+  } else {
+    float* dst = static_cast<float*>(y) + index;
+    if (rows == 16) _mm512_storeu_ps(dst, v);
+    else _mm512_mask_storeu_ps(dst, mask, v);
+  }
+}
+
+// The 32 entries of a block at column pair kp (16 rows x 2 columns) as bf16 bits, exact for every kind
+// (fp8 values times 2^-8, folded into the scales).
+template <int64_t Kind>
+AVX512BF16 inline __m512i decode32(const uint8_t* block, int64_t kp) {
+  if constexpr (Kind == kBF16) {
+    return _mm512_loadu_si512(block + kp * 64);
+  } else if constexpr (Kind == kINT8) {
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kp * 32));
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  } else if constexpr (Kind == kFP8) {
+    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kp * 32)));
+    __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x7F)), 7),
+                                _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8));
+    __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  } else {  // int4: lane r = (low nibble, high nibble) of byte r; a table maps each to bf16(nibble - 8)
+    const __m512i table = _mm512_set_epi16(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+        (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080, (short)0xC0A0, (short)0xC0C0, (short)0xC0E0,
+        (short)0xC100);
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kp * 16)));
+    __m512i pairs = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xF)),
+                                    _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xF0)), 12));
+    return _mm512_permutexvar_epi16(pairs, table);
+  }
+}
+
+// One 16-row block against M activation rows. bf16 activations: x holds M rows of K2 bf16 pairs
+// (32-bit lanes), one vdpbf16ps per row and column pair. fp32 activations: x holds M rows of K fp32
+// values; each pair splits into its even and odd column (16 rows each) and takes two FMAs.
+template <int64_t Kind, int M, bool Bf16Act>
+AVX512BF16 void block_rows(const Problem& p, const void* x, int64_t b, void* y) {
+  constexpr float kFactor = Kind == kFP8 ? 256.f : 1.f;
+  const uint8_t* block = p.w + b * p.block_bytes;
+  __m512 total[M];
+  for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+    __m512 even[M], odd[M];  // two chains per row: half the latency of one
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
+    if constexpr (Bf16Act) {
+      const uint32_t* xp = static_cast<const uint32_t*>(x);
+      int64_t kp = p0;
+      for (; kp + 2 <= p1; kp += 2) {
+        const __m512bh w0 = (__m512bh)decode32<Kind>(block, kp);
+        const __m512bh w1 = (__m512bh)decode32<Kind>(block, kp + 1);
+        for (int m = 0; m < M; ++m) {
+          even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * p.K2 + kp])));
+          odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * p.K2 + kp + 1])));
+        }
+      }
+      if (kp < p1) {
+        const __m512bh w0 = (__m512bh)decode32<Kind>(block, kp);
+        for (int m = 0; m < M; ++m)
+          even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * p.K2 + kp])));
+      }
+    }
+    if constexpr (!Bf16Act) {  // fp32 activations: the pair's even and odd columns, 16 rows each
+      const float* xf = static_cast<const float*>(x);
+      for (int64_t kp = p0; kp < p1; ++kp) {
+        const __m512i w = decode32<Kind>(block, kp);
+        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        for (int m = 0; m < M; ++m) {
+          even[m] = _mm512_fmadd_ps(we, _mm512_set1_ps(xf[m * 2 * p.K2 + 2 * kp]), even[m]);
+          odd[m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xf[m * 2 * p.K2 + 2 * kp + 1]), odd[m]);
+        }
+      }
+    }
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(p.scale + (b * p.G + scale_column(p, k0)) * 16),
+                                   _mm512_set1_ps(kFactor));
+    for (int m = 0; m < M; ++m) total[m] = _mm512_fmadd_ps(_mm512_add_ps(even[m], odd[m]), s, total[m]);
+    k0 = k1;
+  }
+  const int64_t rows = std::min<int64_t>(16, p.N - b * 16);
+  for (int m = 0; m < M; ++m) store16(p, y, m * p.N + b * 16, total[m], rows);
+}
+
+// Two 16-row blocks against M bf16 activation rows (M >= 3): each broadcast of an activation pair
+// feeds both blocks, which halves the activation loads per weight where they, not the weights, bound
+// the loop.
+template <int64_t Kind, int M>
+AVX512BF16 void block_pair_rows(const Problem& p, const void* x, int64_t b, void* y) {
+  constexpr float kFactor = Kind == kFP8 ? 256.f : 1.f;
+  const uint8_t* blocks[2] = {p.w + b * p.block_bytes, p.w + (b + 1) * p.block_bytes};
+  const uint32_t* xp = static_cast<const uint32_t*>(x);
+  __m512 total[2][M];
+  for (int r = 0; r < 2; ++r)
+    for (int m = 0; m < M; ++m) total[r][m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+    __m512 part[2][M];
+    for (int r = 0; r < 2; ++r)
+      for (int m = 0; m < M; ++m) part[r][m] = _mm512_setzero_ps();
+    for (int64_t kp = k0 / 2; kp < (k1 + 1) / 2; ++kp) {
+      const __m512bh w0 = (__m512bh)decode32<Kind>(blocks[0], kp);
+      const __m512bh w1 = (__m512bh)decode32<Kind>(blocks[1], kp);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * p.K2 + kp]));
+        part[0][m] = _mm512_dpbf16_ps(part[0][m], w0, xv);
+        part[1][m] = _mm512_dpbf16_ps(part[1][m], w1, xv);
+      }
+    }
+    const int64_t column = scale_column(p, k0);
+    for (int r = 0; r < 2; ++r) {
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(p.scale + ((b + r) * p.G + column) * 16), _mm512_set1_ps(kFactor));
+      for (int m = 0; m < M; ++m) total[r][m] = _mm512_fmadd_ps(part[r][m], s, total[r][m]);
+    }
+    k0 = k1;
+  }
+  for (int r = 0; r < 2; ++r)
+    for (int m = 0; m < M; ++m) store16(p, y, m * p.N + (b + r) * 16, total[r][m], 16);  // both blocks full
+}
+
+template <int64_t Kind, int M, bool Bf16Act>
+AVX512BF16 void blocks_m(const Problem& p, const void* x, int64_t b0, int64_t b1, void* y) {
+  int64_t b = b0;
+  if constexpr (Bf16Act && M >= 3 && M <= 8) {
+    const int64_t full = p.N / 16;  // blocks with 16 real rows
+    for (; b + 2 <= std::min(b1, full); b += 2) block_pair_rows<Kind, M>(p, x, b, y);
+  }
+  for (; b < b1; ++b) block_rows<Kind, M, Bf16Act>(p, x, b, y);
+}
+
+template <int64_t Kind, bool Bf16Act>
+AVX512BF16 void blocks(const Problem& p, const void* x, int64_t b0, int64_t b1, void* y) {
+  switch (p.M) {
+    case 1: return blocks_m<Kind, 1, Bf16Act>(p, x, b0, b1, y);
+    case 2: return blocks_m<Kind, 2, Bf16Act>(p, x, b0, b1, y);
+    case 3: return blocks_m<Kind, 3, Bf16Act>(p, x, b0, b1, y);
+    case 4: return blocks_m<Kind, 4, Bf16Act>(p, x, b0, b1, y);
+    case 5: return blocks_m<Kind, 5, Bf16Act>(p, x, b0, b1, y);
+    case 6: return blocks_m<Kind, 6, Bf16Act>(p, x, b0, b1, y);
+    case 7: return blocks_m<Kind, 7, Bf16Act>(p, x, b0, b1, y);
+    default: return blocks_m<Kind, 8, Bf16Act>(p, x, b0, b1, y);
+  }
+}
+
+template <bool Bf16Act>
+AVX512BF16 void blocks_any(const Problem& p, const void* x, int64_t b0, int64_t b1, void* y) {
+  switch (p.kind) {
+    case kBF16: return blocks<kBF16, Bf16Act>(p, x, b0, b1, y);
+    case kFP8: return blocks<kFP8, Bf16Act>(p, x, b0, b1, y);
+    case kINT8: return blocks<kINT8, Bf16Act>(p, x, b0, b1, y);
+    default: return blocks<kINT4, Bf16Act>(p, x, b0, b1, y);
+  }
+}
+
+// Blocks [b0, b1) dequantized into out [K, N] (the weight transposed): column k of block b is a run of 16
+// values at out[k, 16 b]; consecutive blocks' runs are written one after the other, column by column.
+template <int64_t Kind, typename Out>
+AVX512BF16 void dequantize_blocks_kind(const Problem& p, int64_t b0, int64_t b1, Out* out) {
+  constexpr float kFactor = Kind == kFP8 ? 256.f : 1.f;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+    const int64_t column = scale_column(p, k0);
+    for (int64_t k = k0; k < k1; k += 2) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t rows = std::min<int64_t>(16, p.N - b * 16);
+        const __mmask16 mask = rows == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(p.scale + (b * p.G + column) * 16), _mm512_set1_ps(kFactor));
+        const __m512i w = decode32<Kind>(p.w + b * p.block_bytes, k / 2);
+        const __m512 values[2] = {_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), s),
+                                  _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high)), s)};
+        for (int c = 0; c < 2 && k + c < p.K; ++c) {  // masked stores only for a last, partial block (slow on Zen 4)
+          Out* dst = out + (k + c) * p.N + b * 16;
+          if constexpr (std::is_same_v<Out, float>) {
+            if (rows == 16) _mm512_storeu_ps(dst, values[c]);
+            else _mm512_mask_storeu_ps(dst, mask, values[c]);
+          } else {
+            const __m256i half = (__m256i)_mm512_cvtneps_pbh(values[c]);
+            if (rows == 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), half);
+            else _mm256_mask_storeu_epi16(dst, mask, half);
+          }
+        }
+      }
+    }
+    k0 = k1;
+  }
+}
+
+template <typename Out>
+AVX512BF16 void dequantize_blocks(const Problem& p, int64_t b0, int64_t b1, Out* out) {
+  switch (p.kind) {
+    case kBF16: return dequantize_blocks_kind<kBF16, Out>(p, b0, b1, out);
+    case kFP8: return dequantize_blocks_kind<kFP8, Out>(p, b0, b1, out);
+    case kINT8: return dequantize_blocks_kind<kINT8, Out>(p, b0, b1, out);
+    default: return dequantize_blocks_kind<kINT4, Out>(p, b0, b1, out);
+  }
+}
+
+bool cpu_has_kernels() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+                          __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+  return has;
+}
+#else
+bool cpu_has_kernels() { return false; }
+#endif
+
+void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "dsaserve quantized weights: ", what); }
+
+Problem problem_of(const at::Tensor& qweight, const at::Tensor& scale, int64_t kind, int64_t group,
+                   int64_t col_offset, int64_t N, int64_t K) {
+  check(kind >= kBF16 && kind <= kINT4, "unknown weight kind");
+  check(N >= 1 && K >= 1 && group >= 1 && col_offset >= 0 && col_offset % 2 == 0 && group % 2 == 0,
+        "N, K, group >= 1, col_offset and group even");
+  const int64_t K2 = (K + 1) / 2, blocks = (N + 15) / 16, block_bytes = block_bytes_of(kind, K2);
+  check(qweight.is_contiguous() && qweight.numel() * qweight.element_size() == blocks * block_bytes,
+        "qweight must be the contiguous packed form of a [N, K] weight");
+  const int64_t G = scale_column_count(K, group, col_offset);
+  check(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == blocks * G * 16,
+        "scale must be contiguous fp32 [ceil(N / 16), G, 16]");
+  return Problem{0, N, K, K2, false, static_cast<const uint8_t*>(qweight.data_ptr()), block_bytes,
+                 scale.data_ptr<float>(), G, group, col_offset, kind};
+}
+
+// x [M, K] by one weight, or x [B, M, K] by B weights stacked in qweight [B, ...] (attention heads).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale, int64_t kind,
+                        int64_t group, int64_t col_offset, int64_t N, int64_t K) {
+  const bool batched = x.dim() == 3;
+  check((x.dim() == 2 || batched) && x.size(-1) == K, "x must be [M, K] or [B, M, K]");
+  const int64_t B = batched ? x.size(0) : 1;
+  check(!batched || (qweight.size(0) == B && scale.size(0) == B), "a weight per batch entry");
+  Problem p = problem_of(batched ? qweight[0] : qweight, batched ? scale[0] : scale, kind, group, col_offset, N, K);
+  const int64_t rows = x.size(-2);
+  check(rows >= 1 && rows <= kMaxRows, "at most 16 activation rows");
+  p.M = rows;
+  check(cpu_has_kernels(), "this CPU has no AVX-512 BF16: use dequantize_t");
+  check(qweight.is_contiguous() && scale.is_contiguous(), "stacked weights must be contiguous");
+  const bool bf16_act = x.scalar_type() == at::kBFloat16;
+  p.out_bf16 = bf16_act;
+  const at::ScalarType act = bf16_act ? at::kBFloat16 : at::kFloat;
+  // Rows of 2·K2 activations: x itself when it already is that, else a zero-padded copy.
+  at::Tensor xs = x.reshape({B, rows, K});
+  if (!(xs.is_contiguous() && xs.scalar_type() == act && K == 2 * p.K2)) {
+    at::Tensor padded = at::zeros({B, rows, 2 * p.K2}, x.options().dtype(act));
+    padded.narrow(2, 0, K).copy_(xs);
+    xs = padded;
+  }
+  const int64_t blocks = (N + 15) / 16, item = bf16_act ? 2 : 4;
+  at::Tensor y = at::empty({B, rows, N}, x.options().dtype(act));
+  const int64_t w_stride = blocks * p.block_bytes, s_stride = blocks * p.G * 16;
+  const int64_t x_row = 2 * p.K2 * item;
+  const uint8_t* xbase = static_cast<const uint8_t*>(xs.data_ptr());
+  uint8_t* out = static_cast<uint8_t*>(y.data_ptr());
+  // Enough weight bytes per task that waking a thread pays off.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / p.block_bytes);
+#if DSASERVE_X86
+  at::parallel_for(0, B * blocks, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {  // runs of blocks within one batch entry
+      const int64_t b = i / blocks, first = i % blocks, last = std::min(blocks, first + (i1 - i));
+      for (int64_t m0 = 0; m0 < rows; m0 += 8) {  // more than 8 rows: 8 at a time, one sweep each
+        Problem q = p;
+        q.M = std::min<int64_t>(8, rows - m0);
+        q.w = p.w + b * w_stride;
+        q.scale = p.scale + b * s_stride;
+        const void* xp = xbase + (b * rows + m0) * x_row;
+        void* yp = out + (b * rows + m0) * N * item;
+        if (bf16_act) blocks_any<true>(q, xp, first, last, yp);
+        else blocks_any<false>(q, xp, first, last, yp);
+      }
+      i += last - first;
+    }
+  });
+#endif
+  if (!batched) y = y.squeeze(0);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+// The weight transposed, [K, N] in `dtype` (fp32 or bf16): what the torch GEMM multiplies many rows by.
+at::Tensor dequantize_t(const at::Tensor& qweight, const at::Tensor& scale, int64_t kind, int64_t group,
+                        int64_t col_offset, int64_t N, int64_t K, at::ScalarType dtype) {
+  const Problem p = problem_of(qweight, scale, kind, group, col_offset, N, K);
+  check(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to fp32 or bf16");
+#if DSASERVE_X86
+  if (cpu_has_kernels()) {
+    at::Tensor out = at::empty({K, N}, scale.options().dtype(dtype));
+    const int64_t blocks = (N + 15) / 16;
+    at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; b += 16) {  // 256 rows at a time: 512-byte runs per column
+        if (dtype == at::kFloat) dequantize_blocks<float>(p, b, std::min(b1, b + 16), out.data_ptr<float>());
+        else dequantize_blocks<uint16_t>(p, b, std::min(b1, b + 16), static_cast<uint16_t*>(out.data_ptr()));
+      }
+    });
+    return out;
+  }
+#endif
+  at::Tensor out = at::empty({K, N}, scale.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k) o[k * N + n] = weight_at(p, n, k) * scale_at(p, n, scale_column(p, k));
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+std::string cpu_kernels() { return cpu_has_kernels() ? "avx512_bf16" : "none"; }
+
+}  // namespace
+
+TORCH_LIBRARY(dsaserve, m) {
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scale, int kind, int group, int col_offset, int N, int K) "
+        "-> Tensor");
+  m.def("dequantize_t(Tensor qweight, Tensor scale, int kind, int group, int col_offset, int N, int K, "
+        "ScalarType dtype) -> Tensor");
+  m.def("cpu_kernels() -> str", &cpu_kernels);
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("dequantize_t", &dequantize_t);
+}

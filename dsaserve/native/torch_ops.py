@@ -1,0 +1,72 @@
+"""The native kernels that are torch operators (`torch.ops.dsaserve.*`), built from their C++ sources.
+
+They are compiled with torch.utils.cpp_extension once per machine, on first use (a log line says so;
+about a minute on 2 cores), into the dsaserve cache next to the C kernels, keyed by the sources, the
+torch version and the CPU. The sources pick their AVX-512 bodies at run time from the CPU's flags and
+have portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False
+and callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from dsaserve import native
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+_loaded: bool | None = None
+
+
+def _build_dir() -> Path:
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(source + torch.__version__.encode() + native.cpu_signature().encode()).hexdigest()[:16]
+    return native.cache_dir() / f"torch_ops_{key}"
+
+
+def load() -> bool:
+    """Build (the first time on this machine) and load the operators; False where that is not possible."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    _loaded = False
+    if os.environ.get("DSASERVE_NATIVE", "1") == "0":
+        return False
+    build_dir = _build_dir()
+    name = "dsaserve_" + build_dir.name
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not (build_dir / f"{name}.so").exists():
+            logger.info("compiling dsaserve's torch operators (once per machine, about a minute) into %s", build_dir)
+        build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=["-O3"], build_directory=str(build_dir),
+              is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch paths remain
+        logger.warning("dsaserve's torch operators are unavailable, using torch: %s", str(e).strip()[:500])
+        return False
+    _register_fakes()
+    _loaded = True
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes and dtypes without computing, so torch.compile and meta tensors can trace the operators."""
+    @torch.library.register_fake("dsaserve::quant_linear")
+    def _(x, qweight, scale, kind, group, col_offset, N, K):
+        return x.new_empty(*x.shape[:-1], N)
+
+    @torch.library.register_fake("dsaserve::dequantize_t")
+    def _(qweight, scale, kind, group, col_offset, N, K, dtype):
+        return scale.new_empty(K, N, dtype=dtype)
+
+
+def cpu_kernels() -> str:
+    """What the kernels run here: 'avx512_bf16', or 'none' (no such CPU, or not built: torch paths)."""
+    return torch.ops.dsaserve.cpu_kernels() if load() else "none"

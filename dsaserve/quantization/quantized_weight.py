@@ -1,0 +1,111 @@
+"""QuantizedWeight: a weight [*, N, K] kept packed in 8 or 4 bits (or packed bf16) and multiplied in that form.
+
+For a few activation rows (decode, draft verification) the native kernel reads the packed weight once
+and converts it in registers; for many rows (prefill) the weight is dequantized, transposed, and the
+torch GEMM does the work. Stacked experts share one QuantizedWeight with a leading expert dimension;
+`expert(e)` views one of them in place. Loading writes rows from float tensors (quantizing them) or,
+for FP8 checkpoints read as shipped, from the checkpoint's own bytes and block scales.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsaserve.native import torch_ops
+from dsaserve.quantization import formats
+from dsaserve.model.fp8_blocks import Fp8Slice, as_float
+
+KERNEL_ROWS = 16  # activation rows the native kernel takes; more go to the GEMM
+
+
+class PackedMatrix:
+    """The packed form of one [N, K] weight and its product with activations (views, no copies)."""
+
+    def __init__(self, kind: str, qweight: torch.Tensor, scale: torch.Tensor, n: int, k: int, col_offset: int):
+        self.kind, self.qweight, self.scale, self.n, self.k, self.col_offset = kind, qweight, scale, n, k, col_offset
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ weightᵀ → [..., N] in x's dtype."""
+        rows = x.reshape(-1, self.k)
+        args = (formats.KINDS[self.kind], formats.group_of(self.kind, self.k), self.col_offset, self.n, self.k)
+        if torch_ops.load() and x.device.type == "cpu" and torch_ops.cpu_kernels() == "avx512_bf16":
+            if rows.shape[0] <= KERNEL_ROWS:
+                y = torch.ops.dsaserve.quant_linear(rows, self.qweight, self.scale, *args)
+            else:
+                y = rows @ torch.ops.dsaserve.dequantize_t(self.qweight, self.scale, *args, x.dtype)
+        else:
+            y = rows @ self.dequantize(x.dtype).T
+        return y.view(*x.shape[:-1], self.n)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] as floats (in torch: the kernels' reference, and their fallback)."""
+        q, scale = formats.unpack(self.kind, self.qweight.cpu(), self.scale.cpu(), self.n, self.k)
+        w = formats.dequantize_reference(self.kind, q, scale, self.col_offset)
+        return w.to(device=self.qweight.device, dtype=dtype)
+
+
+class QuantizedWeight(nn.Module):
+    def __init__(self, kind: str, out_features: int, in_features: int, experts: int | None = None, col_offset: int = 0):
+        super().__init__()
+        self.kind, self.out_features, self.in_features, self.col_offset = kind, out_features, in_features, col_offset
+        qshape, qdtype, sshape = formats.packed_shapes(kind, out_features, in_features, col_offset)
+        lead = () if experts is None else (experts,)
+        self.register_buffer("qweight", torch.empty(*lead, *qshape, dtype=qdtype))
+        self.register_buffer("scale", torch.empty(*lead, *sshape))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.qweight.shape[:-3]) + (self.out_features, self.in_features)
+
+    def matrix(self, expert: int | None = None) -> PackedMatrix:
+        q, s = (self.qweight, self.scale) if expert is None else (self.qweight[expert], self.scale[expert])
+        return PackedMatrix(self.kind, q, s, self.out_features, self.in_features, self.col_offset)
+
+    def batched_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, M, K] by each of the B stacked weights: [B, M, N] (one attention head each)."""
+        args = (formats.KINDS[self.kind], formats.group_of(self.kind, self.in_features), self.col_offset,
+                self.out_features, self.in_features)
+        if (torch_ops.load() and x.device.type == "cpu" and torch_ops.cpu_kernels() == "avx512_bf16"
+                and x.shape[1] <= KERNEL_ROWS):
+            return torch.ops.dsaserve.quant_linear(x.contiguous(), self.qweight, self.scale, *args)
+        return torch.stack([self.matrix(b).matmul(x[b]) for b in range(x.shape[0])])
+
+    def nbytes(self) -> int:
+        return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * self.scale.element_size()
+
+    @torch.no_grad()
+    def load_rows(self, first: int, source, expert: int | None = None, name: str = "weight") -> None:
+        """Rows [first, first + n) from a float tensor [n, K] (quantized here) or an Fp8Slice."""
+        n, k = source.shape
+        if k != self.in_features or first + n > self.out_features:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, which does not fit rows "
+                             f"{first}… of a [{self.out_features}, {self.in_features}] weight")
+        q, scale = self._stored_form(source)
+        qweight, scales = (self.qweight, self.scale) if expert is None else (self.qweight[expert], self.scale[expert])
+        b0, b1 = first // 16, -(-(first + n) // 16)
+        rows = min(self.out_features, b1 * 16) - b0 * 16
+        if first % 16 or (n % 16 and first + n != self.out_features):  # rows share a block with others: merge
+            cur_q, cur_s = formats.unpack(self.kind, qweight[b0:b1].cpu(), scales[b0:b1].cpu(), rows, self.in_features)
+            cur_q, cur_s = cur_q.clone(), cur_s.clone()
+            cur_q[first - b0 * 16: first - b0 * 16 + n] = q
+            cur_s[first - b0 * 16: first - b0 * 16 + n] = scale
+            q, scale = cur_q, cur_s
+        packed_q, packed_s = formats.pack(self.kind, q, scale)
+        qweight[b0:b1].copy_(packed_q)
+        scales[b0:b1].copy_(packed_s)
+
+    def _stored_form(self, source) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(source, Fp8Slice) and self.kind == "fp8":
+            if source.col_offset != self.col_offset:  # would requantize: the slices and the model disagree
+                raise ValueError(f"{source.name}: its slice starts {source.col_offset} columns into an FP8 block, the "
+                                 f"model's weight {self.col_offset}")
+            return source.weight.view(torch.uint8), source.row_scales()  # the checkpoint's own bytes and scales
+        w = as_float(source).float()
+        if self.kind == "int8":
+            return formats.quantize_int8(w)
+        if self.kind == "int4":
+            return formats.quantize_int4(w)
+        if self.kind == "fp8":
+            return formats.quantize_fp8_rows(w, self.col_offset)
+        return w.to(torch.bfloat16), torch.ones(w.shape[0], 1)

@@ -1,0 +1,133 @@
+"""Quantized weights in the model: a quantized checkpoint against its dequantized twin (the same weights
+as floats) over 1,024 greedy tokens, an FP8 checkpoint kept as shipped against the old dequantize-at-load
+path, what is packed and what is not, the bytes it holds, and the flag's errors."""
+
+import pytest
+import torch
+
+import dsaserve.quantization.apply as apply
+from dsaserve.quantization.packed import is_packed
+from dsaserve import LLM, SamplingParams
+from dsaserve.config import ModelConfig
+from dsaserve.model import load_model
+from dsaserve.quantization import formats
+from dsaserve.quantization.formats import QUANTIZATION_MODES
+from dsaserve.quantization.int8_rows import Int8Rows
+from dsaserve.quantization.quantized_weight import QuantizedWeight
+from dsaserve.quantization.weight_bytes import resident_bytes
+
+BASE = dict(dtype="float32", block_size=16, progress=False, max_model_len=512)
+GREEDY = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True, logprobs=1)
+PROMPTS = [list(range(40 + 9 * i, 117 + 9 * i)) for i in range(4)]  # 4 × 256 = 1,024 generated tokens
+
+
+def generate(llm):
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in outs],
+            [[p[t].logprob for p, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+
+
+def float_llm(path, monkeypatch, **kwargs):
+    """The same checkpoint with float weights and torch's matmuls (the kernels switched off)."""
+    with monkeypatch.context() as m:
+        m.setattr(apply, "kernels_here", lambda device: False)
+        return LLM(path, **{**BASE, **kwargs})
+
+
+def twin_of(quantized: LLM, path, monkeypatch) -> LLM:
+    """A float model holding exactly the quantized model's weights, dequantized from its buffers in torch."""
+    twin = float_llm(path, monkeypatch)
+    params = dict(twin.engine.model.named_parameters())
+    with torch.no_grad():
+        for name, module in quantized.engine.model.named_modules():
+            if isinstance(module, Int8Rows):
+                params[name].copy_(module.qweight.float() * module.scale)
+            if isinstance(module, QuantizedWeight):
+                target = params[name]
+                for e in range(target.shape[0]) if target.dim() == 3 else [None]:
+                    q, s = (module.qweight, module.scale) if e is None else (module.qweight[e], module.scale[e])
+                    q, s = formats.unpack(module.kind, q, s, module.out_features, module.in_features)
+                    weight = formats.dequantize_reference(module.kind, q, s, module.col_offset)
+                    if name.endswith(".w_uk"):  # packed as its transpose
+                        weight = weight.T
+                    (target if e is None else target[e]).copy_(weight)
+    return twin
+
+
+def assert_same_outputs(ours, theirs):
+    assert ours[0] == theirs[0]
+    diff = max(abs(a - b) for x, y in zip(ours[1], theirs[1]) for a, b in zip(x, y))
+    assert diff < 1e-4, f"logprobs differ by {diff:.2e}"
+
+
+@pytest.mark.parametrize("mode", QUANTIZATION_MODES)
+def test_quantized_model_equals_its_dequantized_twin(tiny_checkpoint, monkeypatch, mode):
+    llm = LLM(tiny_checkpoint, quantization=mode, **BASE)
+    packed = [m for m in llm.engine.model.modules() if isinstance(m, QuantizedWeight)]
+    assert packed and all(m.kind == mode for m in packed)
+    assert_same_outputs(generate(llm), generate(twin_of(llm, tiny_checkpoint, monkeypatch)))
+
+
+def test_fp8_checkpoint_read_as_shipped_equals_dequantizing_it_at_load(make_checkpoint, monkeypatch):
+    path = make_checkpoint("fp8-split", seed=0, fp8=True, intermediate_size=384, moe_intermediate_size=96)
+    shipped = LLM(path, **BASE)
+    kinds = {m.kind for m in shipped.engine.model.modules() if isinstance(m, QuantizedWeight)}
+    assert kinds == ({"fp8"} if apply.kernels_here(torch.device("cpu")) else set())
+    assert_same_outputs(generate(shipped), generate(float_llm(path, monkeypatch)))
+
+
+def test_what_is_packed_and_what_stays(tiny_checkpoint):
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    model = load_model(cfg, tiny_checkpoint, torch.float32, torch.device("cpu"), progress=False, weight_forms="int4")
+    packed = {name for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+    attn, moe = "model.layers.1.self_attn", "model.layers.1.mlp"
+    for name in (f"{attn}.q_a_proj.weight", f"{attn}.q_b_proj.weight", f"{attn}.kv_a_proj_with_mqa.weight",
+                 f"{attn}.o_proj.weight", f"{attn}.indexer.wq_b.weight", f"{attn}.indexer.wk.weight",
+                 f"{moe}.experts_gate_up", f"{moe}.experts_down", f"{moe}.shared_experts.gate_up_proj",
+                 "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
+        assert name in packed, name
+    params = dict(model.named_parameters())
+    assert f"{attn}.w_uk" in packed and f"{attn}.w_uv" in packed
+    assert isinstance(model.model.embed_tokens.weight, Int8Rows)  # lookups: int8 rows, not packed
+    for name in ("model.norm.weight", f"{moe}.gate.weight", f"{attn}.indexer.weights_proj.weight"):
+        assert name in params, name
+
+
+def test_resident_bytes_are_what_the_model_holds(tiny_checkpoint):
+    """quantization/weight_bytes.py (what doctor prints) adds up to the loaded model's own buffers."""
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    for form in ("bf16", "fp8", "int8", "int4"):
+        model = load_model(cfg, tiny_checkpoint, torch.float32, torch.device("cpu"), progress=False, weight_forms=form)
+        held = sum(m.nbytes() for m in model.modules() if is_packed(m))
+        held += sum(p.numel() * p.element_size() for p in model.parameters())
+        assert resident_bytes(cfg, form, torch.float32) == held, form
+
+
+def test_glm52_bytes_per_parameter(tmp_path):
+    """On GLM-5.2's shapes: FP8 and int8 hold ≤ 1.05 bytes per parameter, int4 ≤ 0.6 (scales included)."""
+    from conftest import REFERENCE_CONFIG
+
+    (tmp_path / "config.json").write_text(open(REFERENCE_CONFIG).read())
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    params = resident_bytes(cfg, None, torch.float32) / 4
+    per_param = {form: resident_bytes(cfg, form, torch.bfloat16) / params for form in ("fp8", "int8", "int4")}
+    assert per_param["fp8"] <= 1.05 and per_param["int8"] <= 1.05 and per_param["int4"] <= 0.6, per_param
+
+
+def test_doctor_prints_the_resident_bytes_of_each_form(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REFERENCE_CONFIG
+
+    (tmp_path / "config.json").write_text(open(REFERENCE_CONFIG).read())
+    out = subprocess.run([sys.executable, "-m", "dsaserve", "doctor", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "resident weights by form" in out
+    assert "int4            368.6 GiB  0.532 bytes per parameter" in out
+    assert "fp8             714.3 GiB  1.032 bytes per parameter" in out
+
+
+def test_bad_quantization_is_refused_naming_the_flag(tiny_checkpoint):
+    with pytest.raises(ValueError, match="quantization='int3'.*fp8, int8, int4"):
+        LLM(tiny_checkpoint, quantization="int3", **BASE)

@@ -1,0 +1,130 @@
+"""The packed-weight kernels (native/quant_linear.cpp) against dequantize-then-matmul in fp32, for every
+kind, on shapes that exercise a partial last row block, an odd column count, partial scale groups and
+a column offset inside the FP8 blocks; the packing round trip; and the torch fallback. On a CPU
+without AVX-512 BF16 (or where the operators cannot be built) the kernel tests are skipped, saying so."""
+
+import pytest
+import torch
+
+from dsaserve.demo.checkpoint_builder import quantize_fp8
+from dsaserve.native import torch_ops
+from dsaserve.quantization import formats
+from dsaserve.model.fp8_blocks import fp8_row_scales
+from dsaserve.quantization.quantized_weight import Fp8Slice, PackedMatrix, QuantizedWeight
+
+KINDS = ("bf16", "fp8", "int8", "int4")
+# rows not a multiple of 16, columns odd or past one scale group, a slice starting 64 columns into its block
+SHAPES = [(37, 301, 0), (16, 128, 0), (5, 45, 0), (33, 200, 64), (70, 388, 0)]
+
+needs_kernels = pytest.mark.skipif(
+    torch_ops.cpu_kernels() != "avx512_bf16",
+    reason="the packed-weight kernels need a C++ compiler, ninja and a CPU with AVX-512 BF16 (this one: "
+           f"{torch_ops.cpu_kernels()}); the torch fallback is tested instead")
+
+
+def stored(kind: str, n: int, k: int, col_offset: int, seed: int = 0):
+    """(q, scale) of a random [n, k] weight in `kind`'s unpacked form."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "fp8":  # a slice of a wider FP8 tensor, with that tensor's block scales
+        full = torch.randn(n, k + col_offset, generator=g)
+        q, scale_inv = quantize_fp8(full)
+        return q[:, col_offset:].contiguous().view(torch.uint8), fp8_row_scales(
+            scale_inv, (0, n), (col_offset, col_offset + k), (n, k + col_offset), (128, 128))
+    w = torch.randn(n, k, generator=g)
+    if kind == "bf16":
+        return w.bfloat16(), torch.ones(n, 1)
+    return formats.quantize_int8(w) if kind == "int8" else formats.quantize_int4(w)
+
+
+def matrix(kind, n, k, col_offset):
+    q, scale = stored(kind, n, k, col_offset if kind == "fp8" else 0)
+    offset = col_offset if kind == "fp8" else 0
+    packed_q, packed_s = formats.pack(kind, q, scale)
+    return PackedMatrix(kind, packed_q, packed_s, n, k, offset), formats.dequantize_reference(kind, q, scale, offset)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, k, col_offset", SHAPES)
+def test_kernel_equals_dequantize_then_matmul(kind, n, k, col_offset):
+    m, weight = matrix(kind, n, k, col_offset)
+    args = (formats.KINDS[kind], formats.group_of(kind, k), m.col_offset, n, k)
+    for rows in (1, 2, 5, 8, 11, 16):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        expected = x @ weight.T
+        # fp32 activations: exact products, only the summation order differs
+        y = torch.ops.dsaserve.quant_linear(x, m.qweight, m.scale, *args)
+        assert (y - expected).abs().max() <= 1e-5 * expected.abs().max() + 1e-6
+        # bf16 activations: the same products of bf16 values, then the output rounded to bf16
+        xb = x.bfloat16()
+        yb = torch.ops.dsaserve.quant_linear(xb, m.qweight, m.scale, *args)
+        exact = xb.float() @ weight.T
+        assert yb.dtype == torch.bfloat16
+        assert ((yb.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-3 * exact.abs().max()).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+def test_transposed_dequantization_is_exact(kind):
+    for n, k, col_offset in SHAPES:
+        m, weight = matrix(kind, n, k, col_offset)
+        args = (formats.KINDS[kind], formats.group_of(kind, k), m.col_offset, n, k)
+        assert torch.equal(torch.ops.dsaserve.dequantize_t(m.qweight, m.scale, *args, torch.float32), weight.T)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packing_round_trips(kind):
+    for n, k, col_offset in SHAPES:
+        q, scale = stored(kind, n, k, col_offset if kind == "fp8" else 0)
+        back_q, back_s = formats.unpack(kind, *formats.pack(kind, q, scale), n, k)
+        assert torch.equal(back_q, q) and torch.equal(back_s, scale.float())
+
+
+def test_fp8_as_shipped_dequantizes_bit_for_bit_like_the_loader():
+    """An FP8 checkpoint tensor kept in FP8 reproduces exactly the loader's dequantization (the kernel
+    multiplies the same fp32 values), also for a rank's slice that starts inside a block."""
+    from dsaserve.model.loader import dequantize_fp8
+
+    full = torch.randn(300, 520)
+    q, scale_inv = quantize_fp8(full)
+    for rows, cols in (((0, 300), (0, 520)), ((100, 260), (200, 520))):
+        piece = q[rows[0]:rows[1], cols[0]:cols[1]]
+        source = Fp8Slice(piece, scale_inv, (300, 520), (rows[0], cols[0]), (128, 128), "w")
+        weight = QuantizedWeight("fp8", piece.shape[0], piece.shape[1], col_offset=source.col_offset)
+        weight.qweight.zero_()
+        weight.scale.zero_()
+        weight.load_rows(0, source)
+        loader = dequantize_fp8(piece, scale_inv, (128, 128), "w", (300, 520), (rows[0], cols[0]))
+        assert torch.equal(weight.matrix().dequantize(), loader)
+
+
+@pytest.mark.parametrize("kind", ("int8", "int4"))
+def test_quantization_error_is_within_the_rounding_bound(kind):
+    """Symmetric rounding: each weight is off by at most half a step of its row's (group's) scale."""
+    w = torch.randn(40, 300)
+    q, scale = formats.quantize_int8(w) if kind == "int8" else formats.quantize_int4(w)
+    error = (formats.dequantize_reference(kind, q, scale) - w).abs()
+    step = scale[:, torch.arange(300) // formats.group_of(kind, 300)]
+    assert (error <= step / 2 + 1e-6).all()
+
+
+def test_rows_loaded_in_pieces_equal_rows_loaded_at_once():
+    """Fused weights load their parts at row offsets that split a 16-row block (gate rows, then up rows)."""
+    w = torch.randn(40, 96)
+    whole = QuantizedWeight("int8", 40, 96)
+    parts = QuantizedWeight("int8", 40, 96)
+    for t in (whole, parts):
+        t.qweight.zero_()
+        t.scale.zero_()
+    whole.load_rows(0, w)
+    parts.load_rows(0, w[:23])
+    parts.load_rows(23, w[23:])
+    assert torch.equal(whole.qweight, parts.qweight) and torch.equal(whole.scale, parts.scale)
+
+
+def test_the_torch_fallback_matches_the_reference(monkeypatch):
+    """Where the kernels do not run, the packed weight is dequantized in torch and multiplied there."""
+    monkeypatch.setattr(torch_ops, "cpu_kernels", lambda: "none")
+    m, weight = matrix("int4", 37, 301, 0)
+    x = torch.randn(3, 301)
+    assert torch.allclose(m.matmul(x), x @ weight.T, atol=1e-5, rtol=1e-5)
