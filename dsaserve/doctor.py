@@ -121,16 +121,16 @@ def _selected_rows_path(cfg: ModelConfig) -> str:
         return "native AVX-512 BF16 kernel (bf16 models on this CPU)"
     if has_bf16_kernel():
         return f"torch ({cfg.num_attention_heads} heads, rank {cfg.kv_lora_rank}: the native kernel needs heads in 16s, rank in 32s)"
-    return "torch (no native kernel here: it needs a C compiler and AVX-512 BF16; DSASERVE_NATIVE=0 turns it off)"
+    return "torch (no native kernel here: it needs a C++ compiler and AVX-512 BF16; DSASERVE_NATIVE=0 turns it off)"
 
 
 def _index_scores_path(cfg: ModelConfig) -> str:
     """Which implementations the indexer uses for its scores and its running top-k."""
-    from dsaserve import native
+    from dsaserve.native import torch_ops
     from dsaserve.native.index_scores import fits
 
     scores = "native AVX-512 BF16 kernel (bf16 models)" if fits(cfg.index_n_heads, cfg.index_head_dim) else "torch"
-    return f"scores: {scores}; top-k: {'native radix select' if native.library() else 'torch'}"
+    return f"scores: {scores}; top-k: {'native radix select' if torch_ops.load() else 'torch'}"
 
 
 def _schedule_check(cfg: ModelConfig, infos) -> list[str]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dsaserve import native
+from dsaserve.native import torch_ops
 from dsaserve.attention import SparseAttention, sparse
 from dsaserve.attention.indexer import ScoreScratch, Selection
 from dsaserve.attention.metadata import BatchMetadata
@@ -17,7 +18,7 @@ from dsaserve.native.topk import topk_rows
 CPU_HAS_AVX512_BF16 = all(flag in native.cpu_signature() for flag in ("avx512_bf16", "avx512bw"))
 needs_bf16_kernel = pytest.mark.skipif(
     not has_bf16_kernel(),  # builds the kernels here on first use
-    reason="no native AVX-512 BF16 kernel here (needs a C compiler, AVX-512 BF16 and DSASERVE_NATIVE unset or 1)")
+    reason="no native AVX-512 BF16 kernel here (needs a C++ compiler, ninja, AVX-512 BF16 and DSASERVE_NATIVE unset or 1)")
 
 
 def reference(query, rows, slots, scale, value_dim):
@@ -102,12 +103,11 @@ def test_sparse_backend_takes_the_kernel_for_bf16_per_query_rows(monkeypatch):
     assert (out - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
-def test_without_a_compiler_the_library_is_none_and_attention_falls_back(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_tried", False)
+def test_without_a_compiler_the_operators_are_off_and_attention_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch_ops, "_loaded", None)
     monkeypatch.setenv("DSASERVE_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert native.library() is None
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert torch_ops.load() is False and torch_ops.cpu_kernels() == "none"
     query, rows, slots = random_case(2, 2, 16, 72, 80, 100)
     out = torch.empty(2, 16, 64, dtype=torch.bfloat16)
     assert attend_selected_rows(query, rows, slots, 0.2, out) is False

@@ -8,7 +8,7 @@ Scoring streams: a tile of queries meets the context a few whole KV blocks at a 
 running top-k, merged after every window of candidates, in buffers allocated once per call, so its
 scratch memory is bounded by the tile, the chunk and the window, never by the context length. On
 CPUs with AVX-512 BF16, a native kernel computes a chunk's relu'd, head-summed scores in registers
-(native/index_scores.c); elsewhere torch materializes the per-head scores of the chunk.
+(native/index_scores.cpp); elsewhere torch materializes the per-head scores of the chunk.
 Selection is either token top-k (the model's trained semantics) or, for the page backend, whole
 pages ranked by the best visible token inside each.
 """

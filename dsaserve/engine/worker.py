@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve import native
+from dsaserve.native import torch_ops
 from dsaserve.attention.context_shard import ContextShard
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
@@ -36,7 +36,7 @@ class Worker:
                                 weight_forms=forms)
         self.with_indexer = self.model.backend.uses_indexer
         if self.with_indexer and device.type == "cpu":
-            native.library()  # build (first time on this machine) or load the CPU kernels now, not in a step
+            torch_ops.load()  # build (first time on this machine) or load the CPU kernels now, not in a step
         # Bytes per token this rank stores (under DCP, per token it holds: 1/N of a request's tokens).
         self.kv_layout = KVCacheLayout.of(cfg, dtype, args.indexer_cache_dtype, self.with_indexer, self.with_mtp)
         self.kv_cache: KVCache | None = None

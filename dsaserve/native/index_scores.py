@@ -1,18 +1,17 @@
-"""Python side of index_scores.c: the indexer's fused q·k, relu and weighted head sum."""
+"""Python side of index_scores.cpp: the indexer's fused q·k, relu and weighted head sum."""
 
 from __future__ import annotations
 
 import torch
 
-from dsaserve import native
+from dsaserve.native import torch_ops
 
 KEY_GROUP = 64  # the kernel's keys per work item; packed keys are padded to a multiple of it
 
 
 def fits(heads: int, dim: int) -> bool:
     """Whether the kernel takes bf16 queries of `heads` × `dim` on this machine."""
-    fn = native.function("dsaserve_index_scores_fits", native.I64, native.I64)
-    return fn is not None and bool(fn(heads, dim))
+    return torch_ops.cpu_kernels() == "avx512_bf16" and torch.ops.dsaserve.index_scores_fits(heads, dim)
 
 
 def packed_size(keys: int, dim: int) -> int:
@@ -35,12 +34,9 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor, k
     """out[i, s] = Σ_h weights[i, h] · relu(q[i, h] · key[s]) for s < keys: q bf16 [t, heads, dim],
     weights fp32 [t, heads], packed from pack_keys, out fp32 [t, ≥ keys] (unit column stride).
     Only for shapes `fits` accepts."""
-    t, heads, dim = q.shape
-    q, weights = q.contiguous(), weights.to(torch.float32).contiguous()
+    if not torch_ops.load():
+        raise RuntimeError("index scores: the native operators are not built here; check fits() first")
+    t, heads, _ = q.shape
     if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
         raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
-    I64, PTR = native.I64, native.PTR
-    fn = native.function("dsaserve_index_scores", PTR, PTR, PTR, I64, I64, I64, I64, PTR, I64, native.INT)
-    if fn(q.data_ptr(), weights.data_ptr(), packed.data_ptr(), t, heads, dim, keys, out.data_ptr(), out.stride(0),
-          torch.get_num_threads()):
-        raise AssertionError("index scores: the kernel refused a shape fits() accepted")
+    torch.ops.dsaserve.index_scores(q.contiguous(), weights.to(torch.float32).contiguous(), packed, keys, out)

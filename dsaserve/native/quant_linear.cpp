@@ -33,11 +33,10 @@
 #include <string>
 #include <type_traits>
 
-#if defined(__x86_64__)
+#include "cpu_features.h"
+
+#if DSASERVE_X86
 #include <immintrin.h>
-#define DSASERVE_X86 1
-#else
-#define DSASERVE_X86 0
 #endif
 
 namespace {
@@ -315,15 +314,9 @@ AVX512BF16 void dequantize_blocks(const Problem& p, int64_t b0, int64_t b1, Out*
   }
 }
 
-bool cpu_has_kernels() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
-                          __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
-  return has;
-}
-#else
-bool cpu_has_kernels() { return false; }
 #endif
+
+bool cpu_has_kernels() { return dsaserve::cpu_has_avx512_bf16(); }
 
 void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "dsaserve quantized weights: ", what); }
 

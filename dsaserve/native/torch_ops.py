@@ -1,8 +1,9 @@
 """The native kernels that are torch operators (`torch.ops.dsaserve.*`), built from their C++ sources.
 
 They are compiled with torch.utils.cpp_extension once per machine, on first use (a log line says so;
-about a minute on 2 cores), into the dsaserve cache next to the C kernels, keyed by the sources, the
-torch version and the CPU. The sources pick their AVX-512 bodies at run time from the CPU's flags and
+about half a minute on 2 cores), into the dsaserve cache, keyed by the sources, the torch version and
+the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query attention
+(selected_rows.cpp), the indexer's scores (index_scores.cpp) and its top-k (topk.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
 have portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False
 and callers keep their torch path.
 """
@@ -21,11 +22,15 @@ from dsaserve import native
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _loaded: bool | None = None
 
 
+FLAGS = "-O3 -fopenmp"
+
+
 def _build_dir() -> Path:
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + FLAGS.encode()
     key = hashlib.sha256(source + torch.__version__.encode() + native.cpu_signature().encode()).hexdigest()[:16]
     return native.cache_dir() / f"torch_ops_{key}"
 
@@ -45,9 +50,12 @@ def load() -> bool:
 
         build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / f"{name}.so").exists():
-            logger.info("compiling dsaserve's torch operators (once per machine, about a minute) into %s", build_dir)
-        build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=["-O3"], build_directory=str(build_dir),
-              is_python_module=False, verbose=False)
+            logger.info("compiling dsaserve's torch operators (once per machine, about half a minute) into %s",
+                        build_dir)
+        # -fopenmp: at::parallel_for is inline OpenMP code (torch's CPU build), serial without it; the
+        # library then binds to the libgomp torch already loaded, so it runs on torch's own threads.
+        build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS.split(),
+              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch paths remain
         logger.warning("dsaserve's torch operators are unavailable, using torch: %s", str(e).strip()[:500])
         return False
@@ -61,6 +69,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dsaserve::quant_linear")
     def _(x, qweight, scale, kind, group, col_offset, N, K):
         return x.new_empty(*x.shape[:-1], N)
+
+    @torch.library.register_fake("dsaserve::topk_rows")
+    def _(x, k):
+        return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.long)
 
     @torch.library.register_fake("dsaserve::dequantize_t")
     def _(qweight, scale, kind, group, col_offset, N, K, dtype):

@@ -7,16 +7,24 @@
  * a multiple of 64 keys), so one vdpbf16ps multiplies a broadcast pair of one head's q columns into
  * 16 keys' running dot products: the relu and the weighted head sum then act on whole registers and
  * no horizontal sum is needed. Work items are 64 keys (4 registers) × 4 heads at a time, shared
- * out over OpenMP threads: torch's own pool, since torch's libgomp is the one already loaded.
+ * out over torch's intra-op threads (at::parallel_for), each pulling items from one counter.
+ *
+ * Registered as torch.ops.dsaserve.index_scores; the AVX-512 BF16 body is compiled for that ISA alone
+ * (a target pragma) and runs only where the CPU has it (the caller checks index_scores_fits).
  */
-#include <stdint.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <cstdint>
+
+#include "cpu_features.h"
+
+#if DSASERVE_X86
 #include <immintrin.h>
-#define HAVE_BF16_KERNEL 1
-#else
-#define HAVE_BF16_KERNEL 0
 #endif
+
+namespace {
 
 #define KEYS_PER_ITEM 64 /* keys per work item: 4 registers of 16 */
 
@@ -29,8 +37,10 @@ typedef struct {
     int64_t next; /* next work item, shared by the workers */
 } Job;
 
-#if HAVE_BF16_KERNEL
-static void score_item(const Job *job, int64_t item) {
+#if DSASERVE_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+void score_item(const Job *job, int64_t item) {
     const int64_t pairs = job->dim / 2, g0 = item * 4, k0 = item * KEYS_PER_ITEM;
     const __m512i *keys = (const __m512i *)job->packed + g0 * pairs;
     const __m512 zero = _mm512_setzero_ps();
@@ -64,29 +74,46 @@ static void score_item(const Job *job, int64_t item) {
     }
 }
 
-static void *worker(void *arg) {
-    Job *job = (Job *)arg;
+void worker(Job *job) {
     int64_t items = (job->keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
     for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;) score_item(job, item);
-    return NULL;
 }
+
+#pragma GCC pop_options
 #endif
 
-/* Shapes the kernel takes: heads in 4s and whole column pairs. */
-int dsaserve_index_scores_fits(int64_t heads, int64_t dim) { return HAVE_BF16_KERNEL && heads % 4 == 0 && dim % 2 == 0; }
+bool fits(int64_t heads, int64_t dim) { return dsaserve::cpu_has_avx512_bf16() && heads % 4 == 0 && dim % 2 == 0; }
 
-/* Returns 0 on success, 2 for a shape or CPU it does not handle. */
-int dsaserve_index_scores(const uint16_t *q, const float *weights, const uint32_t *packed, int64_t n, int64_t heads,
-                          int64_t dim, int64_t keys, float *out, int64_t out_stride, int threads) {
-    if (!dsaserve_index_scores_fits(heads, dim)) return 2;
-#if HAVE_BF16_KERNEL
-    Job job = {q, weights, packed, out, n, heads, dim, keys, out_stride, 0};
-    int64_t items = (keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
-    if (threads > items) threads = (int)(items > 0 ? items : 1);
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
-    worker(&job);
-    return 0;
-#else
-    return 2;
+void index_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& packed, int64_t keys,
+                  at::Tensor& out) {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "index_scores: q must be "
+                "contiguous bf16 [t, heads, dim]");
+    const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+    TORCH_CHECK(fits(heads, dim), "index_scores: this shape or CPU is not the kernel's (see index_scores_fits)");
+    TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.size(0) == n &&
+                weights.size(1) == heads, "index_scores: weights must be contiguous fp32 [t, heads]");
+    TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() &&
+                packed.numel() >= (keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM * KEYS_PER_ITEM * dim / 2,
+                "index_scores: packed keys too short");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == n && out.size(1) >= keys &&
+                out.stride(1) == 1, "index_scores: out must be fp32 [t, >= keys] with unit column stride");
+#if DSASERVE_X86
+    Job job = {static_cast<const uint16_t *>(q.data_ptr()), weights.data_ptr<float>(),
+               static_cast<const uint32_t *>(packed.data_ptr()), out.data_ptr<float>(), n, heads, dim, keys,
+               out.stride(0), 0};
+    const int64_t items = (keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+    at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
+        for (int64_t w = a; w < b; ++w) worker(&job);
+    });
 #endif
 }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
+    m.def("index_scores_fits(int heads, int dim) -> bool", &fits);
+    m.def("index_scores(Tensor q, Tensor weights, Tensor packed, int keys, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("index_scores", &index_scores); }

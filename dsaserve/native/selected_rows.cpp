@@ -6,25 +6,32 @@
  * taken BLOCK at a time: scored, folded into an online softmax (running maximum and sum per head,
  * accumulator rescaled when the maximum grows) and multiplied into the values while they are still
  * in cache, so each selected row is read from memory once and never copied. Queries are shared out
- * over OpenMP threads: torch's own pool, since torch's libgomp is the one already loaded.
+ * over torch's intra-op threads (at::parallel_for), each pulling queries from one counter.
  *
  * The products use AVX-512 BF16 (vdpbf16ps, 32 multiply-adds per instruction): the score pass holds
  * 16 heads in one register (pairs of q columns against a broadcast pair of row columns), the value
  * pass holds 32 value columns of two rows interleaved against a broadcast pair of probabilities.
- * Without those instructions, or for other shapes (see dsaserve_selected_rows_fits), the caller keeps
- * its torch path.
+ * The body is compiled for AVX-512 BF16 alone (a target pragma) and runs only where the CPU has it;
+ * without it, or for other shapes (see selected_rows_fits), the caller keeps its torch path.
+ * Registered as torch.ops.dsaserve.attend_selected_rows.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu_features.h"
+
+#if DSASERVE_X86
 #include <immintrin.h>
-#define HAVE_BF16_KERNEL 1
-#else
-#define HAVE_BF16_KERNEL 0
 #endif
+
+namespace {
 
 #define BLOCK 64     /* rows per online-softmax step (64 latent rows of 576 bf16: 72 KiB, in L2) */
 #define MAX_DIM 4096 /* bound on the row width, for the zero row standing in for empty entries */
@@ -39,16 +46,18 @@ typedef struct {
     int64_t next; /* next query to take, shared by the workers */
 } Job;
 
-#if HAVE_BF16_KERNEL
-static const uint16_t zero_row[MAX_DIM] __attribute__((aligned(64)));
+#if DSASERVE_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+alignas(64) const uint16_t zero_row[MAX_DIM] = {};
 
-static const uint16_t *row_of(const Job *job, int64_t i, int64_t k) {
+const uint16_t *row_of(const Job *job, int64_t i, int64_t k) {
     int64_t slot = job->slots[i * job->width + k];
     return slot < 0 ? NULL : job->rows + slot * job->rows_stride;
 }
 
 /* e^x for x <= 0 (x = -inf gives 0): 2^n by scalef, e^f on |f| <= ln2/2 by a degree-6 polynomial. */
-static inline __m512 exp_nonpositive(__m512 x) {
+inline __m512 exp_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -74,7 +83,7 @@ typedef struct {
     float *rescale;    /* [16] */
 } Scratch;
 
-static void score_block(const __m512i *q_pairs, const uint16_t *const *rows, int64_t count, int64_t pairs,
+void score_block(const __m512i *q_pairs, const uint16_t *const *rows, int64_t count, int64_t pairs,
                         float scale, float *scores) {
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t r0 = 0; r0 < count; r0 += 8) {
@@ -107,7 +116,7 @@ static void score_block(const __m512i *q_pairs, const uint16_t *const *rows, int
 
 /* Online softmax step for 16 heads: turns the block's scores into bf16 probability pairs relative
  * to the new running maximum, and returns in `rescale` what the accumulator must be multiplied by. */
-static void softmax_block(float *scores, const int *valid, int64_t count, float *maximum, float *total,
+void softmax_block(float *scores, const int *valid, int64_t count, float *maximum, float *total,
                           uint32_t *pairs, float *rescale) {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 block_max = neg_inf;
@@ -136,7 +145,7 @@ static void softmax_block(float *scores, const int *valid, int64_t count, float 
 }
 
 /* acc[h] = acc[h] * rescale[h] + Σ_r p[h][r] · rows[r][:V] for 8 heads, 32 value columns at a time. */
-static void value_block(const uint16_t *const *rows, int64_t count, const uint32_t *pairs, int64_t head0,
+void value_block(const uint16_t *const *rows, int64_t count, const uint32_t *pairs, int64_t head0,
                         const float *rescale, float *acc, int64_t value_dim) {
     for (int64_t d0 = 0; d0 < value_dim; d0 += 32) {
         __m512 a[8][2];
@@ -164,7 +173,7 @@ static void value_block(const uint16_t *const *rows, int64_t count, const uint32
 
 /* Accumulator columns come in unpack order: within 32 columns, register 0 lane 4L+k is column
  * 8L+k and register 1 lane 4L+k is column 8L+4+k (L = 128-bit lane, k < 4). */
-static void finish_bf16(const Job *job, int64_t i, const Scratch *s) {
+void finish_bf16(const Job *job, int64_t i, const Scratch *s) {
     __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     const int64_t V = job->value_dim;
@@ -181,7 +190,7 @@ static void finish_bf16(const Job *job, int64_t i, const Scratch *s) {
     }
 }
 
-static void attend_bf16(const Job *job, int64_t i, Scratch *s) {
+void attend_bf16(const Job *job, int64_t i, Scratch *s) {
     const int64_t H = job->heads, D = job->dim, K = job->width, V = job->value_dim, pairs = D / 2;
     const uint16_t *q = job->q + i * job->q_stride;
     for (int64_t h = 0; h < H; h++)
@@ -221,8 +230,7 @@ static void attend_bf16(const Job *job, int64_t i, Scratch *s) {
     finish_bf16(job, i, s);
 }
 
-static void *worker(void *arg) {
-    Job *job = (Job *)arg;
+bool worker(Job *job) {
     Scratch s;
     void *mem[7] = {0};
     int ok = !posix_memalign(&mem[0], 64, (job->heads / 16) * (job->dim / 2) * 64) &&
@@ -233,40 +241,56 @@ static void *worker(void *arg) {
              !posix_memalign(&mem[5], 64, BLOCK / 2 * 16 * sizeof(uint32_t)) &&
              !posix_memalign(&mem[6], 64, 16 * sizeof(float));
     if (ok) {
-        s.q_pairs = mem[0], s.acc = mem[1], s.maximum = mem[2], s.total = mem[3];
-        s.scores = mem[4], s.pairs = mem[5], s.rescale = mem[6];
+        s.q_pairs = static_cast<__m512i *>(mem[0]), s.acc = static_cast<float *>(mem[1]);
+        s.maximum = static_cast<float *>(mem[2]), s.total = static_cast<float *>(mem[3]);
+        s.scores = static_cast<float *>(mem[4]), s.pairs = static_cast<uint32_t *>(mem[5]);
+        s.rescale = static_cast<float *>(mem[6]);
         for (int64_t i; (i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n;) attend_bf16(job, i, &s);
     }
     for (int k = 0; k < 7; k++) free(mem[k]);
-    return ok ? NULL : (void *)1;
+    return ok;
 }
+#pragma GCC pop_options
 #endif
-
-/* 1 when this CPU and compiler gave the kernel its AVX-512 BF16 instructions; without them it is not built. */
-int dsaserve_has_bf16_kernel(void) { return HAVE_BF16_KERNEL; }
 
 /* Shapes the kernel takes: whole groups of 16 heads, value columns in 32s, row pairs. */
-int dsaserve_selected_rows_fits(int64_t heads, int64_t dim, int64_t value_dim) {
-    return HAVE_BF16_KERNEL && heads % 16 == 0 && value_dim % 32 == 0 && value_dim <= dim && dim % 2 == 0 &&
-           dim <= MAX_DIM;
+bool fits(int64_t heads, int64_t dim, int64_t value_dim) {
+    return dsaserve::cpu_has_avx512_bf16() && heads % 16 == 0 && value_dim % 32 == 0 && value_dim <= dim &&
+           dim % 2 == 0 && dim <= MAX_DIM;
 }
 
-/* Returns 0 on success, 1 when scratch memory could not be allocated, 2 for a shape or CPU it does
- * not handle (see dsaserve_selected_rows_fits). */
-int dsaserve_attend_selected_rows(const uint16_t *q, int64_t q_stride, const uint16_t *rows, int64_t rows_stride,
-                                  const int64_t *slots, int64_t n, int64_t heads, int64_t dim, int64_t width,
-                                  int64_t value_dim, float scale, uint16_t *out, int64_t out_q_stride,
-                                  int64_t out_h_stride, int threads) {
-    if (!dsaserve_selected_rows_fits(heads, dim, value_dim)) return 2;
-#if HAVE_BF16_KERNEL
-    Job job = {q, rows, slots, out, n, heads, dim, width, value_dim, q_stride, rows_stride, out_q_stride,
-               out_h_stride, scale, 0};
-    if (threads > n) threads = (int)(n > 0 ? n : 1);
-    int failed = 0;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(| : failed)
-    failed |= worker(&job) != NULL;
-    return failed;
-#else
-    return 2;
+// out[i, h, :V] = softmax(scale · q[i, h] · rows[slots[i]]ᵀ) · rows[slots[i], :V]; V = out.size(2).
+void attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots, double scale,
+                          at::Tensor& out) {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(),
+                "attend_selected_rows: q must be contiguous bf16 [n, heads, dim]");
+    const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), value_dim = out.size(2);
+    TORCH_CHECK(fits(heads, dim, value_dim), "attend_selected_rows: this shape or CPU is not the kernel's");
+    TORCH_CHECK(rows.dim() == 2 && rows.size(1) == dim && rows.scalar_type() == at::kBFloat16 && rows.is_contiguous(),
+                "attend_selected_rows: rows must be contiguous bf16 [N, dim]");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 2 && slots.size(0) == n,
+                "attend_selected_rows: slots must be contiguous int64 [n, width]");
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.size(0) == n && out.size(1) == heads && out.stride(2) == 1,
+                "attend_selected_rows: out must be bf16 [n, heads, V] with unit column stride");
+#if DSASERVE_X86
+    Job job = {static_cast<const uint16_t *>(q.data_ptr()), static_cast<const uint16_t *>(rows.data_ptr()),
+               slots.data_ptr<int64_t>(), static_cast<uint16_t *>(out.data_ptr()), n, heads, dim, slots.size(1),
+               value_dim, heads * dim, dim, out.stride(0), out.stride(1), static_cast<float>(scale), 0};
+    std::atomic<bool> failed{false};
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+    at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
+        for (int64_t w = a; w < b; ++w)
+            if (!worker(&job)) failed = true;
+    });
+    TORCH_CHECK(!failed, "attend_selected_rows: could not allocate scratch memory");
 #endif
 }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
+    m.def("selected_rows_fits(int heads, int dim, int value_dim) -> bool", &fits);
+    m.def("attend_selected_rows(Tensor q, Tensor rows, Tensor slots, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("attend_selected_rows", &attend_selected_rows); }

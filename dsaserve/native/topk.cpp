@@ -5,15 +5,21 @@
  * a histogram of the top 11 bits finds the bucket holding it, the bucket's keys are set apart and
  * histograms of the next 11 and the last 10 bits pin it down. One more pass collects the columns
  * above it and, up to k, those equal to it. Two passes over the row and no data-dependent branches
- * in them, where torch's selection for large k sorts. Rows are shared out over OpenMP threads
- * (torch's pool, since torch's libgomp is the one already loaded).
+ * in them, where torch's selection for large k sorts. Rows are shared out over torch's intra-op
+ * threads (at::parallel_for). Portable C++: torch.ops.dsaserve.topk_rows on any CPU.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
 
 /* Order-preserving map of floats to unsigned integers: a > b exactly when key(a) > key(b). */
-static inline uint32_t key_of(float f) {
+inline uint32_t key_of(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
@@ -21,13 +27,13 @@ static inline uint32_t key_of(float f) {
 
 /* In a histogram of `bins` buckets, the bucket holding the `need`-th largest element (1-based);
  * `need` becomes that element's rank inside the bucket. */
-static uint32_t bucket_of(const uint32_t *hist, uint32_t bins, int64_t *need) {
+uint32_t bucket_of(const uint32_t *hist, uint32_t bins, int64_t *need) {
     uint32_t b = bins - 1;
     while ((int64_t)hist[b] < *need) *need -= hist[b--];
     return b;
 }
 
-static void topk_row(const float *x, int64_t n, int64_t k, uint32_t *candidates, float *values, int64_t *indices) {
+void topk_row(const float *x, int64_t n, int64_t k, uint32_t *candidates, float *values, int64_t *indices) {
     uint32_t hist[2048];
     int64_t need = k;
     memset(hist, 0, sizeof hist);
@@ -63,19 +69,28 @@ static void topk_row(const float *x, int64_t n, int64_t k, uint32_t *candidates,
     }
 }
 
-/* Returns 0 on success, 1 when scratch memory could not be allocated, 2 when k is not in [1, n]. */
-int dsaserve_topk_rows(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t k, float *values,
-                       int64_t *indices, int threads) {
-    if (k < 1 || k > n) return 2;
-    int failed = 0;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(| : failed)
-    {
-        uint32_t *scratch = malloc((n + 1) * sizeof(uint32_t));
-        if (!scratch) failed = 1;
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t r = 0; r < rows; r++)
-            if (scratch) topk_row(x + r * row_stride, n, k, scratch, values + r * k, indices + r * k);
-        free(scratch);
-    }
-    return failed;
+std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+                "topk_rows: x must be fp32 [rows, n] with unit column stride");
+    const int64_t rows = x.size(0), n = x.size(1);
+    TORCH_CHECK(k >= 1 && k <= n, "topk_rows: k=", k, " must be in [1, ", n, "]");
+    at::Tensor values = at::empty({rows, k}, x.options());
+    at::Tensor indices = at::empty({rows, k}, x.options().dtype(at::kLong));
+    const float* xp = x.data_ptr<float>();
+    float* vp = values.data_ptr<float>();
+    int64_t* ip = indices.data_ptr<int64_t>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+        std::vector<uint32_t> scratch(n + 1);
+        for (int64_t r = r0; r < r1; r++) topk_row(xp + r * stride, n, k, scratch.data(), vp + r * k, ip + r * k);
+    });
+    return {values, indices};
 }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
+    m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("topk_rows", &topk_rows); }
