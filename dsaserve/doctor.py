@@ -59,6 +59,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
     lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
     lines.append(f"indexer kernels: {_index_scores_path(cfg)}")
+    lines.append(f"weight products: {_weight_kernel_path()}")
     dense = sum(t == "dense" for t in cfg.mlp_layer_types)
     lines.append(f"mlp layers: {dense} dense + {cfg.num_hidden_layers - dense} MoE")
     rope = cfg.rope
@@ -131,6 +132,15 @@ def _index_scores_path(cfg: ModelConfig) -> str:
 
     scores = "native AVX-512 BF16 kernel (bf16 models)" if fits(cfg.index_n_heads, cfg.index_head_dim) else "torch"
     return f"scores: {scores}; top-k: {'native radix select' if torch_ops.load() else 'torch'}"
+
+
+def _weight_kernel_path() -> str:
+    """Which implementation multiplies packed (quantized or bf16) weights on this machine."""
+    from dsaserve.native import torch_ops
+
+    if torch_ops.cpu_kernels() == "avx512_bf16":
+        return "native AVX-512 BF16 kernels for up to 16 rows (bf16 models and --quantization), torch GEMM beyond"
+    return "torch (the packed-weight kernels need a C++ compiler and AVX-512 BF16; quantized weights dequantize)"
 
 
 def _schedule_check(cfg: ModelConfig, infos) -> list[str]:

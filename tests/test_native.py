@@ -105,6 +105,7 @@ def test_sparse_backend_takes_the_kernel_for_bf16_per_query_rows(monkeypatch):
 
 def test_without_a_compiler_the_operators_are_off_and_attention_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(torch_ops, "_loaded", None)
+    monkeypatch.setattr(torch_ops, "_kernels", None)
     monkeypatch.setenv("DSASERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert torch_ops.load() is False and torch_ops.cpu_kernels() == "none"

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _loaded: bool | None = None
+_kernels: str | None = None
 
 
 FLAGS = "-O3 -fopenmp"
@@ -70,6 +71,14 @@ def _register_fakes() -> None:
     def _(x, qweight, scale, kind, group, col_offset, N, K):
         return x.new_empty(*x.shape[:-1], N)
 
+    @torch.library.register_fake("dsaserve::index_scores")
+    def _(q, weights, packed, keys, out):
+        return None
+
+    @torch.library.register_fake("dsaserve::attend_selected_rows")
+    def _(q, rows, slots, scale, out):
+        return None
+
     @torch.library.register_fake("dsaserve::topk_rows")
     def _(x, k):
         return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.long)
@@ -80,5 +89,9 @@ def _register_fakes() -> None:
 
 
 def cpu_kernels() -> str:
-    """What the kernels run here: 'avx512_bf16', or 'none' (no such CPU, or not built: torch paths)."""
-    return torch.ops.dsaserve.cpu_kernels() if load() else "none"
+    """What the kernels run here: 'avx512_bf16', or 'none' (no such CPU, or not built: torch paths).
+    Asked once: the products call this on every step."""
+    global _kernels
+    if _kernels is None or _loaded is None:
+        _kernels = torch.ops.dsaserve.cpu_kernels() if load() else "none"
+    return _kernels

@@ -28,8 +28,10 @@ class PackedMatrix:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ weightᵀ → [..., N] in x's dtype."""
         rows = x.reshape(-1, self.k)
+        if rows.shape[0] == 0:  # e.g. lm_head in a step of prompt chunks only
+            return x.new_empty(*x.shape[:-1], self.n)
         args = (formats.KINDS[self.kind], formats.group_of(self.kind, self.k), self.col_offset, self.n, self.k)
-        if torch_ops.load() and x.device.type == "cpu" and torch_ops.cpu_kernels() == "avx512_bf16":
+        if x.device.type == "cpu" and torch_ops.cpu_kernels() == "avx512_bf16":
             if rows.shape[0] <= KERNEL_ROWS:
                 y = torch.ops.dsaserve.quant_linear(rows, self.qweight, self.scale, *args)
             else:
@@ -64,10 +66,11 @@ class QuantizedWeight(nn.Module):
 
     def batched_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, M, K] by each of the B stacked weights: [B, M, N] (one attention head each)."""
+        if x.shape[1] == 0:
+            return x.new_empty(x.shape[0], 0, self.out_features)
         args = (formats.KINDS[self.kind], formats.group_of(self.kind, self.in_features), self.col_offset,
                 self.out_features, self.in_features)
-        if (torch_ops.load() and x.device.type == "cpu" and torch_ops.cpu_kernels() == "avx512_bf16"
-                and x.shape[1] <= KERNEL_ROWS):
+        if x.device.type == "cpu" and torch_ops.cpu_kernels() == "avx512_bf16" and x.shape[1] <= KERNEL_ROWS:
             return torch.ops.dsaserve.quant_linear(x.contiguous(), self.qweight, self.scale, *args)
         return torch.stack([self.matrix(b).matmul(x[b]) for b in range(x.shape[0])])
 
