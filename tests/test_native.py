@@ -103,6 +103,48 @@ def test_sparse_backend_takes_the_kernel_for_bf16_per_query_rows(monkeypatch):
     assert (out - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
+@pytest.mark.skipif(not CPU_HAS_AVX512_BF16 or os.environ.get("DSASERVE_NATIVE") == "0",
+                    reason="this CPU has no AVX-512 BF16, or DSASERVE_NATIVE=0 turns the kernels off")
+def test_decode_batches_take_the_kernel_for_bf16(monkeypatch):
+    """Single-query requests of different lengths (dense: each its whole context, padded to the longest;
+    sparse: its own top-k with empty entries) read their rows through the kernel."""
+    from dsaserve.attention import DenseAttention, dense
+
+    block, heads, rank, rope = 16, 16, 64, 8
+    g = torch.Generator().manual_seed(5)
+    context = [40, 300, 7]
+    blocks = [-(-(c + 1) // block) for c in context]
+    cache = torch.randn(sum(blocks) + 2, block, rank + rope, generator=g).bfloat16()
+    perm = torch.randperm(sum(blocks) + 2, generator=g).tolist()
+    tables = [perm[sum(blocks[:i]):sum(blocks[:i + 1])] for i in range(len(context))]
+    meta = BatchMetadata.build([[1]] * len(context), context, tables, block, [])
+    query = (torch.randn(len(context), heads, rank + rope, generator=g) * 3).bfloat16()
+    calls = []
+    real = dense.attend_selected_rows
+    monkeypatch.setattr(dense, "attend_selected_rows", lambda *a: calls.append(real(*a)) or calls[-1])
+    rows = cache.view(-1, rank + rope)
+
+    def expected_for(positions):
+        slots = torch.full((len(context), max(len(p) for p in positions)), -1)
+        for i, p in enumerate(positions):
+            slots[i, :len(p)] = meta.slots(i, torch.tensor(p))
+        return reference(query, rows, slots, 0.2, rank)
+
+    out = DenseAttention().forward(query, cache, meta, 0.2, rank).float()
+    expected = expected_for([list(range(c + 1)) for c in context])
+    assert calls == [True] and (out - expected).abs().max() <= 0.02 * expected.abs().max()
+    width = 24
+    topk = torch.full((len(context), width), -1, dtype=torch.int32)
+    chosen = []
+    for i, c in enumerate(context):
+        pick = torch.randperm(c + 1, generator=g)[: min(c + 1, width - 3)]
+        topk[i, : len(pick)] = pick.to(torch.int32)
+        chosen.append(pick.tolist() if c + 1 > width else list(range(c + 1)))  # short ones see everything
+    out = SparseAttention().forward(query, cache, meta, 0.2, rank, topk).float()
+    expected = expected_for(chosen)
+    assert calls[1:] == [True, True] and (out - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
 def test_without_a_compiler_the_operators_are_off_and_attention_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(torch_ops, "_loaded", None)
     monkeypatch.setattr(torch_ops, "_kernels", None)

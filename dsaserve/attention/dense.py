@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.native.selected_rows import attend_selected_rows
 
 # Upper bound on score elements materialized at once ([query tile, heads, keys]).
 SCORE_BUDGET = 1 << 24
@@ -84,20 +85,26 @@ def attend_decode_rows(
     invalid: torch.Tensor, scale: float, value_dim: int, out: torch.Tensor,
 ) -> None:
     """Single-query requests together: request reqs[j]'s query attends to its logical positions[j]
-    ([R, W], entries under `invalid` are padding and must still be valid positions). One batched
-    matmul per chunk instead of one small one per request."""
+    ([R, W], entries under `invalid` are padding and must still be valid positions). The native kernel
+    (bf16 with AVX-512 BF16) reads the rows in place; the torch path gathers them and makes one
+    batched matmul per chunk instead of one small one per request."""
     if not reqs:
         return
     rows = cache.view(-1, cache.shape[-1])
     req_index = torch.tensor(reqs, device=query.device)
     query_rows = meta.query_start_loc[req_index]
+    queries = query[query_rows]
+    slots = meta.slots_of(req_index, positions)
+    attended = queries.new_empty(len(reqs), query.shape[1], value_dim)
+    if attend_selected_rows(queries, rows, slots.masked_fill(invalid, -1), scale, attended):
+        out[query_rows] = attended
+        return
     per_chunk = max(1, SCORE_BUDGET // (positions.shape[1] * max(rows.shape[1], query.shape[1])))
     for c0 in range(0, len(reqs), per_chunk):
         c1 = c0 + per_chunk
-        slots = meta.slots_of(req_index[c0:c1], positions[c0:c1])
-        keys = torch.index_select(rows, 0, slots.view(-1)).view(*slots.shape, -1)  # [R, W, D]
+        keys = torch.index_select(rows, 0, slots[c0:c1].reshape(-1)).view(*slots[c0:c1].shape, -1)  # [R, W, D]
         mask = invalid[c0:c1] if bool(invalid[c0:c1].any()) else None
-        out[query_rows[c0:c1]] = attend_latent(query[query_rows[c0:c1]], keys, mask, scale, value_dim)
+        out[query_rows[c0:c1]] = attend_latent(queries[c0:c1], keys, mask, scale, value_dim)
 
 
 def decode_causal(
