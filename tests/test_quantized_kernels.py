@@ -128,3 +128,47 @@ def test_the_torch_fallback_matches_the_reference(monkeypatch):
     m, weight = matrix("int4", 37, 301, 0)
     x = torch.randn(3, 301)
     assert torch.allclose(m.matmul(x), x @ weight.T, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, monkeypatch):
+    """The one-call routed experts (decode, verification) against the per-expert loop of model/moe.py on
+    the same packed weights: the same bits, with 5 of 8 experts on this rank (first one 2, as under expert
+    parallelism; tokens routed to the others are skipped), a partial 16-row block in both products, odd
+    column counts, and for fp8 a down projection whose columns start 64 into their FP8 blocks (TP)."""
+    from types import SimpleNamespace
+
+    from dsaserve.model import moe as moe_module
+
+    hidden, inter, experts, first, local = 200, 72, 8, 2, 5
+    cfg = SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
+                          n_shared_experts=1, num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=True,
+                          routed_scaling_factor=2.5)
+    layer = moe_module.MoE(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in list(layer.named_parameters()):
+            p.data = (torch.randn(p.shape, generator=g) * 0.2).to(torch.float32 if "gate." in name else dtype)
+    gate_up = QuantizedWeight(kind, 2 * inter, hidden, experts=local)
+    down = QuantizedWeight(kind, hidden, inter, experts=local, col_offset=64 if kind == "fp8" else 0)
+    for e in range(local):
+        gate_up.load_rows(0, torch.randn(2 * inter, hidden, generator=g) * 0.2, expert=e)
+        down.load_rows(0, torch.randn(hidden, inter, generator=g) * 0.2, expert=e)
+    del layer.experts_gate_up, layer.experts_down
+    layer.experts_gate_up, layer.experts_down, layer.first_expert = gate_up, down, first
+    calls = []
+    real = moe_module.add_routed_experts
+    monkeypatch.setattr(moe_module, "add_routed_experts", lambda *a: calls.append(1) or real(*a))
+    for tokens in (1, 3, 9, 16):
+        x = torch.randn(tokens, hidden, generator=g).to(dtype)
+        fused = layer(x)
+        monkeypatch.setattr(moe_module, "fused_applies", lambda *a: False)
+        loop = layer(x)
+        monkeypatch.setattr(moe_module, "fused_applies", real_fused_applies)
+        assert torch.equal(fused, loop), (tokens, (fused.float() - loop.float()).abs().max())
+    assert len(calls) == 4
+
+
+from dsaserve.quantization.packed_experts import fused_applies as real_fused_applies  # noqa: E402

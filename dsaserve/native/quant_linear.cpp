@@ -21,7 +21,9 @@
 // activation row, scales each group's sum once, and shares 16-row blocks out over torch's intra-op
 // threads (at::parallel_for). It is compiled for that ISA alone and chosen at run time from the CPU's
 // flags. `dequantize_t` (vectorized there, portable elsewhere) gives the transposed float weight for the
-// torch GEMM: many activation rows, or a CPU without the kernels.
+// torch GEMM: many activation rows, or a CPU without the kernels. `moe_experts` runs a MoE layer's routed
+// experts for a few tokens in one call (gate|up product, SiLU gate, down product, weighted sum), each
+// expert reading its own packed weights in place.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,6 +34,8 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "cpu_features.h"
 
@@ -270,6 +274,18 @@ AVX512BF16 void blocks_any(const Problem& p, const void* x, int64_t b0, int64_t 
   }
 }
 
+// Blocks [b0, b1) of p (p.M rows of x, x_row bytes apart; bf16 activations and outputs when p.out_bf16,
+// else fp32) into y [p.M, N]: more than 8 rows go 8 at a time, one sweep of the weights each.
+AVX512BF16 void row_sweeps(const Problem& p, const uint8_t* x, int64_t x_row, int64_t b0, int64_t b1, uint8_t* y) {
+  const int64_t item = p.out_bf16 ? 2 : 4;
+  for (int64_t m0 = 0; m0 < p.M; m0 += 8) {
+    Problem q = p;
+    q.M = std::min<int64_t>(8, p.M - m0);
+    if (p.out_bf16) blocks_any<true>(q, x + m0 * x_row, b0, b1, y + m0 * p.N * item);
+    else blocks_any<false>(q, x + m0 * x_row, b0, b1, y + m0 * p.N * item);
+  }
+}
+
 // Blocks [b0, b1) dequantized into out [K, N] (the weight transposed): column k of block b is a run of 16
 // values at out[k, 16 b]; consecutive blocks' runs are written one after the other, column by column.
 template <int64_t Kind, typename Out>
@@ -370,22 +386,123 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   at::parallel_for(0, B * blocks, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {  // runs of blocks within one batch entry
       const int64_t b = i / blocks, first = i % blocks, last = std::min(blocks, first + (i1 - i));
-      for (int64_t m0 = 0; m0 < rows; m0 += 8) {  // more than 8 rows: 8 at a time, one sweep each
-        Problem q = p;
-        q.M = std::min<int64_t>(8, rows - m0);
-        q.w = p.w + b * w_stride;
-        q.scale = p.scale + b * s_stride;
-        const void* xp = xbase + (b * rows + m0) * x_row;
-        void* yp = out + (b * rows + m0) * N * item;
-        if (bf16_act) blocks_any<true>(q, xp, first, last, yp);
-        else blocks_any<false>(q, xp, first, last, yp);
-      }
+      Problem q = p;
+      q.w = p.w + b * w_stride;
+      q.scale = p.scale + b * s_stride;
+      row_sweeps(q, xbase + b * rows * x_row, x_row, first, last, out + b * rows * N * item);
       i += last - first;
     }
   });
 #endif
   if (!batched) y = y.squeeze(0);
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+#if DSASERVE_X86
+// Runs `product(expert, first block, last block)` over every active expert's blocks of one weight, the
+// experts' blocks laid end to end and shared out over torch's threads as one range.
+template <typename F>
+void parallel_over_expert_blocks(const std::vector<int64_t>& active, int64_t blocks, int64_t block_bytes,
+                                 const F& product) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / block_bytes);
+  at::parallel_for(0, static_cast<int64_t>(active.size()) * blocks, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {
+      const int64_t a = i / blocks, first = i % blocks, last = std::min(blocks, first + (i1 - i));
+      product(a, first, last);
+      i += last - first;
+    }
+  });
+}
+#endif
+
+float round_like(float v, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
+
+// out[t] += sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j] (-1: an expert of
+// another rank, skipped), for x [T <= 16, hidden]. gate|up is [E, 2 * inter, hidden] packed, down [E, hidden,
+// inter]. Rounding follows the torch path step by step in bf16 (each product, the SiLU, the gating product,
+// the weighted output and every addition into out, experts in id order): the same bits as per-expert calls.
+void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
+                 const at::Tensor& down_q, const at::Tensor& down_s, const at::Tensor& ids, const at::Tensor& weights,
+                 at::Tensor out, int64_t kind, int64_t inter, int64_t gate_up_group, int64_t down_group,
+                 int64_t down_col_offset) {
+  check(cpu_has_kernels(), "this CPU has no AVX-512 BF16");
+  check(x.dim() == 2 && x.is_contiguous() && x.size(0) <= kMaxRows, "x must be contiguous [T <= 16, hidden]");
+  const int64_t T = x.size(0), hidden = x.size(1), E = gate_up_q.size(0), top = ids.size(1);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  check(bf16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
+  check(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && out.is_contiguous(), "out must be like x");
+  check(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.size(0) == T, "ids must be int64 [T, top_k]");
+  check(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.sizes() == ids.sizes(),
+        "weights must be fp32 like ids");
+  check(down_q.size(0) == E && gate_up_s.size(0) == E && down_s.size(0) == E, "one weight per expert");
+  const Problem gate_up = problem_of(gate_up_q[0], gate_up_s[0], kind, gate_up_group, 0, 2 * inter, hidden);
+  const Problem down = problem_of(down_q[0], down_s[0], kind, down_group, down_col_offset, hidden, inter);
+  // Each expert's (token, choice) pairs, in token order, experts in id order (a stable sort by id).
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> pairs(E);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < top; ++j) {
+      const int64_t e = id[t * top + j];
+      check(e >= -1 && e < E, "expert id out of range");
+      if (e >= 0) pairs[e].emplace_back(t, j);
+    }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (!pairs[e].empty()) active.push_back(e);
+  if (active.empty()) return;
+  const int64_t A = static_cast<int64_t>(active.size()), item = bf16 ? 2 : 4;
+  const at::ScalarType act = x.scalar_type();
+  // Rows are padded to even column counts (pairs of columns are the kernel's unit), rows in slot order.
+  const int64_t hidden2 = gate_up.K2 * 2, inter2 = down.K2 * 2;
+  at::Tensor xs = at::zeros({A, kMaxRows, hidden2}, x.options());
+  at::Tensor h = at::empty({A, kMaxRows, 2 * inter}, x.options());
+  at::Tensor a = at::zeros({A, kMaxRows, inter2}, x.options());
+  at::Tensor y = at::empty({A, kMaxRows, hidden}, x.options());
+  const uint8_t* xsrc = static_cast<const uint8_t*>(x.data_ptr());
+  uint8_t* xdst = static_cast<uint8_t*>(xs.data_ptr());
+  for (int64_t i = 0; i < A; ++i)
+    for (size_t r = 0; r < pairs[active[i]].size(); ++r)
+      std::memcpy(xdst + (i * kMaxRows + r) * hidden2 * item, xsrc + pairs[active[i]][r].first * hidden * item,
+                  hidden * item);
+#if DSASERVE_X86
+  auto run = [&](const Problem& base, const at::Tensor& q, const at::Tensor& s, const at::Tensor& in,
+                 at::Tensor& result) {
+    const int64_t blocks = (base.N + 15) / 16;
+    const int64_t w_stride = blocks * base.block_bytes, s_stride = blocks * base.G * 16;
+    const uint8_t* xb = static_cast<const uint8_t*>(in.data_ptr());
+    uint8_t* yb = static_cast<uint8_t*>(result.data_ptr());
+    const int64_t x_rows = in.size(2) * item, y_rows = base.N * item;
+    parallel_over_expert_blocks(active, blocks, base.block_bytes, [&](int64_t i, int64_t first, int64_t last) {
+      Problem p = base;
+      p.M = static_cast<int64_t>(pairs[active[i]].size());
+      p.out_bf16 = bf16;
+      p.w = static_cast<const uint8_t*>(q.data_ptr()) + active[i] * w_stride;
+      p.scale = s.data_ptr<float>() + active[i] * s_stride;
+      row_sweeps(p, xb + i * kMaxRows * x_rows, x_rows, first, last, yb + i * kMaxRows * y_rows);
+    });
+  };
+  run(gate_up, gate_up_q, gate_up_s, xs, h);
+#endif
+  at::Tensor h32 = h.to(at::kFloat);
+  at::Tensor gated = (at::silu(h32.narrow(2, 0, inter)).to(act).to(at::kFloat) * h32.narrow(2, inter, inter)).to(act);
+  a.narrow(2, 0, inter).copy_(gated);
+#if DSASERVE_X86
+  run(down, down_q, down_s, a, y);
+#endif
+  at::Tensor y32 = y.to(at::kFloat);
+  at::Tensor o32 = out.to(at::kFloat);
+  const float* w = weights.data_ptr<float>();
+  float* o = o32.data_ptr<float>();
+  for (int64_t i = 0; i < A; ++i) {
+    const float* ye = y32.data_ptr<float>() + i * kMaxRows * hidden;
+    for (size_t r = 0; r < pairs[active[i]].size(); ++r) {
+      const auto [t, j] = pairs[active[i]][r];
+      const float weight = w[t * top + j];
+      for (int64_t k = 0; k < hidden; ++k)
+        o[t * hidden + k] = round_like(o[t * hidden + k] + round_like(ye[r * hidden + k] * weight, bf16), bf16);
+    }
+  }
+  out.copy_(o32);
 }
 
 // The weight transposed, [K, N] in `dtype` (fp32 or bf16): what the torch GEMM multiplies many rows by.
@@ -424,10 +541,14 @@ TORCH_LIBRARY(dsaserve, m) {
         "-> Tensor");
   m.def("dequantize_t(Tensor qweight, Tensor scale, int kind, int group, int col_offset, int N, int K, "
         "ScalarType dtype) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor gate_up_q, Tensor gate_up_s, Tensor down_q, Tensor down_s, Tensor ids, "
+        "Tensor weights, Tensor(a!) out, int kind, int inter, int gate_up_group, int down_group, int down_col_offset) "
+        "-> ()");
   m.def("cpu_kernels() -> str", &cpu_kernels);
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("dequantize_t", &dequantize_t);
+  m.impl("moe_experts", &moe_experts);
 }

@@ -83,6 +83,11 @@ def _register_fakes() -> None:
     def _(x, k):
         return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.long)
 
+    @torch.library.register_fake("dsaserve::moe_experts")
+    def _(x, gate_up_q, gate_up_s, down_q, down_s, ids, weights, out, kind, inter, gate_up_group, down_group,
+          down_col_offset):
+        return None
+
     @torch.library.register_fake("dsaserve::dequantize_t")
     def _(qweight, scale, kind, group, col_offset, N, K, dtype):
         return scale.new_empty(K, N, dtype=dtype)
