@@ -8,6 +8,8 @@ most the selection width (every visible token is selected then).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsaserve.attention.metadata import BatchMetadata
@@ -80,31 +82,41 @@ def attend_latent_online(
 FEW_ROWS = 8
 
 
-def attend_decode_rows(
-    query: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, reqs: list[int], positions: torch.Tensor,
-    invalid: torch.Tensor, scale: float, value_dim: int, out: torch.Tensor,
-) -> None:
-    """Single-query requests together: request reqs[j]'s query attends to its logical positions[j]
-    ([R, W], entries under `invalid` are padding and must still be valid positions). The native kernel
-    (bf16 with AVX-512 BF16) reads the rows in place; the torch path gathers them and makes one
-    batched matmul per chunk instead of one small one per request."""
-    if not reqs:
-        return
+@dataclass(frozen=True)
+class DecodeRows:
+    """Where single-query requests' queries and keys are: the requests' rows of the batch [R] and the
+    cache slots of the positions each attends to [R, W] (-1 for padding)."""
+
+    query_rows: torch.Tensor
+    slots: torch.Tensor
+
+    @classmethod
+    def of(cls, meta: BatchMetadata, reqs: list[int], positions: torch.Tensor, invalid: torch.Tensor) -> "DecodeRows":
+        """positions [R, W] of requests reqs; entries under `invalid` are padding (but valid positions)."""
+        req_index = torch.tensor(reqs, device=positions.device)
+        return cls(meta.query_start_loc[req_index], meta.slots_of(req_index, positions).masked_fill_(invalid, -1))
+
+
+def attend_decode_rows(query: torch.Tensor, cache: torch.Tensor, rows_of: DecodeRows, scale: float, value_dim: int,
+                       out: torch.Tensor) -> None:
+    """Single-query requests together, each over its own slots. The native kernel (bf16 with AVX-512
+    BF16) reads the rows in place; the torch path gathers them and makes one batched matmul per chunk
+    instead of one small one per request."""
     rows = cache.view(-1, cache.shape[-1])
-    req_index = torch.tensor(reqs, device=query.device)
-    query_rows = meta.query_start_loc[req_index]
-    queries = query[query_rows]
-    slots = meta.slots_of(req_index, positions)
-    attended = queries.new_empty(len(reqs), query.shape[1], value_dim)
-    if attend_selected_rows(queries, rows, slots.masked_fill(invalid, -1), scale, attended):
-        out[query_rows] = attended
+    queries = query[rows_of.query_rows]
+    slots = rows_of.slots
+    attended = queries.new_empty(queries.shape[0], query.shape[1], value_dim)
+    if attend_selected_rows(queries, rows, slots, scale, attended):
+        out[rows_of.query_rows] = attended
         return
-    per_chunk = max(1, SCORE_BUDGET // (positions.shape[1] * max(rows.shape[1], query.shape[1])))
-    for c0 in range(0, len(reqs), per_chunk):
-        c1 = c0 + per_chunk
-        keys = torch.index_select(rows, 0, slots[c0:c1].reshape(-1)).view(*slots[c0:c1].shape, -1)  # [R, W, D]
-        mask = invalid[c0:c1] if bool(invalid[c0:c1].any()) else None
-        out[query_rows[c0:c1]] = attend_latent(queries[c0:c1], keys, mask, scale, value_dim)
+    per_chunk = max(1, SCORE_BUDGET // (slots.shape[1] * max(rows.shape[1], query.shape[1])))
+    for c0 in range(0, slots.shape[0], per_chunk):
+        chunk = slots[c0:c0 + per_chunk]
+        invalid = chunk < 0
+        keys = torch.index_select(rows, 0, chunk.clamp(min=0).reshape(-1)).view(*chunk.shape, -1)  # [R, W, D]
+        mask = invalid if bool(invalid.any()) else None
+        out[rows_of.query_rows[c0:c0 + per_chunk]] = attend_latent(queries[c0:c0 + per_chunk], keys, mask, scale,
+                                                                   value_dim)
 
 
 def decode_causal(
@@ -114,12 +126,15 @@ def decode_causal(
     """Batched causal attention for single-query requests: each sees its whole context."""
     if not reqs:
         return
-    host_lens = [meta.seq_lens_host[i] for i in reqs]
-    lens = torch.tensor(host_lens, device=query.device)
-    width = torch.arange(max(host_lens), device=query.device)[None, :]
-    invalid = width >= lens[:, None]
-    positions = torch.minimum(width, lens[:, None] - 1)  # padding points at a written row
-    attend_decode_rows(query, cache, meta, reqs, positions, invalid, scale, value_dim, out)
+
+    def causal_rows() -> DecodeRows:
+        host_lens = [meta.seq_lens_host[i] for i in reqs]
+        lens = torch.tensor(host_lens, device=query.device)
+        width = torch.arange(max(host_lens), device=query.device)[None, :]
+        positions = torch.minimum(width, lens[:, None] - 1)  # padding points at a written row
+        return DecodeRows.of(meta, reqs, positions, width >= lens[:, None])
+
+    attend_decode_rows(query, cache, meta.once(("causal rows", tuple(reqs)), causal_rows), scale, value_dim, out)
 
 
 def gather_context(cache: torch.Tensor, meta: BatchMetadata, i: int, length: int) -> torch.Tensor:
@@ -158,7 +173,7 @@ class DenseAttention:
         decode_causal(query, cache, meta, decode, scale, value_dim, out)
         few = meta.few_row_requests(FEW_ROWS)
         if few:  # each row as its own single query: one batched pass instead of a loop over requests
-            singles = meta.rows_as_single_queries(few)
+            singles = meta.once(("single queries", tuple(few)), lambda: meta.rows_as_single_queries(few))
             decode_causal(query, cache, singles, list(range(singles.num_reqs)), scale, value_dim, out)
         for i in sorted(set(range(meta.num_reqs)) - set(decode) - set(few)):
             dense_rows(query, cache, meta, i, meta.query_range(i), scale, value_dim, out)

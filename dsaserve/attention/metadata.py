@@ -9,7 +9,8 @@ boundaries from tensor shapes; it reads them from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -33,6 +34,14 @@ class BatchMetadata:
     # (`write_rows`) are written to its caches, at `slot_mapping`. None: every row, every token.
     shard: ContextShard | None = None
     write_rows: torch.Tensor | None = None
+    # What the layers derive from the batch alone (the same in every layer), made by the first layer.
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def once(self, key, make: Callable):
+        """make() the first time a layer asks for `key` in this batch, the same object after that."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
     def rows_to_write(self, x: torch.Tensor) -> torch.Tensor:
         """The rows of x ([T, ...], one per new token) whose tokens this rank's caches store."""

@@ -16,6 +16,7 @@ import torch
 from dsaserve.attention.dense import (
     FEW_ROWS,
     SCORE_BUDGET,
+    DecodeRows,
     attend_decode_rows,
     attend_latent_online,
     attend_own_keys,
@@ -56,7 +57,7 @@ class SparseAttention:
         self._single_queries(query, cache, meta, decode, topk, scale, value_dim, out)
         few = meta.few_row_requests(FEW_ROWS)
         if few:  # each row as its own single query: one batched pass instead of a loop over requests
-            singles = meta.rows_as_single_queries(few)
+            singles = meta.once(("single queries", tuple(few)), lambda: meta.rows_as_single_queries(few))
             self._single_queries(query, cache, singles, list(range(singles.num_reqs)), topk, scale, value_dim, out)
         for i in sorted(set(range(meta.num_reqs)) - set(decode) - set(few)):
             start, end = meta.query_range(i)
@@ -93,7 +94,8 @@ class SparseAttention:
         if not reqs:
             return
         selected = topk[meta.query_start_loc[torch.tensor(reqs, device=topk.device)]].long()  # [R, K]
-        attend_decode_rows(query, cache, meta, reqs, selected.clamp(min=0), selected < 0, scale, value_dim, out)
+        rows_of = DecodeRows.of(meta, reqs, selected.clamp(min=0), selected < 0)
+        attend_decode_rows(query, cache, rows_of, scale, value_dim, out)
 
 
 OWN_ROWS_STEP = 2  # queries per gather in the per-query path (more only adds cache misses)

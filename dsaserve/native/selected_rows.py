@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsaserve.native import torch_ops
@@ -14,7 +16,12 @@ def has_bf16_kernel() -> bool:
 
 def fits(heads: int, dim: int, value_dim: int) -> bool:
     """Whether the kernel takes this shape on this machine."""
-    return has_bf16_kernel() and torch.ops.dsaserve.selected_rows_fits(heads, dim, value_dim)
+    return has_bf16_kernel() and _kernel_takes(heads, dim, value_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_takes(heads: int, dim: int, value_dim: int) -> bool:  # asked once per shape, not per layer
+    return torch.ops.dsaserve.selected_rows_fits(heads, dim, value_dim)
 
 
 def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
