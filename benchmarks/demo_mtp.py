@@ -1,18 +1,20 @@
 """MTP speculative decoding on the trained demo model: acceptance and speed at N = 1, 2, 3 drafts.
 
-    python benchmarks/demo_mtp.py [--prompts 16] [--max-tokens 64] [--batch-sizes 1,16]
+    python benchmarks/demo_mtp.py [--prompts 16] [--max-tokens 64] [--batch-sizes 1,16] [--rounds 3]
 
 The prompts are the demo's own tasks (retrieval over ~300-token documents, arithmetic, word lists,
 greetings, weather tool calls), drawn with a seed the training did not use, thinking on, greedy. For
 each N it reports the mean accepted length (1 + accepted drafts per verification, vLLM's definition),
-the acceptance rate per draft position, and output tokens per second at each batch size against the
-same engine settings without speculation. Outputs are checked to be identical to the plain ones.
+the acceptance rate per draft position, and decode tokens per second (after each group's first tokens;
+end to end, prefill included, in brackets) at each batch size against the same engine settings without
+speculation. Outputs are checked to be identical to the plain ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 from dsaserve import LLM, SamplingParams
@@ -30,23 +32,45 @@ def prompts(count: int, seed: int = 77) -> list[tuple[list[dict], list[dict] | N
     return out
 
 
-def run(llm: LLM, chats, batch: int, max_tokens: int) -> tuple[float, list[str]]:
+def run(llm: LLM, chats, batch: int, max_tokens: int) -> tuple[float, float, list[str]]:
+    """(output tokens/s end to end, decode tokens/s, texts). Decode is what follows each group's first
+    tokens: from the step where every request of the group has one to the end, the tokens after them."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    texts, tokens, start = [], 0, time.perf_counter()
+    texts, tokens, decode_tokens, decode_seconds, start = [], 0, 0, 0.0, time.perf_counter()
     for i in range(0, len(chats), batch):
-        outputs = generate_batch(llm, chats[i : i + batch], params)
+        outputs, seconds, after_first = generate_batch(llm, chats[i : i + batch], params)
         texts += [o.outputs[0].text for o in outputs]
         tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-    return tokens / (time.perf_counter() - start), texts
+        decode_tokens += after_first
+        decode_seconds += seconds
+    return tokens / (time.perf_counter() - start), decode_tokens / decode_seconds, texts
 
 
 def generate_batch(llm: LLM, group, params: SamplingParams):
-    """One generate call for the group; each chat is rendered with its own tools."""
+    """The group's chats (each rendered with its own tools) to the end: (outputs in order, seconds of
+    decode, tokens produced in them)."""
     from dsaserve.chat_template import ChatTemplate
 
     template = ChatTemplate(llm.tokenizer.chat_template, llm.tokenizer.special_tokens)
-    ids = [llm.tokenizer.encode(template.render(m, tools=t), add_special_tokens=False) for m, t in group]
-    return llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+    engine = llm.engine
+    ids = []
+    for j, (messages, tools) in enumerate(group):
+        ids.append(f"{time.monotonic_ns()}-{j}")
+        engine.add_request(ids[-1], llm.tokenizer.encode(template.render(messages, tools=tools),
+                                                         add_special_tokens=False), params)
+    results, first_done, counted = {}, None, 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.request_id in results:
+                results[delta.request_id].add(delta)
+            else:
+                results[delta.request_id] = delta
+        if first_done is None and len(results) == len(ids):
+            first_done = time.perf_counter()
+            counted = sum(len(r.outputs[0].token_ids) for r in results.values())
+    outputs = [results[i] for i in ids]
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs) - counted
+    return outputs, time.perf_counter() - first_done, produced
 
 
 def main() -> None:
@@ -55,24 +79,44 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--drafts", default="1,2,3")
+    parser.add_argument("--rounds", type=int, default=3, help="the settings take turns this many times (medians)")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="the speculative config's disable_by_batch_size (default: the engine's default)")
     args = parser.parse_args()
     chats = prompts(args.prompts)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    plain = LLM(demo_model_dir(), progress=False)
-    base = {b: run(plain, chats, b, args.max_tokens) for b in batches}
-    print("no speculation: " + ", ".join(f"batch {b}: {base[b][0]:.1f} tok/s" for b in batches), flush=True)
+    settings = {0: None}
     for n in [int(x) for x in args.drafts.split(",")]:
-        llm = LLM(demo_model_dir(), progress=False, speculative_config={"method": "mtp", "num_speculative_tokens": n})
-        speeds = {}
+        settings[n] = {"method": "mtp", "num_speculative_tokens": n}
+        if args.disable_by_batch_size is not None:
+            settings[n]["disable_by_batch_size"] = args.disable_by_batch_size
+    llms = {n: LLM(demo_model_dir(), progress=False, kv_cache_memory="256MiB", speculative_config=spec)
+            for n, spec in settings.items()}
+    speeds = {(n, b): [] for n in settings for b in batches}  # (end to end, decode) per round
+    texts = {}
+    for _ in range(args.rounds):  # the settings take turns, so a slow phase of a shared machine hits them all
         for b in batches:
-            speeds[b], texts = run(llm, chats, b, args.max_tokens)
-            assert texts == base[b][1], f"N={n} batch {b}: outputs differ from the plain run"
+            for n, llm in llms.items():
+                end_to_end, decode, out = run(llm, chats, b, args.max_tokens)
+                speeds[n, b].append((end_to_end, decode))
+                if texts.setdefault(b, out) != out:
+                    raise AssertionError(f"N={n} batch {b}: outputs differ from the plain run")
+
+    def median(n, b, which):
+        return statistics.median(s[which] for s in speeds[n, b])
+
+    print("no speculation: " + ", ".join(f"batch {b}: {median(0, b, 1):.1f} decode tok/s "
+                                         f"({median(0, b, 0):.1f} end to end)" for b in batches), flush=True)
+    for n, llm in llms.items():
+        if not n:
+            continue
         stats = llm.engine.stats().spec_decode
         mean_len = 1 + stats.num_accepted_tokens / max(1, stats.num_drafts)
         per_pos = [a / max(1, stats.num_drafts) for a in stats.accepted_per_pos]
         print(f"N={n}: mean accepted length {mean_len:.2f}, acceptance per position "
               f"{', '.join(f'{p:.0%}' for p in per_pos)}; " +
-              ", ".join(f"batch {b}: {speeds[b]:.1f} tok/s ({speeds[b] / base[b][0]:.2f}x)" for b in batches), flush=True)
+              ", ".join(f"batch {b}: {median(n, b, 1):.1f} decode tok/s ({median(n, b, 1) / median(0, b, 1):.2f}x; "
+                        f"end to end {median(n, b, 0) / median(0, b, 0):.2f}x)" for b in batches), flush=True)
 
 
 if __name__ == "__main__":

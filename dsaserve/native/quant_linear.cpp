@@ -451,12 +451,13 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
     if (!pairs[e].empty()) active.push_back(e);
   if (active.empty()) return;
   const int64_t A = static_cast<int64_t>(active.size()), item = bf16 ? 2 : 4;
-  const at::ScalarType act = x.scalar_type();
   // Rows are padded to even column counts (pairs of columns are the kernel's unit), rows in slot order.
   const int64_t hidden2 = gate_up.K2 * 2, inter2 = down.K2 * 2;
-  at::Tensor xs = at::zeros({A, kMaxRows, hidden2}, x.options());
+  at::Tensor xs = hidden2 > hidden ? at::zeros({A, kMaxRows, hidden2}, x.options())
+                                   : at::empty({A, kMaxRows, hidden2}, x.options());
   at::Tensor h = at::empty({A, kMaxRows, 2 * inter}, x.options());
-  at::Tensor a = at::zeros({A, kMaxRows, inter2}, x.options());
+  at::Tensor a = inter2 > inter ? at::zeros({A, kMaxRows, inter2}, x.options())
+                                : at::empty({A, kMaxRows, inter2}, x.options());
   at::Tensor y = at::empty({A, kMaxRows, hidden}, x.options());
   const uint8_t* xsrc = static_cast<const uint8_t*>(x.data_ptr());
   uint8_t* xdst = static_cast<uint8_t*>(xs.data_ptr());
@@ -483,26 +484,29 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
   };
   run(gate_up, gate_up_q, gate_up_s, xs, h);
 #endif
-  at::Tensor h32 = h.to(at::kFloat);
-  at::Tensor gated = (at::silu(h32.narrow(2, 0, inter)).to(act).to(at::kFloat) * h32.narrow(2, inter, inter)).to(act);
-  a.narrow(2, 0, inter).copy_(gated);
+  // The gating as torch computes it on the loop's [rows, 2 * inter] outputs (same views, same kernels).
+  a.narrow(2, 0, inter).copy_(at::silu(h.narrow(2, 0, inter)) * h.narrow(2, inter, inter));
 #if DSASERVE_X86
   run(down, down_q, down_s, a, y);
 #endif
-  at::Tensor y32 = y.to(at::kFloat);
-  at::Tensor o32 = out.to(at::kFloat);
   const float* w = weights.data_ptr<float>();
-  float* o = o32.data_ptr<float>();
+  auto value = [bf16](const void* base, int64_t index) {
+    return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(base)[index])
+                : static_cast<const float*>(base)[index];
+  };
+  void* o = out.data_ptr();
   for (int64_t i = 0; i < A; ++i) {
-    const float* ye = y32.data_ptr<float>() + i * kMaxRows * hidden;
+    const uint8_t* ye = static_cast<const uint8_t*>(y.data_ptr()) + i * kMaxRows * hidden * item;
     for (size_t r = 0; r < pairs[active[i]].size(); ++r) {
       const auto [t, j] = pairs[active[i]][r];
       const float weight = w[t * top + j];
-      for (int64_t k = 0; k < hidden; ++k)
-        o[t * hidden + k] = round_like(o[t * hidden + k] + round_like(ye[r * hidden + k] * weight, bf16), bf16);
+      for (int64_t k = 0; k < hidden; ++k) {
+        const float sum = value(o, t * hidden + k) + round_like(value(ye, r * hidden + k) * weight, bf16);
+        if (bf16) static_cast<c10::BFloat16*>(o)[t * hidden + k] = c10::BFloat16(sum);
+        else static_cast<float*>(o)[t * hidden + k] = sum;
+      }
     }
   }
-  out.copy_(o32);
 }
 
 // The weight transposed, [K, N] in `dtype` (fp32 or bf16): what the torch GEMM multiplies many rows by.
