@@ -197,3 +197,50 @@ def test_topk_rows_match_torch_topk_sets_with_masked_and_tied_values():
     untied = torch.randn(3, 500, generator=g)
     assert torch.equal(topk_rows(untied, 50)[1].sort(dim=1).values,
                        untied.topk(50, dim=1).indices.sort(dim=1).values)
+
+
+needs_operators = pytest.mark.skipif(not torch_ops.load(), reason="dsaserve's torch operators could not be built here "
+                                                                  "(needs a C++ compiler and ninja; DSASERVE_NATIVE=0 turns them off)")
+
+
+def torch_path(monkeypatch, fn, *args):
+    """fn(*args) with the native operators off (model/layers.py's torch operators)."""
+    with monkeypatch.context() as m:
+        m.setattr(torch_ops, "load", lambda: False)
+        return fn(*args)
+
+
+@needs_operators
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_operator_gives_the_torch_operators_bits(monkeypatch, dtype):
+    """Strided queries (a slice of the head dimension, as q_rope is), several heads and a 2-D key, both pair
+    orders: the same bits as the torch path, every product and sum rounded as it rounds."""
+    from dsaserve.model.layers import apply_rope
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 3, 40, generator=g).to(dtype)[..., 8:]  # [5, 3, 32], last dimension unit-stride
+    k = torch.randn(5, 32, generator=g).to(dtype)
+    cos, sin = torch.randn(5, 16, generator=g).to(dtype), torch.randn(5, 16, generator=g).to(dtype)
+    for x in (q, k):
+        for interleaved in (False, True):
+            assert torch.equal(apply_rope(x, cos, sin, interleaved), torch_path(monkeypatch, apply_rope, x, cos, sin,
+                                                                                interleaved))
+
+
+@needs_operators
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_operator_equals_the_torch_operators_up_to_the_sum_order(monkeypatch, dtype):
+    from dsaserve.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(6)
+    norm = RMSNorm(300, 1e-6)
+    norm.weight.data = (torch.rand(300, generator=g) + 0.5).to(dtype)
+    x = (torch.randn(2, 7, 300, generator=g) * 3).to(dtype)
+    with torch.inference_mode():
+        ours, theirs = norm(x), torch_path(monkeypatch, norm, x)
+    assert ours.shape == theirs.shape and ours.dtype == dtype
+    # fp32: the sums' order; bf16: at most one rounding step of an output element that lies on the edge
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    assert ((ours.float() - theirs.float()).abs() <= tolerance * theirs.float().abs() + 1e-6).all()
+    if dtype == torch.bfloat16:  # and that rarely: the same bits almost everywhere
+        assert (ours != theirs).float().mean() < 1e-2

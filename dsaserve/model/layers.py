@@ -10,6 +10,7 @@ from torch import nn
 
 from dsaserve.config import RopeConfig
 from dsaserve.model.linear import linear
+from dsaserve.native import torch_ops
 from dsaserve.model.parallel_layers import RowParallelLinear
 
 
@@ -20,10 +21,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if one_operator(x, self.weight):  # the same arithmetic in one native call
+            return torch.ops.dsaserve.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def one_operator(*tensors: torch.Tensor) -> bool:
+    """Whether the native norm and rotary operators take these: CPU tensors of one dtype, bf16 or fp32,
+    with the operators built. They compute what the torch operators below them do, rounding included
+    (only the order of the norm's fp32 sum differs); a decode step calls them dozens of times, where
+    each torch operator's own cost outweighs its arithmetic."""
+    dtype = tensors[0].dtype
+    return (dtype in (torch.bfloat16, torch.float32) and all(t.dtype == dtype for t in tensors)
+            and tensors[0].device.type == "cpu" and torch_ops.load())
 
 
 class GatedMLP(nn.Module):
@@ -112,6 +125,8 @@ class RotaryEmbedding:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """x: [T, ..., dim]; cos/sin: [T, dim/2]."""
+    if x.shape[0] and one_operator(x, cos, sin):
+        return torch.ops.dsaserve.apply_rope(x, cos, sin, interleaved)
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     cos, sin = cos.view(shape), sin.view(shape)
     if interleaved:

@@ -3,7 +3,8 @@
 They are compiled with torch.utils.cpp_extension once per machine, on first use (a log line says so;
 about half a minute on 2 cores), into the dsaserve cache, keyed by the sources, the torch version and
 the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query attention
-(selected_rows.cpp), the indexer's scores (index_scores.cpp) and its top-k (topk.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
+(selected_rows.cpp), the indexer's scores (index_scores.cpp) and its top-k (topk.cpp), and the
+small per-token operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
 have portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False
 and callers keep their torch path.
 """
@@ -87,6 +88,14 @@ def _register_fakes() -> None:
     def _(x, gate_up_q, gate_up_s, down_q, down_s, ids, weights, out, kind, inter, gate_up_group, down_group,
           down_col_offset):
         return None
+
+    @torch.library.register_fake("dsaserve::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("dsaserve::apply_rope")
+    def _(x, cos, sin, interleaved):
+        return x.new_empty(x.shape)
 
     @torch.library.register_fake("dsaserve::dequantize_t")
     def _(qweight, scale, kind, group, col_offset, N, K, dtype):

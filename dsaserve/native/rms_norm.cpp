@@ -1,0 +1,54 @@
+// RMSNorm as one operator: y = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), the mean in fp32, as
+// model/layers.py RMSNorm computes it in several torch operators (whose per-call cost, not the
+// arithmetic, is what a decode step of a few rows pays). Rounding follows those operators: the
+// normalized row is rounded to x's dtype, then multiplied by the weight and rounded again. Only the
+// order of the fp32 sum differs. Portable C++; rows are shared out over torch's intra-op threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+void normalize_rows(const T* x, const T* weight, T* y, int64_t rows, int64_t dim, int64_t x_row, float eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = x + r * x_row;
+      float sum = 0.f;
+      for (int64_t k = 0; k < dim; ++k) {
+        const float v = static_cast<float>(row[k]);
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+      T* out = y + r * dim;
+      for (int64_t k = 0; k < dim; ++k) out[k] = weight[k] * static_cast<T>(static_cast<float>(row[k]) * inv);
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "dsaserve rms_norm: x and weight must both be bf16 or both fp32");
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(), "dsaserve rms_norm: weight must be [dim]");
+  at::Tensor rows = x.reshape({-1, dim});
+  if (rows.stride(1) != 1) rows = rows.contiguous();
+  at::Tensor y = at::empty(rows.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat)
+    normalize_rows(rows.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows.size(0), dim,
+                   rows.stride(0), static_cast<float>(eps));
+  else
+    normalize_rows(rows.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(),
+                   rows.size(0), dim, rows.stride(0), static_cast<float>(eps));
+  return y.view(x.sizes());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsaserve, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("rms_norm", &rms_norm); }

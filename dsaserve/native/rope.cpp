@@ -1,0 +1,63 @@
+// Rotary embedding as one operator, with the rounding of model/layers.py apply_rope's torch operators:
+// for each pair (a, b) of x's last dimension (interleaved: columns 2i, 2i+1; else i and i + dim/2) and
+// its cos/sin c, s, out[i] = (a*c) - (b*s) and out[dim/2 + i] = (b*c) + (a*s), every product and sum
+// rounded to x's dtype (c10's BFloat16 arithmetic is exactly that). The output is written half-split
+// (all first elements, then all second ones), as apply_rope does. x [T, ..., dim] with a unit stride in
+// its last dimension; cos, sin [T, dim/2] in x's dtype. Portable C++.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, bool interleaved) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, tokens * heads, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / heads, h = i % heads;
+      const T* row = xp + t * st + h * sh;
+      const T* c = cp + t * half;
+      const T* s = sp + t * half;
+      T* o = op + i * 2 * half;
+      for (int64_t j = 0; j < half; ++j) {
+        const T a = interleaved ? row[2 * j] : row[j];
+        const T b = interleaved ? row[2 * j + 1] : row[half + j];
+        o[j] = a * c[j] - b * s[j];
+        o[half + j] = b * c[j] + a * s[j];
+      }
+    }
+  });
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "dsaserve apply_rope: x, cos and sin must share one dtype, bf16 or fp32");
+  const int64_t dim = x.size(-1), tokens = x.size(0);
+  TORCH_CHECK(dim % 2 == 0 && cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == dim / 2 &&
+                  sin.sizes() == cos.sizes(), "dsaserve apply_rope: cos and sin must be [tokens, dim / 2]");
+  at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor rows = x.dim() == 2 ? x.unsqueeze(1) : x.reshape({tokens, -1, dim});
+  if (rows.stride(2) != 1) rows = rows.contiguous();
+  at::Tensor out = at::empty({tokens, rows.size(1), dim}, x.options());
+  if (x.scalar_type() == at::kFloat) rotate<float>(rows, c, s, out, interleaved);
+  else rotate<c10::BFloat16>(rows, c, s, out, interleaved);
+  return out.view(x.sizes());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
+  m.def("apply_rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("apply_rope", &apply_rope); }
