@@ -140,15 +140,18 @@ AVX512BF16 inline __m512i decode32(const uint8_t* block, int64_t kp) {
     __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
   } else {  // int4: lane r = (low nibble, high nibble) of byte r; a table maps each to bf16(nibble - 8)
+    // The lookup reads the low 5 bits of each 16-bit index: with the table written twice, byte b | b << 12
+    // indexes its low nibble in the lane's low half (bit 4, the high nibble's, selects the copy) and its
+    // high nibble in the upper half, with no masking.
     const __m512i table = _mm512_set_epi16(
-        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+        (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080, (short)0xC0A0, (short)0xC0C0, (short)0xC0E0,
+        (short)0xC100,
         0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
         (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080, (short)0xC0A0, (short)0xC0C0, (short)0xC0E0,
         (short)0xC100);
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kp * 16)));
-    __m512i pairs = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xF)),
-                                    _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xF0)), 12));
-    return _mm512_permutexvar_epi16(pairs, table);
+    return _mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), table);
   }
 }
 
