@@ -134,8 +134,10 @@ AVX512BF16 inline __m512i decode32(const uint8_t* block, int64_t kp) {
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
   } else if constexpr (Kind == kFP8) {
     __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kp * 32)));
-    __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x7F)), 7),
-                                _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8));
+    // fp16 bits s0eeeemmm0000000 from byte seeeemmm: shifted left by 7 the sign sits at bit 14, and adding
+    // that bit to itself carries it to bit 15 and clears bit 14.
+    const __m512i u = _mm512_slli_epi16(v, 7);
+    const __m512i h = _mm512_add_epi16(u, _mm512_and_si512(u, _mm512_set1_epi16(0x4000)));
     __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
