@@ -7,13 +7,18 @@ from dataclasses import dataclass
 
 METHODS = ("mtp",)
 MAX_SPECULATIVE_TOKENS = 8
+# Drafting pauses in steps with this many running sequences or more, unless the config says otherwise
+# (null: never). Measured on CPU (docs/benchmarks.md): drafts pay up to batch 4 and cost from 8 on, where
+# a step's weights are already shared by enough rows that verifying drafts only adds work.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    disable_by_batch_size: int | None = None  # no drafting in steps with at least this many running sequences
+    # No drafting in steps with at least this many running sequences (None: always draft).
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -40,8 +45,8 @@ class SpeculativeConfig:
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens={n!r} must be an integer from 1 to "
                              f"{MAX_SPECULATIVE_TOKENS}")
-        limit = value.get("disable_by_batch_size")
+        limit = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size={limit!r} must be a positive integer "
-                             "(speculation pauses in steps with at least that many running sequences)")
+                             "(speculation pauses in steps with at least that many running sequences), or null to never pause")
         return cls(method, n, limit)

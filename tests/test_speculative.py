@@ -24,7 +24,8 @@ def mtp_checkpoint(make_checkpoint):
 
 
 def make_llm(checkpoint, n_spec=None, **kwargs):
-    spec = None if n_spec is None else {"method": "mtp", "num_speculative_tokens": n_spec}
+    # Drafting at every batch size: these tests check what speculation does, not when it pays.
+    spec = None if n_spec is None else {"method": "mtp", "num_speculative_tokens": n_spec, "disable_by_batch_size": None}
     args = dict(dtype="float32", block_size=16, max_model_len=256, progress=False, speculative_config=spec)
     return LLM(checkpoint, **{**args, **kwargs})
 
@@ -108,6 +109,14 @@ def test_speculation_pauses_at_the_configured_batch_size(mtp_checkpoint, referen
 
     assert drafts_with(5) > 0  # four sequences run together, all to the same length
     assert drafts_with(4) == 0
+
+
+def test_speculation_pauses_from_batch_8_unless_told_otherwise():
+    from dsaserve.speculative_config import SpeculativeConfig
+
+    assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}').disable_by_batch_size == 8
+    assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2,
+                                    "disable_by_batch_size": None}).disable_by_batch_size is None
 
 
 def test_penalties_logprobs_and_stop_strings_see_the_accepted_drafts(mtp_checkpoint, monkeypatch):
