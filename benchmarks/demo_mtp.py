@@ -90,8 +90,9 @@ def main() -> None:
         settings[n] = {"method": "mtp", "num_speculative_tokens": n}
         if args.disable_by_batch_size is not None:
             settings[n]["disable_by_batch_size"] = args.disable_by_batch_size
-    llms = {n: LLM(demo_model_dir(), progress=False, kv_cache_memory="256MiB", speculative_config=spec)
-            for n, spec in settings.items()}
+    # No prefix caching: the rounds repeat the prompts, and every round should prefill them in full.
+    llms = {n: LLM(demo_model_dir(), progress=False, kv_cache_memory="256MiB", enable_prefix_caching=False,
+                   speculative_config=spec) for n, spec in settings.items()}
     speeds = {(n, b): [] for n in settings for b in batches}  # (end to end, decode) per round
     texts = {}
     for _ in range(args.rounds):  # the settings take turns, so a slow phase of a shared machine hits them all

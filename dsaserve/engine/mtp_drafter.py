@@ -1,9 +1,10 @@
 """Drafting with the MTP layer, after each verified step.
 
 Catch-up: every row the target just computed and kept (prompt chunks; the last known token and the
-accepted drafts) runs through the MTP layer with the token that follows it and the target's hidden
-state, which fills the MTP layer's own caches at those positions and gives the first draft from the
-last row. Draft steps 2…N then run one row per request at the next positions, feeding back the MTP
+accepted drafts), with the token that follows it and the target's hidden state, fills the MTP layer's
+own caches at those positions: only their latent rows and indexer keys, since only later rows attend
+to them. A request that drafts then runs its last row through the whole layer, which gives the first
+draft. Draft steps 2…N then run one row per request at the next positions, feeding back the MTP
 layer's hidden state. Their cache entries are speculative: the next catch-up rewrites those positions
 with verified rows, so nothing unverified is ever attended by a verified row.
 
@@ -35,45 +36,48 @@ def propose(model, kv_cache, inputs: list[DraftInput], hidden: torch.Tensor, sha
     inputs = [item for item in inputs if item.hidden_rows]
     if not inputs:
         return {}
-    block_size = kv_cache.block_size
-    ends = []
-    for item in inputs:
-        ends.append((ends[-1] if ends else 0) + len(item.next_tokens))
-    last_rows = [end - 1 for end in ends]
-    meta = BatchMetadata.build([item.next_tokens for item in inputs], [item.start for item in inputs],
-                               [item.block_table for item in inputs], block_size, last_rows, device=hidden.device,
-                               shard=kv_cache.shard)
-    rows = torch.tensor([r for item in inputs for r in item.hidden_rows], dtype=torch.long, device=hidden.device)
-    out, topk = model.draft(meta, hidden[rows], kv_cache.latent, kv_cache.indexer)
-    drafting = [i for i, item in enumerate(inputs) if item.num_drafts > 0]
+    block_size, device = kv_cache.block_size, hidden.device
+
+    def batch(items, tokens, starts, logits_rows):
+        return BatchMetadata.build(tokens, starts, [item.block_table for item in items], block_size, logits_rows,
+                                   device=device, shard=kv_cache.shard)
+
+    # Rows that only later rows attend to (every kept row but a drafting request's last): their cache
+    # entries, without the layer's attention and MoE.
+    fill = [(item, len(item.next_tokens) - (item.num_drafts > 0)) for item in inputs]
+    fill = [(item, n) for item, n in fill if n > 0]
+    if fill:
+        rows = torch.tensor([r for item, n in fill for r in item.hidden_rows[:n]], dtype=torch.long, device=device)
+        meta = batch([item for item, _ in fill], [item.next_tokens[:n] for item, n in fill],
+                     [item.start for item, _ in fill], [])
+        model.fill_draft_caches(meta, hidden[rows], kv_cache.latent, kv_cache.indexer)
+    drafting = [item for item in inputs if item.num_drafts > 0]
     if not drafting:
         return {}
-    last = torch.tensor([last_rows[i] for i in drafting], device=hidden.device)
-    prev = out[last]
-    tokens = model.draft_logits(prev).argmax(-1).tolist()
-    drafts = {inputs[i].request_id: [t] for i, t in zip(drafting, tokens)}
-    shared = topk[last] if (share_index and topk is not None) else None
-    positions = [inputs[i].start + len(inputs[i].next_tokens) - 1 for i in drafting]  # each request's last row
-    for step in range(1, max(inputs[i].num_drafts for i in drafting)):
-        active = [j for j, i in enumerate(drafting) if inputs[i].num_drafts > step]
+    # The first draft: each drafting request's last kept row through the whole layer.
+    positions = [item.start + len(item.next_tokens) - 1 for item in drafting]
+    meta = batch(drafting, [[item.next_tokens[-1]] for item in drafting], positions, list(range(len(drafting))))
+    last = torch.tensor([item.hidden_rows[-1] for item in drafting], dtype=torch.long, device=device)
+    prev, topk = model.draft(meta, hidden[last], kv_cache.latent, kv_cache.indexer)
+    drafts = {item.request_id: [t] for item, t in zip(drafting, model.draft_logits(prev).argmax(-1).tolist())}
+    shared = topk if (share_index and topk is not None) else None
+    for step in range(1, max(item.num_drafts for item in drafting)):
+        active = [j for j, item in enumerate(drafting) if item.num_drafts > step]
         if not active:
             break
-        ids = [inputs[drafting[j]].request_id for j in active]
-        meta = BatchMetadata.build([[drafts[r][-1]] for r in ids], [positions[j] + step for j in active],
-                                   [inputs[drafting[j]].block_table for j in active], block_size,
-                                   list(range(len(active))), device=hidden.device, shard=kv_cache.shard)
+        pick = torch.tensor(active, device=device)
+        items = [drafting[j] for j in active]
+        meta = batch(items, [[drafts[item.request_id][-1]] for item in items], [positions[j] + step for j in active],
+                     list(range(len(active))))
         select = None
         if shared is not None:
-            pick = torch.tensor(active, device=hidden.device)
             new = torch.tensor([[positions[j] + s for s in range(1, step + 1)] for j in active], dtype=shared.dtype,
-                               device=hidden.device)
+                               device=device)
             select = torch.cat([shared[pick], new], dim=1)
-        prev, _ = model.draft(meta, prev[torch.tensor(active, device=hidden.device)], kv_cache.latent,
-                              kv_cache.indexer, select)
-        for r, t in zip(ids, model.draft_logits(prev).argmax(-1).tolist()):
-            drafts[r].append(t)
-        if shared is not None:
-            shared = shared[torch.tensor(active, device=hidden.device)]
+            shared = shared[pick]
+        prev, _ = model.draft(meta, prev[pick], kv_cache.latent, kv_cache.indexer, select)
+        for item, t in zip(items, model.draft_logits(prev).argmax(-1).tolist()):
+            drafts[item.request_id].append(t)
         positions = [positions[j] for j in active]
-        drafting = [drafting[j] for j in active]
+        drafting = items
     return drafts

@@ -118,6 +118,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
                         indexer_caches.get(layer), topk)
 
     @torch.inference_mode()
+    def fill_draft_caches(self, meta: BatchMetadata, prev_hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+                          indexer_caches: dict) -> None:
+        """The MTP layer's cache entries for meta's rows, without running the layer past them."""
+        layer = self.config.num_hidden_layers
+        self.mtp.fill_caches(self.model.embed_tokens, self.rotary, meta, prev_hidden, kv_caches[layer],
+                             indexer_caches.get(layer))
+
+    @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mtp.logits(self.lm_head, hidden)
 

@@ -69,11 +69,8 @@ class MLAAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(tokens, self.num_heads, -1)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin, self.rope_interleave)
-        k_rope = apply_rope(k_rope, cos, sin, self.rope_interleave)
-        row = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
-        kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, meta.rows_to_write(row).to(kv_cache.dtype))
+        self.write_latents(x, cos, sin, meta, kv_cache)
 
         topk = prev_topk
         if self.backend.uses_indexer and self.indexer is not None and run_indexer:
@@ -90,6 +87,22 @@ class MLAAttention(nn.Module):
                                               topk if self.backend.uses_indexer else None)
         out = per_head(out_latent, self.w_uv)  # [T, H, v]
         return self.o_proj(out.reshape(tokens, -1)), topk
+
+
+    def write_latents(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
+                      kv_cache: torch.Tensor) -> None:
+        """The cache rows of these tokens, `[kv_a_layernorm(latent) | rope(k_rope)]`, at their slots."""
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        row = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rope, cos, sin, self.rope_interleave)], dim=-1)
+        kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, meta.rows_to_write(row).to(kv_cache.dtype))
+
+    def write_caches(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
+                     kv_cache: torch.Tensor, indexer_cache) -> None:
+        """What forward() leaves in the caches (the latent rows, and the indexer's keys where the backend
+        reads them), without attending: for rows whose outputs nobody needs."""
+        self.write_latents(x, cos, sin, meta, kv_cache)
+        if self.backend.uses_indexer and self.indexer is not None:
+            indexer_cache.write(meta.slot_mapping, meta.rows_to_write(self.indexer.keys(x, cos, sin)))
 
 
 def per_head(x: torch.Tensor, weight, transposed: bool = False) -> torch.Tensor:

@@ -44,11 +44,23 @@ class MTPLayer(nn.Module):
                 kv_cache: torch.Tensor, indexer_cache, topk: torch.Tensor | None = None):
         """meta: the rows to run (input ids = the next tokens); prev_hidden [T, hidden]. With `topk`, the
         indexer does not run and attention uses it. Returns (hidden before the head norm, the top-k used)."""
-        e = (self.embed or embed)(meta.input_ids, prev_hidden.dtype)
-        e = e.masked_fill((meta.positions == 0)[:, None], 0)
-        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev_hidden.to(e.dtype))], dim=-1))
+        x = self.block_input(embed, meta, prev_hidden)
         cos, sin = rotary.cos_sin(meta.positions, x.dtype)
         return self.block(x, cos, sin, meta, kv_cache, indexer_cache, topk, run_indexer=topk is None)
+
+    def fill_caches(self, embed: nn.Module, rotary, meta: BatchMetadata, prev_hidden: torch.Tensor,
+                    kv_cache: torch.Tensor, indexer_cache) -> None:
+        """The block's cache entries for meta's rows, as forward() writes them, without its attention and
+        MoE: for the rows only later rows attend to."""
+        x = self.block_input(embed, meta, prev_hidden)
+        cos, sin = rotary.cos_sin(meta.positions, x.dtype)
+        self.block.self_attn.write_caches(self.block.input_layernorm(x), cos, sin, meta, kv_cache, indexer_cache)
+
+    def block_input(self, embed: nn.Module, meta: BatchMetadata, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """eh_proj(cat[enorm(embed(t)), hnorm(h)]) of meta's rows."""
+        e = (self.embed or embed)(meta.input_ids, prev_hidden.dtype)
+        e = e.masked_fill((meta.positions == 0)[:, None], 0)
+        return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev_hidden.to(e.dtype))], dim=-1))
 
     def logits(self, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return (self.head or lm_head)(self.head_norm(hidden)).float()
