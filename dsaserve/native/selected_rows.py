@@ -36,11 +36,24 @@ def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.T
     if not (query.dtype == rows.dtype == out.dtype == torch.bfloat16 and query.device.type == "cpu"):
         return False
     n, heads, dim = query.shape
-    if not fits(heads, dim, out.shape[-1]):
+    padded = FEW_HEADS_PADDED if heads < FEW_HEADS_PADDED else heads
+    if not fits(padded, dim, out.shape[-1]):
         return False
     if rows.shape[1] != dim or slots.shape[0] != n or out.shape[:2] != (n, heads) or out.stride(-1) != 1:
         raise ValueError(f"selected rows: shapes query {tuple(query.shape)}, rows {tuple(rows.shape)}, "
                          f"slots {tuple(slots.shape)}, out {tuple(out.shape)} do not fit together")
-    torch.ops.dsaserve.attend_selected_rows(query.contiguous(), rows.contiguous(),
-                                            slots.to(torch.int64).contiguous(), scale, out)
+    slots = slots.to(torch.int64).contiguous()
+    if padded == heads:
+        torch.ops.dsaserve.attend_selected_rows(query.contiguous(), rows.contiguous(), slots, scale, out)
+        return True
+    # Fewer heads than the kernel's 16 lanes (small models): zero queries fill the lanes, their
+    # outputs are dropped. Cheaper than the torch path's gather and two bmm calls for decode rows.
+    wide = query.new_zeros(n, padded, dim)
+    wide[:, :heads] = query
+    result = out.new_empty(n, padded, out.shape[-1])
+    torch.ops.dsaserve.attend_selected_rows(wide, rows.contiguous(), slots, scale, result)
+    out.copy_(result[:, :heads])
     return True
+
+
+FEW_HEADS_PADDED = 16  # the kernel's heads per register; fewer are padded to it
