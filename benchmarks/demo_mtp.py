@@ -5,9 +5,10 @@
 The prompts are the demo's own tasks (retrieval over ~300-token documents, arithmetic, word lists,
 greetings, weather tool calls), drawn with a seed the training did not use, thinking on, greedy. For
 each N it reports the mean accepted length (1 + accepted drafts per verification, vLLM's definition),
-the acceptance rate per draft position, and decode tokens per second (after each group's first tokens;
-end to end, prefill included, in brackets) at each batch size against the same engine settings without
-speculation. Outputs are checked to be identical to the plain ones.
+the acceptance rate per draft position, and decode tokens per second (after each group's first tokens)
+at each batch size against the same engine settings without speculation: the median over the rounds,
+and the median and range of the per-round speedups (each group of chats is run by every setting in
+turn; end to end, prefill included, alongside). Outputs are checked to be identical to the plain ones.
 """
 
 from __future__ import annotations
@@ -30,20 +31,6 @@ def prompts(count: int, seed: int = 77) -> list[tuple[list[dict], list[dict] | N
         first_user = next(j for j, m in enumerate(chat.messages) if m["role"] == "user")
         out.append((chat.messages[: first_user + 1], chat.tools))
     return out
-
-
-def run(llm: LLM, chats, batch: int, max_tokens: int) -> tuple[float, float, list[str]]:
-    """(output tokens/s end to end, decode tokens/s, texts). Decode is what follows each group's first
-    tokens: from the step where every request of the group has one to the end, the tokens after them."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    texts, tokens, decode_tokens, decode_seconds, start = [], 0, 0, 0.0, time.perf_counter()
-    for i in range(0, len(chats), batch):
-        outputs, seconds, after_first = generate_batch(llm, chats[i : i + batch], params)
-        texts += [o.outputs[0].text for o in outputs]
-        tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-        decode_tokens += after_first
-        decode_seconds += seconds
-    return tokens / (time.perf_counter() - start), decode_tokens / decode_seconds, texts
 
 
 def generate_batch(llm: LLM, group, params: SamplingParams):
@@ -91,23 +78,43 @@ def main() -> None:
         if args.disable_by_batch_size is not None:
             settings[n]["disable_by_batch_size"] = args.disable_by_batch_size
     # No prefix caching: the rounds repeat the prompts, and every round should prefill them in full.
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llms = {n: LLM(demo_model_dir(), progress=False, kv_cache_memory="256MiB", enable_prefix_caching=False,
                    speculative_config=spec) for n, spec in settings.items()}
-    speeds = {(n, b): [] for n in settings for b in batches}  # (end to end, decode) per round
+    # Per round and batch size, each setting's (tokens, seconds) end to end and in decode. Every group of
+    # chats is run by all settings one after the other, so a slow phase of a shared machine hits them all.
+    totals = {}
     texts = {}
-    for _ in range(args.rounds):  # the settings take turns, so a slow phase of a shared machine hits them all
+    for r in range(args.rounds):
         for b in batches:
-            for n, llm in llms.items():
-                end_to_end, decode, out = run(llm, chats, b, args.max_tokens)
-                speeds[n, b].append((end_to_end, decode))
-                if texts.setdefault(b, out) != out:
-                    raise AssertionError(f"N={n} batch {b}: outputs differ from the plain run")
+            for i in range(0, len(chats), b):
+                for n, llm in llms.items():
+                    start = time.perf_counter()
+                    outputs, seconds, after_first = generate_batch(llm, chats[i : i + b], params)
+                    elapsed = time.perf_counter() - start
+                    out = [o.outputs[0].text for o in outputs]
+                    if texts.setdefault((b, i), out) != out:
+                        raise AssertionError(f"N={n} batch {b}: outputs differ from the plain run")
+                    t = totals.setdefault((n, b, r), [0, 0.0, 0, 0.0])
+                    t[0] += sum(len(o.outputs[0].token_ids) for o in outputs)
+                    t[1] += elapsed
+                    t[2] += after_first
+                    t[3] += seconds
 
-    def median(n, b, which):
-        return statistics.median(s[which] for s in speeds[n, b])
+    def speed(n, b, r, decode=True):
+        tokens, elapsed, decode_tokens, decode_seconds = totals[n, b, r]
+        return decode_tokens / decode_seconds if decode else tokens / elapsed
 
-    print("no speculation: " + ", ".join(f"batch {b}: {median(0, b, 1):.1f} decode tok/s "
-                                         f"({median(0, b, 0):.1f} end to end)" for b in batches), flush=True)
+    def summary(n, b):
+        """Median decode tok/s over the rounds, and the median and range of the per-round speedups."""
+        ratios = sorted(speed(n, b, r) / speed(0, b, r) for r in range(args.rounds))
+        whole = statistics.median(speed(n, b, r, False) / speed(0, b, r, False) for r in range(args.rounds))
+        return (f"batch {b}: {statistics.median(speed(n, b, r) for r in range(args.rounds)):.1f} decode tok/s "
+                f"({statistics.median(ratios):.2f}x, rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x; end to end {whole:.2f}x)")
+
+    print("no speculation: " + ", ".join(
+        f"batch {b}: {statistics.median(speed(0, b, r) for r in range(args.rounds)):.1f} decode tok/s" for b in batches),
+        flush=True)
     for n, llm in llms.items():
         if not n:
             continue
@@ -115,10 +122,7 @@ def main() -> None:
         mean_len = 1 + stats.num_accepted_tokens / max(1, stats.num_drafts)
         per_pos = [a / max(1, stats.num_drafts) for a in stats.accepted_per_pos]
         print(f"N={n}: mean accepted length {mean_len:.2f}, acceptance per position "
-              f"{', '.join(f'{p:.0%}' for p in per_pos)}; " +
-              ", ".join(f"batch {b}: {median(n, b, 1):.1f} decode tok/s ({median(n, b, 1) / median(0, b, 1):.2f}x; "
-                        f"end to end {median(n, b, 0) / median(0, b, 0):.2f}x)" for b in batches), flush=True)
-
+              f"{', '.join(f'{p:.0%}' for p in per_pos)}; " + ", ".join(summary(n, b) for b in batches), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -137,18 +137,20 @@ class BatchMetadata:
         for i, (table, n) in enumerate(zip(block_tables, seq_lens)):
             if len(table) * block_size < n:
                 raise ValueError(f"request {i} has {n} tokens but its block table covers {len(table) * block_size}")
-        width = max((len(t) for t in block_tables), default=0)
-        tables = torch.zeros(len(block_tables), max(width, 1), dtype=torch.int64)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        # Built from host lists, a tensor each: a decode step builds this for every forward (MTP draft
+        # steps included), and a handful of tensor operators per field cost more than the arithmetic.
+        width = max(max((len(t) for t in block_tables), default=0), 1)
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables] or [[0] * width],
+                              dtype=torch.int64)[: len(block_tables)]
         pos = torch.tensor(positions, dtype=torch.int64)
-        req_of_token = torch.repeat_interleave(
-            torch.arange(len(token_ids)), torch.tensor([len(t) for t in token_ids], dtype=torch.int64)
-        )
         write_rows = None
         if shard is None:
-            slot_mapping = tables[req_of_token, pos // block_size] * block_size + pos % block_size
+            slot_mapping = torch.tensor([table[p // block_size] * block_size + p % block_size
+                                         for ids, ctx, table in zip(token_ids, context_lens, block_tables)
+                                         for p in range(ctx, ctx + len(ids))], dtype=torch.int64)
         else:
+            req_of_token = torch.repeat_interleave(
+                torch.arange(len(token_ids)), torch.tensor([len(t) for t in token_ids], dtype=torch.int64))
             write_rows = shard.owns(pos).nonzero().squeeze(1)
             slot_mapping = shard.local_slots(tables[req_of_token[write_rows]], pos[write_rows, None]).squeeze(1)
             write_rows = write_rows.to(device)

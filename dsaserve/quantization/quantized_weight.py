@@ -27,7 +27,7 @@ class PackedMatrix:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ weightᵀ → [..., N] in x's dtype."""
-        rows = x.reshape(-1, self.k)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.k)  # (a reshape is one more operator call per product)
         if rows.shape[0] == 0:  # e.g. lm_head in a step of prompt chunks only
             return x.new_empty(*x.shape[:-1], self.n)
         args = (formats.KINDS[self.kind], formats.group_of(self.kind, self.k), self.col_offset, self.n, self.k)
@@ -38,7 +38,7 @@ class PackedMatrix:
                 y = rows @ torch.ops.dsaserve.dequantize_t(self.qweight, self.scale, *args, x.dtype)
         else:
             y = rows @ self.dequantize(x.dtype).T
-        return y.view(*x.shape[:-1], self.n)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.n)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] as floats (in torch: the kernels' reference, and their fallback)."""
@@ -61,8 +61,14 @@ class QuantizedWeight(nn.Module):
         return tuple(self.qweight.shape[:-3]) + (self.out_features, self.in_features)
 
     def matrix(self, expert: int | None = None) -> PackedMatrix:
-        q, s = (self.qweight, self.scale) if expert is None else (self.qweight[expert], self.scale[expert])
-        return PackedMatrix(self.kind, q, s, self.out_features, self.in_features, self.col_offset)
+        if expert is None:  # made once (after loading, on the weight's device), then reused by every product
+            cached = getattr(self, "_matrix", None)
+            if cached is None or cached.qweight is not self.qweight:
+                cached = self._matrix = PackedMatrix(self.kind, self.qweight, self.scale, self.out_features,
+                                                     self.in_features, self.col_offset)
+            return cached
+        return PackedMatrix(self.kind, self.qweight[expert], self.scale[expert], self.out_features, self.in_features,
+                            self.col_offset)
 
     def batched_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, M, K] by each of the B stacked weights: [B, M, N] (one attention head each)."""
