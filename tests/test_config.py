@@ -153,3 +153,21 @@ def test_model_construction_rejects_shared_layer_without_producer():
     object.__setattr__(cfg, "indexer_schedule", cfg.indexer_schedule.__class__(("shared", "full", "full", "full"), "test"))
     with torch.device("meta"), pytest.raises(ValueError, match="no full layer before it|there is none"):
         GlmMoeDsaForCausalLM(cfg)
+
+
+def test_rotary_table_rows_equal_the_direct_computation():
+    """cos_sin with `upto` reads rows of a table made once (and grown for longer positions): the same
+    values as computing the given positions directly, yarn scaling included."""
+    from dsaserve.model.layers import RotaryEmbedding
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+    cfg = ModelConfig.from_dict(small_config(rope_parameters=rope, max_position_embeddings=16384))
+    rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+    for positions in ([0, 3, 4095], [9000, 1, 5000]):  # the second needs a larger table
+        positions = torch.tensor(positions)
+        for dtype in (torch.float32, torch.bfloat16):
+            looked_up = rotary.cos_sin(positions, dtype, int(positions.max()) + 1)
+            direct = rotary.cos_sin(positions, dtype)
+            assert all(torch.equal(a, b) for a, b in zip(looked_up, direct))
+    assert rotary._table[0].shape[0] == 16384

@@ -103,7 +103,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
     def forward_hidden(self, meta: BatchMetadata, kv_caches: list[torch.Tensor], indexer_caches: dict) -> torch.Tensor:
         """Hidden states of every row [T, hidden], before the final norm."""
         x = self.model.embed_tokens(meta.input_ids, self.model.norm.weight.dtype)
-        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
         topk = None
         for i, layer in enumerate(self.model.layers):
             x, topk = layer(x, cos, sin, meta, kv_caches[i], indexer_caches.get(i), topk)

@@ -45,7 +45,7 @@ class MTPLayer(nn.Module):
         """meta: the rows to run (input ids = the next tokens); prev_hidden [T, hidden]. With `topk`, the
         indexer does not run and attention uses it. Returns (hidden before the head norm, the top-k used)."""
         x = self.block_input(embed, meta, prev_hidden)
-        cos, sin = rotary.cos_sin(meta.positions, x.dtype)
+        cos, sin = rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
         return self.block(x, cos, sin, meta, kv_cache, indexer_cache, topk, run_indexer=topk is None)
 
     def fill_caches(self, embed: nn.Module, rotary, meta: BatchMetadata, prev_hidden: torch.Tensor,
@@ -53,7 +53,7 @@ class MTPLayer(nn.Module):
         """The block's cache entries for meta's rows, as forward() writes them, without its attention and
         MoE: for the rows only later rows attend to."""
         x = self.block_input(embed, meta, prev_hidden)
-        cos, sin = rotary.cos_sin(meta.positions, x.dtype)
+        cos, sin = rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
         self.block.self_attn.write_caches(self.block.input_layernorm(x), cos, sin, meta, kv_cache, indexer_cache)
 
     def block_input(self, embed: nn.Module, meta: BatchMetadata, prev_hidden: torch.Tensor) -> torch.Tensor:
