@@ -93,8 +93,13 @@ class SparseAttention:
         """Batched attention of single-query requests over their own top-k positions."""
         if not reqs:
             return
-        selected = topk[meta.query_start_loc[torch.tensor(reqs, device=topk.device)]].long()  # [R, K]
-        rows_of = DecodeRows.of(meta, reqs, selected.clamp(min=0), selected < 0)
+        def selected_rows():
+            selected = topk[meta.query_start_loc[torch.tensor(reqs, device=topk.device)]].long()  # [R, K]
+            return topk, DecodeRows.of(meta, reqs, selected.clamp(min=0), selected < 0)
+
+        # Shared layers attend with their full layer's top-k tensor itself: its rows are derived once. The
+        # entry holds the tensor, so no other tensor can take its id while the batch runs.
+        _, rows_of = meta.once(("selected rows", id(topk), tuple(reqs)), selected_rows)
         attend_decode_rows(query, cache, rows_of, scale, value_dim, out)
 
 

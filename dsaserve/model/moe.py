@@ -75,9 +75,11 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
         if fused_applies(x, self.experts_gate_up, self.experts_down):  # a few tokens: one native call
-            local = ids - self.first_expert
-            mine = (local >= 0) & (local < self.experts_gate_up.shape[0])
-            add_routed_experts(x, self.experts_gate_up, self.experts_down, torch.where(mine, local, -1), weights, out)
+            if self.first_expert or self.experts_gate_up.shape[0] < self.gate.weight.shape[0]:  # experts elsewhere
+                local = ids - self.first_expert
+                mine = (local >= 0) & (local < self.experts_gate_up.shape[0])
+                ids = torch.where(mine, local, -1)
+            add_routed_experts(x, self.experts_gate_up, self.experts_down, ids, weights, out)
             return self.comm.all_reduce(out)
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
