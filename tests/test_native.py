@@ -244,3 +244,26 @@ def test_rms_norm_operator_equals_the_torch_operators_up_to_the_sum_order(monkey
     assert ((ours.float() - theirs.float()).abs() <= tolerance * theirs.float().abs() + 1e-6).all()
     if dtype == torch.bfloat16:  # and that rarely: the same bits almost everywhere
         assert (ours != theirs).float().mean() < 1e-2
+
+
+def test_a_build_killed_halfway_does_not_block_the_next_start(monkeypatch, tmp_path):
+    """torch's builder waits for any lock file in its build directory; a first start interrupted while
+    compiling leaves one. Each build therefore runs in a directory of its own and only moves the finished
+    library into the cache, so a stale lock where the library belongs changes nothing."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("DSASERVE_CACHE", str(tmp_path))
+    final = torch_ops._build_dir()
+    final.mkdir(parents=True)
+    (final / "lock").write_text("")  # what the interrupted build left behind
+    used = []
+
+    def fake_build(name, build_directory, **kwargs):
+        assert not os.path.exists(os.path.join(build_directory, "lock"))
+        used.append(build_directory)
+        open(os.path.join(build_directory, f"{name}.so"), "w").close()
+
+    monkeypatch.setattr(cpp_extension, "load", fake_build)
+    library = final / f"dsaserve_{final.name}.so"
+    torch_ops._build(f"dsaserve_{final.name}", library)
+    assert used and used[0] != str(final) and library.exists() and not os.path.exists(used[0])

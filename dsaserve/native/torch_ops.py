@@ -1,7 +1,7 @@
 """The native kernels that are torch operators (`torch.ops.dsaserve.*`), built from their C++ sources.
 
 They are compiled with torch.utils.cpp_extension once per machine, on first use (a log line says so;
-about half a minute on 2 cores), into the dsaserve cache, keyed by the sources, the torch version and
+about a minute on 2 cores), into the dsaserve cache, keyed by the sources, the torch version and
 the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query attention
 (selected_rows.cpp), the indexer's scores (index_scores.cpp) and its top-k (topk.cpp), and the
 small per-token operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -47,23 +48,35 @@ def load() -> bool:
         return False
     build_dir = _build_dir()
     name = "dsaserve_" + build_dir.name
+    library = build_dir / f"{name}.so"
     try:
-        from torch.utils.cpp_extension import load as build
-
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not (build_dir / f"{name}.so").exists():
-            logger.info("compiling dsaserve's torch operators (once per machine, about half a minute) into %s",
-                        build_dir)
-        # -fopenmp: at::parallel_for is inline OpenMP code (torch's CPU build), serial without it; the
-        # library then binds to the libgomp torch already loaded, so it runs on torch's own threads.
-        build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS.split(),
-              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(name, library)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch paths remain
         logger.warning("dsaserve's torch operators are unavailable, using torch: %s", str(e).strip()[:500])
         return False
     _register_fakes()
     _loaded = True
     return True
+
+
+def _build(name: str, library: Path) -> None:
+    """Compile and load the operators, then move the library to `library`. Each build has a directory of
+    its own: torch's builder waits for any lock file in its directory, so a build killed halfway (a
+    Ctrl-C on the first start) would otherwise leave every later start waiting forever."""
+    from torch.utils.cpp_extension import load as build
+
+    logger.info("compiling dsaserve's torch operators (once per machine, about a minute) for %s", library.parent)
+    native.cache_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=native.cache_dir(), prefix="building_") as scratch:
+        # -fopenmp: at::parallel_for is inline OpenMP code (torch's CPU build), serial without it; the
+        # library then binds to the libgomp torch already loaded, so it runs on torch's own threads.
+        build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS.split(), extra_ldflags=["-fopenmp"],
+              build_directory=scratch, is_python_module=False, verbose=False)
+        library.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(Path(scratch) / f"{name}.so", library)  # atomic: a concurrent start sees all of it or none
 
 
 def _register_fakes() -> None:
