@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from dsaserve.native import torch_ops
-from dsaserve.quantization import formats
 from dsaserve.quantization.quantized_weight import KERNEL_ROWS, QuantizedWeight
 
 
@@ -30,6 +29,5 @@ def add_routed_experts(x: torch.Tensor, gate_up: QuantizedWeight, down: Quantize
     indices (-1: an expert held elsewhere), weights fp32 [T, top_k]. Only where fused_applies."""
     torch.ops.dsaserve.moe_experts(
         x.contiguous(), gate_up.qweight, gate_up.scale, down.qweight, down.scale, ids.contiguous(),
-        weights.float().contiguous(), out, formats.KINDS[gate_up.kind], down.in_features,
-        formats.group_of(gate_up.kind, gate_up.in_features), formats.group_of(down.kind, down.in_features),
+        weights.float().contiguous(), out, gate_up.args[0], down.in_features, gate_up.args[1], down.args[1],
         down.col_offset)

@@ -19,18 +19,24 @@ from dsaserve.model.fp8_blocks import Fp8Slice, as_float
 KERNEL_ROWS = 16  # activation rows the native kernel takes; more go to the GEMM
 
 
+def operator_args(kind: str, n: int, k: int, col_offset: int) -> tuple[int, int, int, int, int]:
+    """(kind code, scale group, col_offset, N, K): what the operators take after the weight and its scales."""
+    return formats.KINDS[kind], formats.group_of(kind, k), col_offset, n, k
+
+
 class PackedMatrix:
     """The packed form of one [N, K] weight and its product with activations (views, no copies)."""
 
     def __init__(self, kind: str, qweight: torch.Tensor, scale: torch.Tensor, n: int, k: int, col_offset: int):
         self.kind, self.qweight, self.scale, self.n, self.k, self.col_offset = kind, qweight, scale, n, k, col_offset
+        self.args = operator_args(kind, n, k, col_offset)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ weightᵀ → [..., N] in x's dtype."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.k)  # (a reshape is one more operator call per product)
         if rows.shape[0] == 0:  # e.g. lm_head in a step of prompt chunks only
             return x.new_empty(*x.shape[:-1], self.n)
-        args = (formats.KINDS[self.kind], formats.group_of(self.kind, self.k), self.col_offset, self.n, self.k)
+        args = self.args
         if x.device.type == "cpu" and torch_ops.cpu_kernels() == "avx512_bf16":
             if rows.shape[0] <= KERNEL_ROWS:
                 y = torch.ops.dsaserve.quant_linear(rows, self.qweight, self.scale, *args)
@@ -51,6 +57,7 @@ class QuantizedWeight(nn.Module):
     def __init__(self, kind: str, out_features: int, in_features: int, experts: int | None = None, col_offset: int = 0):
         super().__init__()
         self.kind, self.out_features, self.in_features, self.col_offset = kind, out_features, in_features, col_offset
+        self.args = operator_args(kind, out_features, in_features, col_offset)
         qshape, qdtype, sshape = formats.packed_shapes(kind, out_features, in_features, col_offset)
         lead = () if experts is None else (experts,)
         self.register_buffer("qweight", torch.empty(*lead, *qshape, dtype=qdtype))
@@ -74,10 +81,8 @@ class QuantizedWeight(nn.Module):
         """x [B, M, K] by each of the B stacked weights: [B, M, N] (one attention head each)."""
         if x.shape[1] == 0:
             return x.new_empty(x.shape[0], 0, self.out_features)
-        args = (formats.KINDS[self.kind], formats.group_of(self.kind, self.in_features), self.col_offset,
-                self.out_features, self.in_features)
         if x.device.type == "cpu" and torch_ops.cpu_kernels() == "avx512_bf16" and x.shape[1] <= KERNEL_ROWS:
-            return torch.ops.dsaserve.quant_linear(x.contiguous(), self.qweight, self.scale, *args)
+            return torch.ops.dsaserve.quant_linear(x.contiguous(), self.qweight, self.scale, *self.args)
         return torch.stack([self.matrix(b).matmul(x[b]) for b in range(x.shape[0])])
 
     def nbytes(self) -> int:
