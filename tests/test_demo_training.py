@@ -85,7 +85,8 @@ def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(t
     from dsaserve.demo.train import TrainConfig, train
     from reference import dsaserve_forward, load_reference, reference_forward
 
-    tc = TrainConfig(steps=12, dense_steps=6, tokens_per_step=1024, max_doc_tokens=192, save_every=0, warmup=2)
+    tc = TrainConfig(steps=12, dense_steps=6, tokens_per_step=1024, max_doc_tokens=192, save_every=0, warmup=2,
+                     chain_steps=3)
     log: list[str] = []
     train(str(tmp_path), tc, log=log.append, config_overrides=SMALL)
     # The same fixed batch scores better under the written weights than under the initial ones.
@@ -118,7 +119,47 @@ def test_training_is_deterministic_from_its_seed(tmp_path):
     digests = []
     for seed, name in ((5, "a"), (5, "b"), (6, "c")):
         tc = TrainConfig(seed=seed, steps=4, dense_steps=2, tokens_per_step=1024, max_doc_tokens=192, save_every=0,
-                         warmup=2)
+                         warmup=2, chain_steps=2)
         train(str(tmp_path / name), tc, log=lambda line: None, config_overrides=SMALL)
         digests.append(hashlib.sha256((tmp_path / name / "model.safetensors").read_bytes()).hexdigest())
     assert digests[0] == digests[1] != digests[2]
+
+
+def test_chained_draft_steps_equal_the_layer_run_over_a_rounds_rows(tokenizer):
+    """The chain's step k at base j is the MTP layer over the rows a draft round has at that point: step-1
+    rows 0…j, then this base's draft rows, each fed the previous step's output (written from the formulas)."""
+    from dsaserve.demo.mtp_chain import chain_logits
+    from dsaserve.demo.train_model import rms
+
+    raw, model = small_trainable(tokenizer)
+    cfg, pad, eps = model.cfg, raw["pad_token_id"], model.cfg.rms_norm_eps
+    ids, _ = collate([ChatEncoder(tokenizer).encode(retrieval_chat(random.Random(8), 2, 3, 1))], pad)
+    ids = ids[:, :40]
+    with torch.no_grad():
+        ref = model(ids, sparse=False)
+        chain = chain_logits(model, ids, ref.final_hidden, pad, 3)
+        assert torch.allclose(chain[0][:, :-1], ref.mtp_logits[:, :-1], atol=1e-4)  # (the last row drafts nothing)
+        p = f"model.layers.{cfg.num_hidden_layers}"
+        embed, lm_head = model.w("model.embed_tokens.weight"), model.w("lm_head.weight")
+
+        def block_input(token: int, prev: torch.Tensor, zero: bool) -> torch.Tensor:
+            e = torch.zeros_like(embed[token]) if zero else embed[token]
+            return torch.cat([rms(e, model.w(f"{p}.enorm.weight"), eps),
+                              rms(prev, model.w(f"{p}.hnorm.weight"), eps)]) @ model.w(f"{p}.eh_proj.weight").T
+
+        def run(rows: list[torch.Tensor]) -> torch.Tensor:
+            n = len(rows)
+            angles = torch.arange(n)[:, None].float() * model.inv_freq[None]
+            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            out = model.layer(p, torch.stack(rows)[None], angles.cos(), angles.sin(), causal, True, False, [], {}, True)
+            return out[0, -1]
+
+        tokens = ids[0].tolist()
+        for j in (5, 21, 36):
+            rows = [block_input(tokens[i + 1], ref.final_hidden[0, i], i == 0) for i in range(j + 1)]
+            prev = run(rows)
+            for k in (2, 3):
+                rows.append(block_input(tokens[j + k], prev, False))
+                prev = run(rows)
+                expected = rms(prev, model.w(f"{p}.shared_head.norm.weight"), eps) @ lm_head.T
+                assert torch.allclose(chain[k - 1][0, j], expected, atol=1e-4), (j, k)

@@ -51,6 +51,7 @@ class TrainConfig:
     threads: int = 2
     max_doc_tokens: int = 1280  # the longest retrieval chats trained on
     save_every: int = 100  # write the checkpoint this often (0: only at the end)
+    chain_steps: int = 300  # then the MTP layer alone learns the later draft steps (dsaserve/demo/mtp_chain.py)
 
 
 @dataclass
@@ -235,6 +236,10 @@ def train(out_dir: str, tc: TrainConfig | None = None, log=lambda line: print(li
         if tc.save_every and step and step % tc.save_every == 0:
             write_checkpoint(out_dir, model, raw, tok)
     write_checkpoint(out_dir, model, raw, tok)
+    if tc.chain_steps:  # from the written (bf16) weights, as `python -m dsaserve.demo.mtp_chain` would run it
+        from dsaserve.demo.mtp_chain import ChainConfig, train_chain
+
+        train_chain(out_dir, ChainConfig(steps=tc.chain_steps, threads=tc.threads), log=log)
     return out_dir
 
 

@@ -36,6 +36,7 @@ class IndexerTrace:
 class ForwardOutput:
     logits: torch.Tensor  # [B, S, vocab]
     mtp_logits: torch.Tensor | None  # [B, S, vocab]: position i predicts token i + 2
+    final_hidden: torch.Tensor  # [B, S, hidden]: after the final norm (the MTP layer's h_0)
     traces: list[IndexerTrace]
     expert_counts: dict[str, torch.Tensor]  # router name → tokens per expert (for the bias update)
 
@@ -98,7 +99,7 @@ class TrainableGlmMoeDsa(nn.Module):
                            rms(out, self.w(f"{p}.hnorm.weight"), cfg.rms_norm_eps)], dim=-1) @ self.w(f"{p}.eh_proj.weight").T
             h = self.layer(p, h, cos, sin, causal, True, sparse, traces, counts, moe=True)
             mtp_logits = rms(h, self.w(f"{p}.shared_head.norm.weight"), cfg.rms_norm_eps) @ lm_head.T
-        return ForwardOutput(logits, mtp_logits, traces, counts)
+        return ForwardOutput(logits, mtp_logits, out, traces, counts)
 
     def layer(self, p: str, x, cos, sin, causal, full: bool, sparse: bool, traces: list[IndexerTrace],
               counts: dict[str, torch.Tensor], moe: bool) -> torch.Tensor:
@@ -111,17 +112,8 @@ class TrainableGlmMoeDsa(nn.Module):
     def attention(self, p: str, h, cos, sin, causal, full: bool, sparse: bool, traces: list[IndexerTrace]):
         cfg = self.cfg
         b, s, _ = h.shape
-        heads, nope, rope_dim, vdim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q_resid = rms(h @ self.w(f"{p}.q_a_proj.weight").T, self.w(f"{p}.q_a_layernorm.weight"), cfg.rms_norm_eps)
-        q = (q_resid @ self.w(f"{p}.q_b_proj.weight").T).view(b, s, heads, nope + rope_dim)
-        latent, k_pe = (h @ self.w(f"{p}.kv_a_proj_with_mqa.weight").T).split([cfg.kv_lora_rank, rope_dim], dim=-1)
-        latent = rms(latent, self.w(f"{p}.kv_a_layernorm.weight"), cfg.rms_norm_eps)
-        k_nope, v = (latent @ self.w(f"{p}.kv_b_proj.weight").T).view(b, s, heads, nope + vdim).split([nope, vdim], -1)
-        q_nope, q_pe = q.split([nope, rope_dim], dim=-1)
-        q_pe, k_pe = rope(q_pe, cos[:, None], sin[:, None]), rope(k_pe, cos, sin)
-        queries = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, S, nope + rope]
-        keys = torch.cat([k_nope, k_pe[:, :, None].expand(b, s, heads, rope_dim)], dim=-1).permute(0, 2, 3, 1)
-        logits = torch.matmul(queries, keys) * (nope + rope_dim) ** -0.5  # [B, H, S, T]
+        queries, keys, v, q_resid = self.project(p, h, cos, sin)
+        logits = torch.matmul(queries, keys.transpose(-1, -2)) * self.softmax_scale  # [B, H, S, T]
         if full:
             scores = self.indexer(f"{p}.indexer", h.detach(), q_resid.detach(), cos, sin)
             scores = scores.masked_fill(~causal, float("-inf"))
@@ -133,8 +125,33 @@ class TrainableGlmMoeDsa(nn.Module):
         visible = traces[-1].selected if sparse else causal
         probs = logits.masked_fill(~visible[:, None] if visible.dim() == 3 else ~visible, float("-inf")).softmax(-1)
         traces[-1].attention.append(probs.detach().sum(1))
-        out = torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2).reshape(b, s, heads * vdim)
-        return out @ self.w(f"{p}.o_proj.weight").T
+        return self.attention_output(p, torch.matmul(probs, v))
+
+    @property
+    def softmax_scale(self) -> float:
+        return (self.cfg.qk_nope_head_dim + self.cfg.qk_rope_head_dim) ** -0.5
+
+    def project(self, p: str, h, cos, sin):
+        """MLA's per-head queries and keys [B, H, S, nope + rope] and values [B, H, S, v] of the normed
+        input h [B, S, hidden] at the positions cos/sin [S, rope / 2] stand for; and q_resid (the indexer's input)."""
+        cfg = self.cfg
+        b, s, _ = h.shape
+        heads, nope, rope_dim, vdim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q_resid = rms(h @ self.w(f"{p}.q_a_proj.weight").T, self.w(f"{p}.q_a_layernorm.weight"), cfg.rms_norm_eps)
+        q = (q_resid @ self.w(f"{p}.q_b_proj.weight").T).view(b, s, heads, nope + rope_dim)
+        latent, k_pe = (h @ self.w(f"{p}.kv_a_proj_with_mqa.weight").T).split([cfg.kv_lora_rank, rope_dim], dim=-1)
+        latent = rms(latent, self.w(f"{p}.kv_a_layernorm.weight"), cfg.rms_norm_eps)
+        k_nope, v = (latent @ self.w(f"{p}.kv_b_proj.weight").T).view(b, s, heads, nope + vdim).split([nope, vdim], -1)
+        q_nope, q_pe = q.split([nope, rope_dim], dim=-1)
+        q_pe, k_pe = rope(q_pe, cos[:, None], sin[:, None]), rope(k_pe, cos, sin)
+        queries = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
+        keys = torch.cat([k_nope, k_pe[:, :, None].expand(b, s, heads, rope_dim)], dim=-1).transpose(1, 2)
+        return queries, keys, v.transpose(1, 2), q_resid
+
+    def attention_output(self, p: str, per_head: torch.Tensor) -> torch.Tensor:
+        """o_proj of the heads' outputs [B, H, S, v]."""
+        b, heads, s, vdim = per_head.shape
+        return per_head.transpose(1, 2).reshape(b, s, heads * vdim) @ self.w(f"{p}.o_proj.weight").T
 
     def indexer(self, p: str, h, q_resid, cos, sin) -> torch.Tensor:
         """Index scores [B, S, T] = Σ_heads w_h(s) · relu(q_h(s)·k(t) / √d), as the serving indexer computes."""

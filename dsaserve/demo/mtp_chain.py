@@ -1,0 +1,176 @@
+"""Chained MTP training: the demo's MTP layer learns the draft steps it runs after the first.
+
+The main training teaches the MTP layer one step, from the target's hidden state h_0. In a draft round,
+steps 2…N feed the layer its own output instead (`dsaserve/model/mtp.py`), an input it never saw, so
+later drafts were accepted far less often (92%, 66%, 44% by position). This phase freezes the target,
+runs the layer the way a round does, and distils the target into every step:
+
+    step 1, base position j: row at position j, input (h_0[j], t[j+1]), keys of step-1 rows ≤ j
+    step k: row at position j+k-1, input (step k-1's output, t[j+k]), keys of step-1 rows ≤ j and of
+            the same base's rows of steps 2…k (the draft entries a round writes at j+1…j+k-1)
+
+and step k's logits learn the target's next-token distribution at position j+k (KL), where that token is
+an assistant token. Attention is dense here; at ≤ 64 keys (the demo's index_topk) that is also what
+serving does, and IndexShare's later steps see the first step's selection plus the drafted positions.
+
+    python -m dsaserve.demo.mtp_chain CHECKPOINT_DIR [--steps 300]    # rewrites the MTP tensors in place
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from dsaserve.config import ModelConfig
+from dsaserve.demo.train_model import TrainableGlmMoeDsa, rms
+
+
+@dataclass
+class ChainConfig:
+    seed: int = 4321
+    steps: int = 300
+    draft_steps: int = 3  # the reference deployment's N
+    lr: float = 5e-4
+    warmup: int = 20
+    tokens_per_step: int = 2048
+    threads: int = 2
+
+
+def chain_logits(model: TrainableGlmMoeDsa, ids: torch.Tensor, h0: torch.Tensor, pad: int, steps: int
+                 ) -> list[torch.Tensor]:
+    """The MTP layer's logits [B, S, vocab] at each draft step 1…steps, for every base position."""
+    cfg = model.cfg
+    p = f"model.layers.{cfg.num_hidden_layers}"
+    b, s = ids.shape
+    pos = torch.arange(s)
+    eps = cfg.rms_norm_eps
+    embed, lm_head = model.w("model.embed_tokens.weight"), model.w("lm_head.weight")
+    visible = torch.ones(s, s, dtype=torch.bool).tril()  # base j sees step-1 keys at positions ≤ j
+    first_keys = first_values = None
+    chain_keys: list[torch.Tensor] = []
+    chain_values: list[torch.Tensor] = []
+    prev, out = h0, []
+    for k in range(1, steps + 1):
+        fed = torch.cat([ids[:, k:], torch.full((b, k), pad, dtype=ids.dtype)], dim=1)  # t[j + k]
+        e = F.embedding(fed, embed)
+        if k == 1:
+            e = e.masked_fill((pos == 0)[None, :, None], 0.0)  # as serving does at position 0
+        x = torch.cat([rms(e, model.w(f"{p}.enorm.weight"), eps), rms(prev, model.w(f"{p}.hnorm.weight"), eps)],
+                      dim=-1) @ model.w(f"{p}.eh_proj.weight").T
+        angles = (pos + k - 1)[:, None].float() * model.inv_freq[None]
+        h = rms(x, model.w(f"{p}.input_layernorm.weight"), eps)
+        queries, keys, values, _ = model.project(f"{p}.self_attn", h, angles.cos(), angles.sin())
+        if k == 1:
+            first_keys, first_values = keys, values
+        else:
+            chain_keys.append(keys)
+            chain_values.append(values)
+        scores = torch.matmul(queries, first_keys.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+        if chain_keys:  # this base's own draft rows, one key per step (the diagonal)
+            own = torch.stack(chain_keys, dim=-2)  # [B, H, S, k - 1, D]
+            scores = torch.cat([scores, (queries[..., None, :] * own).sum(-1)], dim=-1)
+        probs = (scores * model.softmax_scale).softmax(-1)
+        heads_out = torch.matmul(probs[..., :s], first_values)
+        if chain_values:
+            heads_out = heads_out + (probs[..., s:, None] * torch.stack(chain_values, dim=-2)).sum(-2)
+        x = x + model.attention_output(f"{p}.self_attn", heads_out)
+        x = x + model.moe(f"{p}.mlp", rms(x, model.w(f"{p}.post_attention_layernorm.weight"), eps), {})
+        prev = x
+        out.append(rms(x, model.w(f"{p}.shared_head.norm.weight"), eps) @ lm_head.T)
+    return out
+
+
+def chain_loss(model: TrainableGlmMoeDsa, ids: torch.Tensor, target: torch.Tensor, pad: int, steps: int
+               ) -> list[torch.Tensor]:
+    """Per draft step, KL(target ‖ MTP) over base positions whose drafted token is an assistant token."""
+    with torch.no_grad():
+        reference = model(ids, sparse=True)
+    logprobs = reference.logits.float().log_softmax(-1)
+    losses = []
+    for k, logits in enumerate(chain_logits(model, ids, reference.final_hidden.detach(), pad, steps), start=1):
+        s = ids.shape[1] - k - 1  # base j drafts token j + k + 1, which the target predicts at j + k
+        if s <= 0:
+            losses.append(torch.zeros(()))
+            continue
+        mask = target[:, k + 1:]
+        teacher = logprobs[:, k:k + s][mask]
+        student = logits[:, :s][mask].float().log_softmax(-1)
+        losses.append(F.kl_div(student, teacher, log_target=True, reduction="batchmean"))
+    return losses
+
+
+def mtp_parameters(model: TrainableGlmMoeDsa) -> list[torch.nn.Parameter]:
+    """The MTP layer's trainable tensors; the target's are frozen."""
+    prefix = f"model.layers.{model.cfg.num_hidden_layers}."
+    chosen = []
+    for name in model.names:
+        param = model.w(name)
+        param.requires_grad_(name.startswith(prefix) and not name.endswith("e_score_correction_bias"))
+        if param.requires_grad:
+            chosen.append(param)
+    return chosen
+
+
+def load_trainable(checkpoint: str, seed: int) -> tuple[TrainableGlmMoeDsa, dict]:
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        raw = json.load(f)
+    model = TrainableGlmMoeDsa(ModelConfig.from_dict(raw), seed=seed)
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    with torch.no_grad():
+        for name in model.names:
+            model.w(name).copy_(state[name].float())
+    return model, raw
+
+
+def train_chain(checkpoint: str, cc: ChainConfig | None = None, log=lambda line: print(line, flush=True)) -> None:
+    """Fine-tune the MTP layer of the checkpoint in place (its other tensors are written back unchanged)."""
+    from dsaserve.demo.train import ChatEncoder, TrainConfig, collate, demo_tokenizer, sample_batch, write_checkpoint
+
+    cc = cc or ChainConfig()
+    torch.manual_seed(cc.seed)
+    torch.set_num_threads(cc.threads)
+    rng = random.Random(cc.seed)
+    tok = demo_tokenizer()
+    model, raw = load_trainable(checkpoint, cc.seed)
+    encoder, pad = ChatEncoder(tok), raw["pad_token_id"]
+    params = mtp_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=cc.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    data = TrainConfig(tokens_per_step=cc.tokens_per_step, steps=1, dense_steps=1)  # full-length documents
+    started = time.monotonic()
+    for step in range(cc.steps):
+        _, examples = sample_batch(rng, encoder, cc.steps, data)
+        ids, target = collate(examples, pad)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            parts = chain_loss(model, ids, target, pad, cc.draft_steps)
+        loss = sum(parts)
+        scale = min(1.0, (step + 1) / cc.warmup) * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(step / cc.steps * torch.pi)).item()))
+        for group in optimizer.param_groups:
+            group["lr"] = cc.lr * scale
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        if step % 10 == 0 or step == cc.steps - 1:
+            log(f"chain step {step:4d} " + " ".join(f"kl{k} {v.item():.3f}" for k, v in enumerate(parts, 1))
+                + f" ({time.monotonic() - started:.0f} s)")
+    write_checkpoint(checkpoint, model, raw, tok)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--steps", type=int, default=ChainConfig.steps)
+    args = parser.parse_args()
+    train_chain(args.checkpoint, ChainConfig(steps=args.steps))
+
+
+if __name__ == "__main__":
+    main()
