@@ -1,6 +1,6 @@
 """MTP speculative decoding on the trained demo model: acceptance and speed at N = 1, 2, 3 drafts.
 
-    python benchmarks/demo_mtp.py [--prompts 16] [--max-tokens 64] [--batch-sizes 1,16] [--rounds 3]
+    python benchmarks/demo_mtp.py [--model DIR] [--prompts 16] [--max-tokens 64] [--batch-sizes 1,16] [--rounds 3]
 
 The prompts are the demo's own tasks (retrieval over ~300-token documents, arithmetic, word lists,
 greetings, weather tool calls), drawn with a seed the training did not use, thinking on, greedy. For
@@ -62,6 +62,7 @@ def generate_batch(llm: LLM, group, params: SamplingParams):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the shipped demo)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", default="1,16")
@@ -79,7 +80,7 @@ def main() -> None:
             settings[n]["disable_by_batch_size"] = args.disable_by_batch_size
     # No prefix caching: the rounds repeat the prompts, and every round should prefill them in full.
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llms = {n: LLM(demo_model_dir(), progress=False, kv_cache_memory="256MiB", enable_prefix_caching=False,
+    llms = {n: LLM(args.model or demo_model_dir(), progress=False, kv_cache_memory="256MiB", enable_prefix_caching=False,
                    speculative_config=spec) for n, spec in settings.items()}
     # Per round and batch size, each setting's (tokens, seconds) end to end and in decode. Every group of
     # chats is run by all settings one after the other, so a slow phase of a shared machine hits them all.
