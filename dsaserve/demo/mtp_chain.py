@@ -13,16 +13,15 @@ and step k's logits learn the target's next-token distribution at position j+k (
 an assistant token. Attention is dense here; at ≤ 64 keys (the demo's index_topk) that is also what
 serving does, and IndexShare's later steps see the first step's selection plus the drafted positions.
 
-    python -m dsaserve.demo.mtp_chain CHECKPOINT_DIR [--steps 300]    # rewrites the MTP tensors in place
+The training loop is `train_chain` in dsaserve/demo/train.py (the last phase of `build-demo --train`):
+
+    python -m dsaserve.demo.train --mtp-chain CHECKPOINT_DIR [--steps 300]   # rewrites the MTP tensors in place
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import random
-import time
 from dataclasses import dataclass
 
 import torch
@@ -128,49 +127,3 @@ def load_trainable(checkpoint: str, seed: int) -> tuple[TrainableGlmMoeDsa, dict
         for name in model.names:
             model.w(name).copy_(state[name].float())
     return model, raw
-
-
-def train_chain(checkpoint: str, cc: ChainConfig | None = None, log=lambda line: print(line, flush=True)) -> None:
-    """Fine-tune the MTP layer of the checkpoint in place (its other tensors are written back unchanged)."""
-    from dsaserve.demo.train import ChatEncoder, TrainConfig, collate, demo_tokenizer, sample_batch, write_checkpoint
-
-    cc = cc or ChainConfig()
-    torch.manual_seed(cc.seed)
-    torch.set_num_threads(cc.threads)
-    rng = random.Random(cc.seed)
-    tok = demo_tokenizer()
-    model, raw = load_trainable(checkpoint, cc.seed)
-    encoder, pad = ChatEncoder(tok), raw["pad_token_id"]
-    params = mtp_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=cc.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    data = TrainConfig(tokens_per_step=cc.tokens_per_step, steps=1, dense_steps=1)  # full-length documents
-    started = time.monotonic()
-    for step in range(cc.steps):
-        _, examples = sample_batch(rng, encoder, cc.steps, data)
-        ids, target = collate(examples, pad)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            parts = chain_loss(model, ids, target, pad, cc.draft_steps)
-        loss = sum(parts)
-        scale = min(1.0, (step + 1) / cc.warmup) * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(step / cc.steps * torch.pi)).item()))
-        for group in optimizer.param_groups:
-            group["lr"] = cc.lr * scale
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        if step % 10 == 0 or step == cc.steps - 1:
-            log(f"chain step {step:4d} " + " ".join(f"kl{k} {v.item():.3f}" for k, v in enumerate(parts, 1))
-                + f" ({time.monotonic() - started:.0f} s)")
-    write_checkpoint(checkpoint, model, raw, tok)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint")
-    parser.add_argument("--steps", type=int, default=ChainConfig.steps)
-    args = parser.parse_args()
-    train_chain(args.checkpoint, ChainConfig(steps=args.steps))
-
-
-if __name__ == "__main__":
-    main()

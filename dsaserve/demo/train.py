@@ -10,6 +10,7 @@ balancing rule (a small step against each expert's load).
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import time
@@ -23,6 +24,7 @@ from dsaserve.config import ModelConfig
 from dsaserve.demo.checkpoint_builder import save_checkpoint, save_tokenizer_files, small_config
 from dsaserve.demo.tasks import Chat, retrieval_chat, short_chat, tokenizer_corpus
 from dsaserve.demo.tokenizer import CHAT_TEMPLATE, build_tokenizer, stop_token_ids
+from dsaserve.demo.mtp_chain import ChainConfig, chain_loss, load_trainable, mtp_parameters
 from dsaserve.demo.train_model import ForwardOutput, TrainableGlmMoeDsa
 
 TRAINED_CONFIG = dict(
@@ -236,9 +238,7 @@ def train(out_dir: str, tc: TrainConfig | None = None, log=lambda line: print(li
         if tc.save_every and step and step % tc.save_every == 0:
             write_checkpoint(out_dir, model, raw, tok)
     write_checkpoint(out_dir, model, raw, tok)
-    if tc.chain_steps:  # from the written (bf16) weights, as `python -m dsaserve.demo.mtp_chain` would run it
-        from dsaserve.demo.mtp_chain import ChainConfig, train_chain
-
+    if tc.chain_steps:  # from the written (bf16) weights, as `python -m dsaserve.demo.train --mtp-chain DIR` runs it
         train_chain(out_dir, ChainConfig(steps=tc.chain_steps, threads=tc.threads), log=log)
     return out_dir
 
@@ -246,3 +246,48 @@ def train(out_dir: str, tc: TrainConfig | None = None, log=lambda line: print(li
 def write_checkpoint(out_dir: str, model: TrainableGlmMoeDsa, raw: dict, tok) -> None:
     save_checkpoint(out_dir, raw, model.state_dict_for_checkpoint(), dtype=torch.bfloat16)
     save_tokenizer_files(tok, out_dir, raw["eos_token_id"])
+
+
+def train_chain(checkpoint: str, cc: ChainConfig | None = None, log=lambda line: print(line, flush=True)) -> None:
+    """Fine-tune the MTP layer of the checkpoint in place (its other tensors are written back unchanged)."""
+    cc = cc or ChainConfig()
+    torch.manual_seed(cc.seed)
+    torch.set_num_threads(cc.threads)
+    rng = random.Random(cc.seed)
+    tok = demo_tokenizer()
+    model, raw = load_trainable(checkpoint, cc.seed)
+    encoder, pad = ChatEncoder(tok), raw["pad_token_id"]
+    params = mtp_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=cc.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    data = TrainConfig(tokens_per_step=cc.tokens_per_step, steps=1, dense_steps=1)  # full-length documents
+    started = time.monotonic()
+    for step in range(cc.steps):
+        _, examples = sample_batch(rng, encoder, cc.steps, data)
+        ids, target = collate(examples, pad)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            parts = chain_loss(model, ids, target, pad, cc.draft_steps)
+        loss = sum(parts)
+        scale = min(1.0, (step + 1) / cc.warmup) * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(step / cc.steps * torch.pi)).item()))
+        for group in optimizer.param_groups:
+            group["lr"] = cc.lr * scale
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        if step % 10 == 0 or step == cc.steps - 1:
+            log(f"chain step {step:4d} " + " ".join(f"kl{k} {v.item():.3f}" for k, v in enumerate(parts, 1))
+                + f" ({time.monotonic() - started:.0f} s)")
+    write_checkpoint(checkpoint, model, raw, tok)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the demo's training phases (the whole run: dsaserve build-demo --train)")
+    parser.add_argument("--mtp-chain", metavar="CHECKPOINT_DIR", required=True,
+                        help="run only the chained MTP phase on this checkpoint, in place")
+    parser.add_argument("--steps", type=int, default=ChainConfig.steps)
+    args = parser.parse_args()
+    train_chain(args.mtp_chain, ChainConfig(steps=args.steps))
+
+
+if __name__ == "__main__":
+    main()
