@@ -90,14 +90,11 @@ def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(t
     log: list[str] = []
     train(str(tmp_path), tc, log=log.append, config_overrides=SMALL)
     # The same fixed batch scores better under the written weights than under the initial ones.
-    from safetensors.torch import load_file
+    from dsaserve.demo.mtp_chain import load_trainable
 
     raw = model_config(tokenizer, **SMALL)
     initial = TrainableGlmMoeDsa(ModelConfig.from_dict(raw), seed=tc.seed)
-    trained = TrainableGlmMoeDsa(ModelConfig.from_dict(raw), seed=tc.seed)
-    with torch.no_grad():
-        for name, tensor in load_file(str(tmp_path / "model.safetensors")).items():
-            trained.w(name).copy_(tensor.float())
+    trained, _ = load_trainable(str(tmp_path), tc.seed)
     encoder = ChatEncoder(tokenizer)
     rng = random.Random(99)
     ids, target = collate([encoder.encode(retrieval_chat(rng, 4, 3, 2)) for _ in range(4)], raw["pad_token_id"])

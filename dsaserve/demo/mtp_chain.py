@@ -51,7 +51,7 @@ def chain_logits(model: TrainableGlmMoeDsa, ids: torch.Tensor, h0: torch.Tensor,
     b, s = ids.shape
     pos = torch.arange(s)
     eps = cfg.rms_norm_eps
-    embed, lm_head = model.w("model.embed_tokens.weight"), model.w("lm_head.weight")
+    embed = model.w("model.embed_tokens.weight")
     visible = torch.ones(s, s, dtype=torch.bool).tril()  # base j sees step-1 keys at positions ≤ j
     first_keys = first_values = None
     chain_keys: list[torch.Tensor] = []
@@ -62,8 +62,7 @@ def chain_logits(model: TrainableGlmMoeDsa, ids: torch.Tensor, h0: torch.Tensor,
         e = F.embedding(fed, embed)
         if k == 1:
             e = e.masked_fill((pos == 0)[None, :, None], 0.0)  # as serving does at position 0
-        x = torch.cat([rms(e, model.w(f"{p}.enorm.weight"), eps), rms(prev, model.w(f"{p}.hnorm.weight"), eps)],
-                      dim=-1) @ model.w(f"{p}.eh_proj.weight").T
+        x = model.mtp_input(e, prev)
         angles = (pos + k - 1)[:, None].float() * model.inv_freq[None]
         h = rms(x, model.w(f"{p}.input_layernorm.weight"), eps)
         queries, keys, values, _ = model.project(f"{p}.self_attn", h, angles.cos(), angles.sin())
@@ -83,7 +82,7 @@ def chain_logits(model: TrainableGlmMoeDsa, ids: torch.Tensor, h0: torch.Tensor,
         x = x + model.attention_output(f"{p}.self_attn", heads_out)
         x = x + model.moe(f"{p}.mlp", rms(x, model.w(f"{p}.post_attention_layernorm.weight"), eps), {})
         prev = x
-        out.append(rms(x, model.w(f"{p}.shared_head.norm.weight"), eps) @ lm_head.T)
+        out.append(model.mtp_head(x))
     return out
 
 
@@ -91,7 +90,7 @@ def chain_loss(model: TrainableGlmMoeDsa, ids: torch.Tensor, target: torch.Tenso
                ) -> list[torch.Tensor]:
     """Per draft step, KL(target ‖ MTP) over base positions whose drafted token is an assistant token."""
     with torch.no_grad():
-        reference = model(ids, sparse=True)
+        reference = model(ids, sparse=True, with_mtp=False)
     logprobs = reference.logits.float().log_softmax(-1)
     losses = []
     for k, logits in enumerate(chain_logits(model, ids, reference.final_hidden.detach(), pad, steps), start=1):

@@ -73,7 +73,8 @@ class TrainableGlmMoeDsa(nn.Module):
     def state_dict_for_checkpoint(self) -> dict[str, torch.Tensor]:
         return {n: self.w(n).detach().clone() for n in self.names}
 
-    def forward(self, ids: torch.Tensor, sparse: bool) -> ForwardOutput:
+    def forward(self, ids: torch.Tensor, sparse: bool, with_mtp: bool = True) -> ForwardOutput:
+        """with_mtp=False skips the MTP layer (mtp_logits None), for a frozen target's pass."""
         cfg = self.cfg
         seq = ids.shape[1]
         pos = torch.arange(seq)
@@ -91,15 +92,24 @@ class TrainableGlmMoeDsa(nn.Module):
         lm_head = self.w("lm_head.weight")
         logits = out @ lm_head.T
         mtp_logits = None
-        if self.include_mtp:
+        if self.include_mtp and with_mtp:
             p = f"model.layers.{cfg.num_hidden_layers}"
             nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # row i reads token i + 1 (the last row is unused)
             e = F.embedding(nxt, embed).masked_fill((pos == 0)[None, :, None], 0.0)
-            h = torch.cat([rms(e, self.w(f"{p}.enorm.weight"), cfg.rms_norm_eps),
-                           rms(out, self.w(f"{p}.hnorm.weight"), cfg.rms_norm_eps)], dim=-1) @ self.w(f"{p}.eh_proj.weight").T
-            h = self.layer(p, h, cos, sin, causal, True, sparse, traces, counts, moe=True)
-            mtp_logits = rms(h, self.w(f"{p}.shared_head.norm.weight"), cfg.rms_norm_eps) @ lm_head.T
+            h = self.layer(p, self.mtp_input(e, out), cos, sin, causal, True, sparse, traces, counts, moe=True)
+            mtp_logits = self.mtp_head(h)
         return ForwardOutput(logits, mtp_logits, out, traces, counts)
+
+    def mtp_input(self, embedded: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """eh_proj(cat[enorm(embedded token), hnorm(previous hidden state)]): the MTP block's input."""
+        p, eps = f"model.layers.{self.cfg.num_hidden_layers}", self.cfg.rms_norm_eps
+        return torch.cat([rms(embedded, self.w(f"{p}.enorm.weight"), eps), rms(prev, self.w(f"{p}.hnorm.weight"), eps)],
+                         dim=-1) @ self.w(f"{p}.eh_proj.weight").T
+
+    def mtp_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's logits: shared_head.norm, then the main lm_head."""
+        p = f"model.layers.{self.cfg.num_hidden_layers}"
+        return rms(hidden, self.w(f"{p}.shared_head.norm.weight"), self.cfg.rms_norm_eps) @ self.w("lm_head.weight").T
 
     def layer(self, p: str, x, cos, sin, causal, full: bool, sparse: bool, traces: list[IndexerTrace],
               counts: dict[str, torch.Tensor], moe: bool) -> torch.Tensor:
@@ -111,7 +121,7 @@ class TrainableGlmMoeDsa(nn.Module):
 
     def attention(self, p: str, h, cos, sin, causal, full: bool, sparse: bool, traces: list[IndexerTrace]):
         cfg = self.cfg
-        b, s, _ = h.shape
+        s = h.shape[1]
         queries, keys, v, q_resid = self.project(p, h, cos, sin)
         logits = torch.matmul(queries, keys.transpose(-1, -2)) * self.softmax_scale  # [B, H, S, T]
         if full:
