@@ -1,6 +1,8 @@
 """How fast does a model learn content-based induction (find the earlier copy of this token, say what followed)?
 
     python benchmarks/induction_probe.py --model demo [--steps 1100] [--layers 2] [--overrides '{"kv_lora_rank": 256}']
+                                         [--shared-embedding] [--attention-losses previous,lookup]
+                                         [--lookup-layer 5]
     python benchmarks/induction_probe.py --model vanilla [--steps 1100]
 
 The demo model cannot look codes up in documents, and that lookup is an induction step. This probe
@@ -9,7 +11,10 @@ isolates it: each batch is 16 rows of a random 32-token segment, a random gap of
 the loss covers the repeated segment only. `demo` is the demo trainer's forward
 (dsaserve/demo/train_model.py) with the demo geometry cut to `--layers` dense layers; `vanilla` is
 torch's pre-norm TransformerEncoder of the same width, heads and depth with learned absolute positions.
-Prints the loss and the next-token accuracy on the repeated segment every 100 steps.
+`--shared-embedding` gives the demo's embedding rows one common direction at initialization (the
+lookup recipe's); `--attention-losses` adds the trainer's losses on the
+previous-token head and on the lookup head (here: from each token of the repeat to the token after
+its first copy). Prints the loss and the next-token accuracy on the repeated segment every 100 steps.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class Vanilla(nn.Module):
         return self.head(self.layers(h, mask=nn.Transformer.generate_square_subsequent_mask(s), is_causal=True))
 
 
-def build(kind: str, layers: int, overrides: dict):
+def build(kind: str, layers: int, overrides: dict, shared_embedding: bool = False):
     from dsaserve.config import ModelConfig
     from dsaserve.demo.train import demo_tokenizer, model_config
     from dsaserve.demo.train_model import TrainableGlmMoeDsa
@@ -48,33 +53,53 @@ def build(kind: str, layers: int, overrides: dict):
     if kind == "vanilla":
         return Vanilla(raw["vocab_size"], raw["hidden_size"], raw["num_attention_heads"], raw["intermediate_size"],
                        layers), raw["vocab_size"]
-    model = TrainableGlmMoeDsa(ModelConfig.from_dict(raw), seed=0, include_mtp=False)
-    return (lambda ids: model(ids, sparse=False).logits), raw["vocab_size"], model
+    model = TrainableGlmMoeDsa(ModelConfig.from_dict(raw), seed=0, include_mtp=False, shared_embedding=shared_embedding)
+    return model, raw["vocab_size"]
 
 
 def main() -> None:
+    from dsaserve.demo.train import attention_losses, watched_heads
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("demo", "vanilla"), default="demo")
     parser.add_argument("--steps", type=int, default=1100)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--overrides", default="{}", help="demo config fields to change (JSON)")
+    parser.add_argument("--shared-embedding", action="store_true", help="demo: embedding rows share one direction")
+    parser.add_argument("--attention-losses", default="", help="demo: comma-separated, of previous,lookup")
+    parser.add_argument("--lookup-layer", type=int, default=None, help="demo: the lookup head's layer (default: the trainer's)")
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.manual_seed(0)
-    torch.set_num_threads(2)
-    built = build(args.model, args.layers, json.loads(args.overrides))
-    forward, vocab = built[0], built[1]
-    module = built[0] if args.model == "vanilla" else built[2]
-    params = [p for p in module.parameters() if p.requires_grad]
+    torch.set_num_threads(args.threads)
+    model, vocab = build(args.model, args.layers, json.loads(args.overrides), args.shared_embedding)
+    supervised = set(filter(None, args.attention_losses.split(",")))
+    heads = watched_heads(model.cfg) if args.model == "demo" else None
+    if args.lookup_layer is not None:
+        heads = (heads[0], (f"model.layers.{args.lookup_layer}.self_attn", heads[1][1]))
+    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
     started = time.monotonic()
     for step in range(args.steps):
         segment = torch.randint(20, min(vocab, 1400), (16, 32))
         gap = int(torch.randint(0, 33, ()).item())
         ids = torch.cat([segment, torch.randint(20, min(vocab, 1400), (16, gap)), segment], dim=1)
-        logits = forward(ids)[:, 32 + gap:-1]
+        if args.model == "vanilla":
+            logits = model(ids)
+        else:
+            out = model(ids, sparse=False, watch_heads=list(heads) if supervised else None)
+            logits = out.logits
+        logits = logits[:, 32 + gap:-1]
         loss = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 33 + gap:].reshape(-1))
+        total = loss
+        if supervised:
+            query = torch.arange(32 + gap, 63 + gap)  # predicts segment[i + 1], which first sat at i + 1
+            pointers = torch.stack([torch.arange(16).repeat_interleave(31), query.repeat(16),
+                                    (query - 31 - gap).repeat(16)], dim=1)
+            extra = attention_losses(out, heads, torch.ones_like(ids, dtype=torch.bool), pointers)
+            total = total + sum(extra[{"previous": "previous", "lookup": "pointer"}[kind]] for kind in supervised)
         optimizer.zero_grad()
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         if step % 100 == 0 or step == args.steps - 1:

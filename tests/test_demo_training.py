@@ -1,5 +1,6 @@
 """The demo model's trainer: its forward is the serving model's, its losses train what they should."""
 
+import math
 import random
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from dsaserve.config import ModelConfig
 from dsaserve.demo.checkpoint_builder import save_checkpoint
 from dsaserve.demo.tasks import retrieval_chat, weather_chat
-from dsaserve.demo.train import ChatEncoder, collate, demo_tokenizer, losses, model_config
+from dsaserve.demo.train import ChatEncoder, collate, demo_tokenizer, losses, model_config, pointer_index
 from dsaserve.demo.train_model import TrainableGlmMoeDsa
 
 
@@ -51,6 +52,85 @@ def test_encoder_trains_exactly_the_assistant_turns_and_their_stop_tokens(tokeni
     assert full.startswith("[gMASK]<sop><|system|>") and "<tool_response>" in full
 
 
+def test_code_pointers_lead_from_each_answers_code_token_to_its_copy_in_the_document(tokenizer):
+    encoder = ChatEncoder(tokenizer)
+    chat = retrieval_chat(random.Random(3), 6, 4, 3)
+    example = encoder.encode(chat)
+    ids, target = example.ids, example.target
+    assert len(example.pointers) == 2 * len(chat.answers)  # " is 48", "21": a code is two tokens
+    first_answer = target.index(True)
+    for query, key in example.pointers:
+        assert target[query + 1] and not target[key] and key < first_answer  # answer token ← the document
+        assert ids[query + 1] == ids[key] and ids[query - 2: query + 1] == ids[key - 3: key]
+        assert any(c.isdigit() for c in tokenizer.id_to_token(ids[key]))
+    keys = [key for _, key in example.pointers]
+    read = [tokenizer.decode([ids[a], ids[b]]).split(" is ")[1] for a, b in zip(keys[0::2], keys[1::2])]
+    assert read == [a.split(" is ")[1].rstrip(".") for a in chat.answers]
+
+
+def test_copy_batches_train_the_repeat_and_point_each_repeated_token_at_its_first_copy(tokenizer):
+    from dsaserve.demo.train import copy_batch
+
+    encoder = ChatEncoder(tokenizer)
+    batch = copy_batch(random.Random(0), encoder.text_tokens, rows=4, segment=8)
+    assert len({len(e.ids) for e in batch}) == 1  # one gap per batch: no padding
+    special = set(tokenizer.get_added_tokens_decoder())
+    for e in batch:
+        start = len(e.ids) - 8
+        assert e.ids[start:] == e.ids[:8] and not special & set(e.ids)
+        assert [i for i, t in enumerate(e.target) if t] == list(range(start + 1, len(e.ids)))
+        assert e.pointers == [(start + i - 1, i) for i in range(1, 8)]
+
+
+def test_shared_embedding_gives_every_row_one_common_direction(tokenizer):
+    cfg = ModelConfig.from_dict(model_config(tokenizer, **SMALL))
+    means = [TrainableGlmMoeDsa(cfg, seed=3, shared_embedding=shared).w("model.embed_tokens.weight").mean(0).norm()
+             for shared in (False, True)]
+    width = cfg.hidden_size ** 0.5  # the norm of one row's random part
+    assert means[0] < 0.1 * width and means[1] > 0.5 * width
+
+
+def test_watched_heads_return_the_attention_their_layer_used(tokenizer):
+    from dsaserve.demo.train_model import rms
+
+    raw, model = small_trainable(tokenizer)
+    ids = torch.randint(20, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    name = "model.layers.0.self_attn"
+    with torch.no_grad():
+        out = model(ids, sparse=False, watch_heads=[(name, 1)])
+        angles = torch.arange(24)[:, None].float() * model.inv_freq[None]
+        h = rms(torch.nn.functional.embedding(ids, model.w("model.embed_tokens.weight")),
+                model.w("model.layers.0.input_layernorm.weight"), model.cfg.rms_norm_eps)
+        queries, keys, _, _ = model.project(name, h, angles.cos(), angles.sin())
+        logits = (queries[:, 1] @ keys[:, 1].transpose(-1, -2)) * model.softmax_scale
+        expected = logits.masked_fill(~torch.ones(24, 24, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    assert list(out.head_attention) == [(name, 1)]
+    assert torch.allclose(out.head_attention[name, 1], expected, atol=1e-6)
+
+
+def test_attention_losses_vanish_exactly_when_the_heads_attend_where_they_are_told(tokenizer):
+    from dsaserve.demo.train import attention_losses, watched_heads
+    from dsaserve.demo.train_model import ForwardOutput
+
+    cfg = ModelConfig.from_dict(model_config(tokenizer, **SMALL))
+    s, real = 6, torch.tensor([[True] * 6, [True] * 4 + [False] * 2])  # row 1 ends in padding
+    pointers = torch.tensor([[0, 5, 2], [1, 3, 0]])  # (row, query, key)
+    previous = torch.zeros(2, s, s)
+    previous[:, 0, 0], previous[:, torch.arange(1, s), torch.arange(s - 1)] = 1.0, 1.0
+    lookup = torch.full((2, s, s), 0.5)
+    lookup[0, 5, 2] = lookup[1, 3, 0] = 1.0
+    previous[1, 5] = torch.tensor([0, 0, 0, 0, 1.0, 0]).roll(1)  # a padded query may look anywhere
+    heads = watched_heads(cfg)
+    out = ForwardOutput(None, None, None, [], {}, dict(zip(heads, (previous, lookup))))
+    parts = attention_losses(out, heads, real, pointers)
+    assert parts["previous"].item() == 0.0 and parts["pointer"].item() == 0.0
+    previous[0, 3] = torch.tensor([0, 0, 0.5, 0.5, 0, 0])  # query 3 splits its attention between keys 2 and 3
+    lookup[1, 3, 0] = 0.25
+    parts = attention_losses(out, heads, real, pointers)
+    assert parts["previous"].item() == pytest.approx(math.log(2) / 8)  # 8 real queries after the first token
+    assert parts["pointer"].item() == pytest.approx(math.log(4) / 2)
+
+
 def test_training_forward_equals_the_reference_in_sparse_mode(tokenizer, tmp_path):
     """Sparse mode is the serving computation: same logits as transformers, whose indexer prunes to top-k."""
     from reference import load_reference
@@ -86,21 +166,26 @@ def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(t
     from reference import dsaserve_forward, load_reference, reference_forward
 
     tc = TrainConfig(steps=12, dense_steps=6, tokens_per_step=1024, max_doc_tokens=192, save_every=0, warmup=2,
-                     chain_steps=3)
+                     chain_steps=3, shared_embedding=True, attention_weight=1.0, copy_steps=1)  # the lookup recipe
     log: list[str] = []
     train(str(tmp_path), tc, log=log.append, config_overrides=SMALL)
     # The same fixed batch scores better under the written weights than under the initial ones.
     from dsaserve.demo.mtp_chain import load_trainable
 
     raw = model_config(tokenizer, **SMALL)
-    initial = TrainableGlmMoeDsa(ModelConfig.from_dict(raw), seed=tc.seed)
+    initial = TrainableGlmMoeDsa(ModelConfig.from_dict(raw), seed=tc.seed, shared_embedding=True)
     trained, _ = load_trainable(str(tmp_path), tc.seed)
     encoder = ChatEncoder(tokenizer)
     rng = random.Random(99)
-    ids, target = collate([encoder.encode(retrieval_chat(rng, 4, 3, 2)) for _ in range(4)], raw["pad_token_id"])
+    examples = [encoder.encode(retrieval_chat(rng, 4, 3, 2)) for _ in range(4)]
+    ids, target = collate(examples, raw["pad_token_id"])
     with torch.no_grad():
         before, after = (losses(m, ids, target, True, raw["pad_token_id"])[0] for m in (initial, trained))
+        heads_before, heads_after = (losses(m, ids, target, False, raw["pad_token_id"], pointer_index(examples))[0]
+                                     for m in (initial, trained))  # dense: every key visible to both heads
     assert after["lm"] < before["lm"] - 1 and after["mtp"] < before["mtp"] - 1 and after["kl"] < before["kl"]
+    assert heads_after["previous"] < heads_before["previous"] - 0.3
+    assert any(" pointer " in line for line in log)  # the lookup head's loss was trained on (12 steps are too few to lower it)
     llm = LLM(str(tmp_path), dtype="float32", progress=False, speculative_config={"method": "mtp",
                                                                                    "num_speculative_tokens": 1})
     ids = llm.tokenizer.encode("[gMASK]<sop><|user|>\nHello!<|assistant|>", add_special_tokens=False)
@@ -116,7 +201,7 @@ def test_training_is_deterministic_from_its_seed(tmp_path):
     digests = []
     for seed, name in ((5, "a"), (5, "b"), (6, "c")):
         tc = TrainConfig(seed=seed, steps=4, dense_steps=2, tokens_per_step=1024, max_doc_tokens=192, save_every=0,
-                         warmup=2, chain_steps=2)
+                         warmup=2, chain_steps=2, shared_embedding=True, attention_weight=1.0, copy_steps=1)
         train(str(tmp_path / name), tc, log=lambda line: None, config_overrides=SMALL)
         digests.append(hashlib.sha256((tmp_path / name / "model.safetensors").read_bytes()).hexdigest())
     assert digests[0] == digests[1] != digests[2]

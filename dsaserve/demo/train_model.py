@@ -39,15 +39,34 @@ class ForwardOutput:
     final_hidden: torch.Tensor  # [B, S, hidden]: after the final norm (the MTP layer's h_0)
     traces: list[IndexerTrace]
     expert_counts: dict[str, torch.Tensor]  # router name → tokens per expert (for the bias update)
+    head_attention: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # HeadWatch.probs
 
 
-def init_weight(name: str, shape: tuple[int, ...], gen: torch.Generator, n_layers: int) -> torch.Tensor:
+@dataclass
+class HeadWatch:
+    """The attention probabilities of chosen heads, kept with their gradients (for losses on attention)."""
+
+    heads: list[tuple[str, int]]  # (attention prefix such as "model.layers.5.self_attn", head index)
+    probs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # → [B, S, T]
+
+    def record(self, prefix: str, probs: torch.Tensor) -> None:
+        for name, head in self.heads:
+            if name == prefix:
+                self.probs[name, head] = probs[:, head]
+
+
+def init_weight(name: str, shape: tuple[int, ...], gen: torch.Generator, n_layers: int,
+                shared_embedding: bool = False) -> torch.Tensor:
     if "norm" in name and name.endswith(".weight"):
         return torch.ones(shape)
     if name.endswith(("k_norm.bias", "e_score_correction_bias")):
         return torch.zeros(shape)
     if name.endswith("embed_tokens.weight"):
-        return torch.randn(shape, generator=gen)
+        rows = torch.randn(shape, generator=gen)
+        # shared_embedding: every row also shares one random direction, so rotary queries and keys have a part
+        # that does not depend on the token and position-only heads (attend to the previous token) can form
+        # from the first steps; from independent rows alone they took hundreds (benchmarks/induction_probe.py).
+        return rows + torch.randn(shape[-1], generator=gen) if shared_embedding else rows
     std = shape[-1] ** -0.5
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         std /= math.sqrt(2 * n_layers)  # residual branches start small
@@ -55,14 +74,14 @@ def init_weight(name: str, shape: tuple[int, ...], gen: torch.Generator, n_layer
 
 
 class TrainableGlmMoeDsa(nn.Module):
-    def __init__(self, cfg: ModelConfig, seed: int = 0, include_mtp: bool = True):
+    def __init__(self, cfg: ModelConfig, seed: int = 0, include_mtp: bool = True, shared_embedding: bool = False):
         super().__init__()
         self.cfg = cfg
         gen = torch.Generator().manual_seed(seed)
         shapes = checkpoint_shapes(cfg, include_mtp=include_mtp)
         self.names = list(shapes)
         self.weights = nn.ParameterDict({
-            key(n): nn.Parameter(init_weight(n, s, gen, cfg.num_hidden_layers), requires_grad=not n.endswith("e_score_correction_bias"))
+            key(n): nn.Parameter(init_weight(n, s, gen, cfg.num_hidden_layers, shared_embedding), requires_grad=not n.endswith("e_score_correction_bias"))
             for n, s in shapes.items()})
         self.inv_freq, _ = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim)  # the demo uses default rope (no yarn factor)
         self.include_mtp = include_mtp
@@ -73,8 +92,10 @@ class TrainableGlmMoeDsa(nn.Module):
     def state_dict_for_checkpoint(self) -> dict[str, torch.Tensor]:
         return {n: self.w(n).detach().clone() for n in self.names}
 
-    def forward(self, ids: torch.Tensor, sparse: bool, with_mtp: bool = True) -> ForwardOutput:
-        """with_mtp=False skips the MTP layer (mtp_logits None), for a frozen target's pass."""
+    def forward(self, ids: torch.Tensor, sparse: bool, with_mtp: bool = True,
+                watch_heads: list[tuple[str, int]] | None = None) -> ForwardOutput:
+        """with_mtp=False skips the MTP layer (mtp_logits None), for a frozen target's pass; watch_heads names
+        heads whose attention probabilities come back (with gradients) in head_attention."""
         cfg = self.cfg
         seq = ids.shape[1]
         pos = torch.arange(seq)
@@ -85,9 +106,10 @@ class TrainableGlmMoeDsa(nn.Module):
         x = F.embedding(ids, embed)
         traces: list[IndexerTrace] = []
         counts: dict[str, torch.Tensor] = {}
+        watch = HeadWatch(watch_heads or [])
         for i in range(cfg.num_hidden_layers):
             x = self.layer(f"model.layers.{i}", x, cos, sin, causal, cfg.is_full(i), sparse, traces, counts,
-                           moe=cfg.mlp_layer_types[i] == "sparse")
+                           moe=cfg.mlp_layer_types[i] == "sparse", watch=watch)
         out = rms(x, self.w("model.norm.weight"), cfg.rms_norm_eps)
         lm_head = self.w("lm_head.weight")
         logits = out @ lm_head.T
@@ -98,7 +120,7 @@ class TrainableGlmMoeDsa(nn.Module):
             e = F.embedding(nxt, embed).masked_fill((pos == 0)[None, :, None], 0.0)
             h = self.layer(p, self.mtp_input(e, out), cos, sin, causal, True, sparse, traces, counts, moe=True)
             mtp_logits = self.mtp_head(h)
-        return ForwardOutput(logits, mtp_logits, out, traces, counts)
+        return ForwardOutput(logits, mtp_logits, out, traces, counts, watch.probs)
 
     def mtp_input(self, embedded: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """eh_proj(cat[enorm(embedded token), hnorm(previous hidden state)]): the MTP block's input."""
@@ -112,14 +134,15 @@ class TrainableGlmMoeDsa(nn.Module):
         return rms(hidden, self.w(f"{p}.shared_head.norm.weight"), self.cfg.rms_norm_eps) @ self.w("lm_head.weight").T
 
     def layer(self, p: str, x, cos, sin, causal, full: bool, sparse: bool, traces: list[IndexerTrace],
-              counts: dict[str, torch.Tensor], moe: bool) -> torch.Tensor:
+              counts: dict[str, torch.Tensor], moe: bool, watch: HeadWatch | None = None) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
         h = rms(x, self.w(f"{p}.input_layernorm.weight"), eps)
-        x = x + self.attention(f"{p}.self_attn", h, cos, sin, causal, full, sparse, traces)
+        x = x + self.attention(f"{p}.self_attn", h, cos, sin, causal, full, sparse, traces, watch)
         h = rms(x, self.w(f"{p}.post_attention_layernorm.weight"), eps)
         return x + (self.moe(f"{p}.mlp", h, counts) if moe else self.mlp(f"{p}.mlp", h))
 
-    def attention(self, p: str, h, cos, sin, causal, full: bool, sparse: bool, traces: list[IndexerTrace]):
+    def attention(self, p: str, h, cos, sin, causal, full: bool, sparse: bool, traces: list[IndexerTrace],
+                  watch: HeadWatch | None = None):
         cfg = self.cfg
         s = h.shape[1]
         queries, keys, v, q_resid = self.project(p, h, cos, sin)
@@ -135,6 +158,8 @@ class TrainableGlmMoeDsa(nn.Module):
         visible = traces[-1].selected if sparse else causal
         probs = logits.masked_fill(~visible[:, None] if visible.dim() == 3 else ~visible, float("-inf")).softmax(-1)
         traces[-1].attention.append(probs.detach().sum(1))
+        if watch is not None:
+            watch.record(p, probs)
         return self.attention_output(p, torch.matmul(probs, v))
 
     @property
