@@ -252,7 +252,8 @@ PREVIOUS_TOKEN_HEAD = ("model.layers.0.self_attn", 0)
 
 def lookup_head(cfg: ModelConfig) -> tuple[str, int]:
     """The second layer's, right after the previous-token head: placed in the last of six layers instead, it
-    did not form in 500 steps of the induction probe (in the second, it did)."""
+    did not form in 500 steps of the induction probe (in the second, it did). Layer 1 attends to layer 0's
+    selection, whose indexer sees no context, so sparse attention loses the lookup: the next trial moves it."""
     return f"model.layers.{min(1, cfg.num_hidden_layers - 1)}.self_attn", 1
 
 
@@ -269,7 +270,7 @@ def attention_losses(out: ForwardOutput, heads: tuple[tuple[str, int], tuple[str
 
     Trained from the LM loss alone, neither head formed within the demo's budget: position-only and
     content-matching (induction) heads came hundreds to thousands of steps late in this forward
-    (docs/benchmarks.md, "Why the lookup is not learned")."""
+    (docs/benchmarks.md, "Teaching the lookup")."""
     previous_head, lookup = heads
     previous = out.head_attention[previous_head][:, 1:, :-1].diagonal(dim1=-2, dim2=-1)  # [B, S-1]: query t on key t-1
     parts = {"previous": -(previous.clamp(min=1e-9).log() * real[:, 1:]).sum() / real[:, 1:].sum()}
@@ -359,8 +360,7 @@ def train_chain(checkpoint: str, cc: ChainConfig | None = None, log=lambda line:
     encoder, pad = ChatEncoder(tok), raw["pad_token_id"]
     params = mtp_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=cc.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    data = TrainConfig(tokens_per_step=cc.tokens_per_step, steps=1, dense_steps=1, copy_steps=0, copy_share=0.0)
-    # (steps=1: documents at their full length)
+    data = TrainConfig(tokens_per_step=cc.tokens_per_step, steps=1, dense_steps=1)  # full-length documents
     started = time.monotonic()
     for step in range(cc.steps):
         _, examples = sample_batch(rng, encoder, cc.steps, data)
