@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +77,7 @@ def main() -> None:
     supervised = set(filter(None, args.attention_losses.split(",")))
     heads = watched_heads(model.cfg) if args.model == "demo" else None
     if args.lookup_layer is not None:
-        heads = (heads[0], (f"model.layers.{args.lookup_layer}.self_attn", heads[1][1]))
+        heads = replace(heads, lookup=(f"model.layers.{args.lookup_layer}.self_attn", heads.lookup[1]))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
     started = time.monotonic()
@@ -87,7 +88,7 @@ def main() -> None:
         if args.model == "vanilla":
             logits = model(ids)
         else:
-            out = model(ids, sparse=False, watch_heads=list(heads) if supervised else None)
+            out = model(ids, sparse=False, watch_heads=heads.all() if supervised else None)
             logits = out.logits
         logits = logits[:, 32 + gap:-1]
         loss = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 33 + gap:].reshape(-1))

@@ -115,20 +115,46 @@ def test_attention_losses_vanish_exactly_when_the_heads_attend_where_they_are_to
     cfg = ModelConfig.from_dict(model_config(tokenizer, **SMALL))
     s, real = 6, torch.tensor([[True] * 6, [True] * 4 + [False] * 2])  # row 1 ends in padding
     pointers = torch.tensor([[0, 5, 2], [1, 3, 0]])  # (row, query, key)
-    previous = torch.zeros(2, s, s)
+    previous, back3 = torch.zeros(2, s, s), torch.zeros(2, s, s)
     previous[:, 0, 0], previous[:, torch.arange(1, s), torch.arange(s - 1)] = 1.0, 1.0
+    back3[:, :3, 0], back3[:, torch.arange(3, s), torch.arange(s - 3)] = 1.0, 1.0
     lookup = torch.full((2, s, s), 0.5)
     lookup[0, 5, 2] = lookup[1, 3, 0] = 1.0
     previous[1, 5] = torch.tensor([0, 0, 0, 0, 1.0, 0]).roll(1)  # a padded query may look anywhere
-    heads = watched_heads(cfg)
-    out = ForwardOutput(None, None, None, [], {}, dict(zip(heads, (previous, lookup))))
+    heads = watched_heads(cfg, offsets=(1, 3))
+    assert heads.all() == [("model.layers.0.self_attn", 0), ("model.layers.0.self_attn", 2),
+                           ("model.layers.1.self_attn", 1)]
+    out = ForwardOutput(None, None, None, [], {}, dict(zip(heads.all(), (previous, back3, lookup))))
     parts = attention_losses(out, heads, real, pointers)
-    assert parts["previous"].item() == 0.0 and parts["pointer"].item() == 0.0
+    assert parts == {"previous": 0.0, "back3": 0.0, "pointer": 0.0}
     previous[0, 3] = torch.tensor([0, 0, 0.5, 0.5, 0, 0])  # query 3 splits its attention between keys 2 and 3
+    back3[0, 4] = torch.tensor([0.5, 0.5, 0, 0, 0, 0])  # query 4 between keys 0 and 1 (its key is 1)
     lookup[1, 3, 0] = 0.25
     parts = attention_losses(out, heads, real, pointers)
     assert parts["previous"].item() == pytest.approx(math.log(2) / 8)  # 8 real queries after the first token
+    assert parts["back3"].item() == pytest.approx(math.log(2) / 4)  # 4 real queries from position 3 on
     assert parts["pointer"].item() == pytest.approx(math.log(4) / 2)
+
+
+def test_the_index_pointer_loss_reads_the_indexer_that_selects_for_the_lookup_layer(tokenizer):
+    from dsaserve.demo.train import index_pointer_loss, watched_heads
+    from dsaserve.demo.train_model import ForwardOutput, IndexerTrace
+
+    s = 5
+    pointers = torch.tensor([[0, 4, 1], [0, 3, 2]])
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    flat = torch.zeros(1, s, s).masked_fill(~causal, float("-inf"))  # uniform over each query's visible keys
+    sharp = flat.clone()
+    sharp[0, 4, 1] = sharp[0, 3, 2] = 100.0  # all weight on the pointed keys
+    for layout, serving in ((["full", "shared", "full", "shared"], 0), (["full", "full", "shared", "shared"], 1)):
+        cfg = ModelConfig.from_dict(model_config(tokenizer, **{**SMALL, "indexer_types": layout}))
+        traces = [IndexerTrace(sharp if i == serving else flat, None) for i in range(2)]
+        loss = index_pointer_loss(ForwardOutput(None, None, None, traces, {}), cfg, watched_heads(cfg), pointers)
+        assert loss.item() == pytest.approx(0.0, abs=1e-6)
+    cfg = ModelConfig.from_dict(model_config(tokenizer, **SMALL))
+    traces = [IndexerTrace(flat, None), IndexerTrace(sharp, None)]
+    loss = index_pointer_loss(ForwardOutput(None, None, None, traces, {}), cfg, watched_heads(cfg), pointers)
+    assert loss.item() == pytest.approx((math.log(5) + math.log(4)) / 2)  # query 4 sees 5 keys, query 3 four
 
 
 def test_training_forward_equals_the_reference_in_sparse_mode(tokenizer, tmp_path):

@@ -62,12 +62,17 @@ class TrainConfig:
     attention_weight: float = 0.0  # the previous-token and lookup heads' losses (attention_losses)
     copy_steps: int = 0  # an induction warm-up first (copy_batch)
     copy_share: float = 0.0  # then this share of the steps, against 1.0 for the chats
+    offsets: tuple[int, ...] = (1,)  # first-layer heads that read these offsets back (attention_losses)
+    index_pointer: bool = False  # the lookup layer's indexer learns the pointed keys too (index_pointer_loss)
+    indexer_types: tuple[str, ...] | None = None  # the model's layout of full and shared layers (None: TRAINED_CONFIG's)
 
 
-# What taught the lookup in a trial run (docs/benchmarks.md, "Teaching the lookup"): dense retrieval at 1K
-# went from 0% to 85%, sparse only to 10% (the lookup head's layer shares a context-free indexer).
+# What taught the lookup (docs/benchmarks.md, "Teaching the lookup"). A first trial without the last three
+# fields reached 85% dense retrieval at 1K but 10% sparse: its lookup layer shared the first layer's
+# indexer, which sees no context; and it confused keys with the same noun.
+LOOKUP_INDEXER_TYPES = ("full", "full", "shared", "full", "shared", "shared")
 LOOKUP_RECIPE = dict(steps=3000, dense_steps=2200, shared_embedding=True, attention_weight=1.0, copy_steps=500,
-                     copy_share=0.05)
+                     copy_share=0.05, offsets=(1, 2, 3), index_pointer=True, indexer_types=LOOKUP_INDEXER_TYPES)
 
 
 @dataclass
@@ -231,10 +236,12 @@ def indexer_kl(out: ForwardOutput, valid: torch.Tensor) -> torch.Tensor:
 
 
 def losses(model: TrainableGlmMoeDsa, ids: torch.Tensor, target: torch.Tensor, sparse: bool, pad: int,
-           pointers: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], ForwardOutput]:
-    """The LM, indexer KL and MTP losses; and two on attention (attention_losses) when pointers [N, 3] are given."""
-    heads = watched_heads(model.cfg)
-    out = model(ids, sparse=sparse, watch_heads=list(heads) if pointers is not None else None)
+           pointers: torch.Tensor | None = None, offsets: tuple[int, ...] = (1,), index_pointer: bool = False
+           ) -> tuple[dict[str, torch.Tensor], ForwardOutput]:
+    """The LM, indexer KL and MTP losses; and those on attention (attention_losses, index_pointer_loss) when
+    pointers [N, 3] are given, with first-layer heads reading the given offsets back."""
+    heads = watched_heads(model.cfg, offsets)
+    out = model(ids, sparse=sparse, watch_heads=heads.all() if pointers is not None else None)
     vocab = out.logits.shape[-1]
     next_target = target[:, 1:]
     lm = F.cross_entropy(out.logits[:, :-1][next_target].view(-1, vocab), ids[:, 1:][next_target])
@@ -244,40 +251,69 @@ def losses(model: TrainableGlmMoeDsa, ids: torch.Tensor, target: torch.Tensor, s
         parts["mtp"] = F.cross_entropy(out.mtp_logits[:, :-2][after_next].view(-1, vocab), ids[:, 2:][after_next])
     if pointers is not None:
         parts.update(attention_losses(out, heads, ids != pad, pointers))
+        if pointers.numel() and index_pointer:
+            parts["index_pointer"] = index_pointer_loss(out, model.cfg, heads, pointers)
     return parts, out
 
 
-PREVIOUS_TOKEN_HEAD = ("model.layers.0.self_attn", 0)
+@dataclass(frozen=True)
+class WatchedHeads:
+    """The heads the attention losses supervise: first-layer heads that read fixed offsets back (head k - 1 reads
+    token t - k), and the lookup head."""
+
+    offsets: tuple[tuple[str, int, int], ...]  # (attention prefix, head, k)
+    lookup: tuple[str, int]
+
+    def all(self) -> list[tuple[str, int]]:
+        return [(name, head) for name, head, _ in self.offsets] + [self.lookup]
 
 
 def lookup_head(cfg: ModelConfig) -> tuple[str, int]:
-    """The second layer's, right after the previous-token head: placed in the last of six layers instead, it
-    did not form in 500 steps of the induction probe (in the second, it did). Layer 1 attends to layer 0's
-    selection, whose indexer sees no context, so sparse attention loses the lookup: the next trial moves it."""
+    """Head 1 of the second layer, right after the offset heads: placed in the last of six layers instead, it did
+    not form in 500 steps of the induction probe, nor in the third of three (in the second, it did). Sparse
+    attention keeps the lookup only if this layer's selection comes from an indexer that sees context, so the
+    lookup recipe makes the second layer a full one (LOOKUP_INDEXER_TYPES)."""
     return f"model.layers.{min(1, cfg.num_hidden_layers - 1)}.self_attn", 1
 
 
-def watched_heads(cfg: ModelConfig) -> tuple[tuple[str, int], tuple[str, int]]:
-    """(previous-token head, lookup head): head 0 of the first layer reads the previous token; head 1 of the
-    second looks codes up."""
-    return PREVIOUS_TOKEN_HEAD, lookup_head(cfg)
+def watched_heads(cfg: ModelConfig, offsets: tuple[int, ...] = (1,)) -> WatchedHeads:
+    return WatchedHeads(tuple(("model.layers.0.self_attn", k - 1, k) for k in offsets), lookup_head(cfg))
 
 
-def attention_losses(out: ForwardOutput, heads: tuple[tuple[str, int], tuple[str, int]], real: torch.Tensor,
-                     pointers: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Negative log attention of the previous-token head on token t-1 (every real token), and of the lookup
-    head on the document position each answer's code token is read from (code_pointers).
+def offset_loss_name(k: int) -> str:
+    return "previous" if k == 1 else f"back{k}"
 
-    Trained from the LM loss alone, neither head formed within the demo's budget: position-only and
+
+def attention_losses(out: ForwardOutput, heads: WatchedHeads, real: torch.Tensor, pointers: torch.Tensor
+                     ) -> dict[str, torch.Tensor]:
+    """Negative log attention of each offset head on token t - k (every real query from position k on), and of
+    the lookup head on the document position each answer's code token is read from (code_pointers).
+
+    Trained from the LM loss alone, neither kind formed within the demo's budget: position-only and
     content-matching (induction) heads came hundreds to thousands of steps late in this forward
-    (docs/benchmarks.md, "Teaching the lookup")."""
-    previous_head, lookup = heads
-    previous = out.head_attention[previous_head][:, 1:, :-1].diagonal(dim1=-2, dim2=-1)  # [B, S-1]: query t on key t-1
-    parts = {"previous": -(previous.clamp(min=1e-9).log() * real[:, 1:]).sum() / real[:, 1:].sum()}
+    (docs/benchmarks.md, "Teaching the lookup"). The keys are adjective-noun pairs, and a code token's
+    document position is told apart by the token before it (the noun) and three before (the adjective),
+    while the answer's query holds the noun and, two back, the adjective: hence offsets 1, 2 and 3."""
+    parts = {}
+    for name, head, k in heads.offsets:
+        back = out.head_attention[name, head][:, k:, :-k].diagonal(dim1=-2, dim2=-1)  # [B, S-k]: query t on key t-k
+        queries = real[:, k:]
+        parts[offset_loss_name(k)] = -(back.clamp(min=1e-9).log() * queries).sum() / queries.sum()
     if pointers.numel():
-        picked = out.head_attention[lookup][pointers[:, 0], pointers[:, 1], pointers[:, 2]]
+        picked = out.head_attention[heads.lookup][pointers[:, 0], pointers[:, 1], pointers[:, 2]]
         parts["pointer"] = -picked.clamp(min=1e-9).log().mean()
     return parts
+
+
+def index_pointer_loss(out: ForwardOutput, cfg: ModelConfig, heads: WatchedHeads, pointers: torch.Tensor
+                       ) -> torch.Tensor:
+    """Negative log of the pointed key's share in the softmaxed scores of the indexer that selects for the lookup
+    head's layer (over all visible keys). The KL term teaches the indexer the attention summed over heads, where
+    the lookup head is one of many; this term makes sure its one key survives the top-k."""
+    layer = int(heads.lookup[0].split(".")[2])
+    trace = out.traces[sum(cfg.is_full(j) for j in range(layer + 1)) - 1]
+    log_q = trace.scores.log_softmax(-1)
+    return -log_q[pointers[:, 0], pointers[:, 1], pointers[:, 2]].mean()
 
 
 def pointer_index(examples: list[Example]) -> torch.Tensor:
@@ -309,7 +345,8 @@ def train(out_dir: str, tc: TrainConfig | None = None, log=lambda line: print(li
     torch.set_num_threads(tc.threads)
     rng = random.Random(tc.seed)
     tok = demo_tokenizer()
-    raw = model_config(tok, **(config_overrides or {}))
+    layout = {"indexer_types": list(tc.indexer_types)} if tc.indexer_types else {}
+    raw = model_config(tok, **{**layout, **(config_overrides or {})})
     cfg = ModelConfig.from_dict(raw)
     model = TrainableGlmMoeDsa(cfg, seed=tc.seed, shared_embedding=tc.shared_embedding)
     encoder = ChatEncoder(tok)
@@ -322,9 +359,10 @@ def train(out_dir: str, tc: TrainConfig | None = None, log=lambda line: print(li
         kind, examples = sample_batch(rng, encoder, step, tc)
         ids, target = collate(examples, pad)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # about twice as fast on CPUs with bf16 dot products
-            parts, out = losses(model, ids, target, sparse, pad, pointer_index(examples) if tc.attention_weight else None)
-            loss = (parts["lm"] + parts["kl"] + tc.mtp_weight * parts.get("mtp", torch.zeros(()))
-                    + tc.attention_weight * (parts.get("previous", torch.zeros(())) + parts.get("pointer", torch.zeros(()))))
+            parts, out = losses(model, ids, target, sparse, pad, pointer_index(examples) if tc.attention_weight else None,
+                                tc.offsets, tc.index_pointer)
+            on_attention = sum((v for k, v in parts.items() if k not in ("lm", "kl", "mtp")), torch.zeros(()))
+            loss = parts["lm"] + parts["kl"] + tc.mtp_weight * parts.get("mtp", torch.zeros(())) + tc.attention_weight * on_attention
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, tc)
         optimizer.zero_grad(set_to_none=True)
