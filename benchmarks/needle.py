@@ -12,7 +12,7 @@ key's code. Questions about one document share its prefix, so the document is pr
 Recall: with the sparse backend, each question is sent again with the answer forced up to the code
 ("…The code for amber-falcon"); at the last prompt token, the query that writes the code's first
 token, the fraction of the code's two tokens (" is 48", "21" in the demo tokenizer) in each full
-layer's top-k, averaged over the full layers.
+layer's top-k, per layer and averaged over the full layers.
 """
 
 from __future__ import annotations
@@ -91,19 +91,20 @@ def find(sequence: list[int], part: list[int]) -> int:
     raise ValueError("fact not found in the prompt's tokens")
 
 
-def needle_recall(llm: LLM, prompts: list[str], keys: list[str], codes: list[str]) -> float:
+def needle_recall(llm: LLM, prompts: list[str], keys: list[str], codes: list[str]) -> dict[int, float]:
+    """Per full layer, the mean share of the code's tokens in the top-k of the query that writes the code."""
     tok = llm.tokenizer
     params = SamplingParams(temperature=0, max_tokens=1)
-    recalls = []
+    recalls: dict[int, list[float]] = {}
     for prompt, key, code in zip(prompts, keys, codes):
         ids = tok.encode(f"{prompt}The code for {key}", add_special_tokens=False)
         fact = tok.encode(f" {key} is {code}", add_special_tokens=False)  # ends " is 48", "21": the code's tokens
         digits = set(range(find(ids, fact) + len(fact) - 2, find(ids, fact) + len(fact)))
         with captured_topk(llm) as captured:
             llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)
-        per_layer = [len(digits & set(rows[-1].tolist())) / len(digits) for rows in captured.values()]
-        recalls.append(statistics.mean(per_layer))
-    return statistics.mean(recalls)
+        for layer, rows in captured.items():
+            recalls.setdefault(layer, []).append(len(digits & set(rows[-1].tolist())) / len(digits))
+    return {layer: statistics.mean(values) for layer, values in sorted(recalls.items())}
 
 
 def main() -> None:
@@ -125,7 +126,7 @@ def main() -> None:
     llms = {b: LLM(model, attention_backend=b, max_model_len=limit, progress=False, kv_cache_memory="2GiB")
             for b in backends}
     template = ChatTemplate(next(iter(llms.values())).tokenizer.chat_template)
-    results = {"accuracy": {b: {} for b in backends}, "recall": {}, "prompt_tokens": {}, "seconds": {}}
+    results = {"accuracy": {b: {} for b in backends}, "recall": {}, "recall_by_layer": {}, "prompt_tokens": {}, "seconds": {}}
     for length in lengths:
         docs = build_documents(next(iter(llms.values())).tokenizer, length, args.docs, args.questions)
         prompts, expected, keys, codes = [], [], [], []
@@ -145,9 +146,12 @@ def main() -> None:
             print(f"{length:6d} tokens (mean prompt {statistics.mean(tokens):.0f}) {backend:6s} accuracy "
                   f"{accuracy:6.1%} over {len(prompts)} questions  e.g. {texts[0]!r}", flush=True)
         if "sparse" in llms:
-            results["recall"][length] = needle_recall(llms["sparse"], prompts, keys, codes)
+            by_layer = needle_recall(llms["sparse"], prompts, keys, codes)
+            results["recall"][length] = statistics.mean(by_layer.values())
+            results["recall_by_layer"][length] = by_layer
             print(f"{length:6d} tokens: indexer recall of the needle's digits in the top-k "
-                  f"{results['recall'][length]:.1%}", flush=True)
+                  f"{results['recall'][length]:.1%} (" + ", ".join(f"layer {i} {r:.1%}" for i, r in by_layer.items())
+                  + ")", flush=True)
     print(json.dumps(results, indent=1))
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -92,14 +92,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_build_demo(args: argparse.Namespace) -> int:
     if args.train:
-        from dsaserve.demo.train import LOOKUP_RECIPE, TrainConfig, train
+        from dsaserve.demo.train import TrainConfig, train
 
-        recipe = dict(LOOKUP_RECIPE) if args.recipe == "lookup" else {}
-        defaults = TrainConfig(**recipe)
+        defaults = TrainConfig()
         steps = args.steps or defaults.steps
-        dense = defaults.dense_steps if args.steps is None else round(steps * defaults.dense_steps / defaults.steps)
-        train(args.path, TrainConfig(**{**recipe, "seed": args.seed, "steps": steps, "dense_steps": dense,
-                                        "threads": args.threads}))
+        share = 1.0 if args.steps is None else steps / defaults.steps  # phases keep their shares of a shorter run
+        train(args.path, TrainConfig(seed=args.seed, steps=steps, threads=args.threads, **{
+            phase: round(getattr(defaults, phase) * share)
+            for phase in ("dense_steps", "copy_steps", "chain_steps", "skills_steps")}))
         print(f"trained demo checkpoint written to {args.path}")
     elif args.random:
         import torch
@@ -188,12 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                       help="weight dtype (with --random)")
     demo.add_argument("--train", action="store_true",
-                      help="train the demo model on its synthetic tasks (CPU, about 38 minutes on 2 cores) "
+                      help="train the demo model on its synthetic tasks (CPU, about 63 minutes on 2 cores) "
                            "instead of writing random weights")
     demo.add_argument("--steps", type=int, default=None, help="training steps (with --train)")
-    demo.add_argument("--recipe", choices=("shipped", "lookup"), default="shipped",
-                      help="with --train: the shipped model's recipe, or the trial that teaches the lookup "
-                           "(attention losses, a copy warm-up; docs/benchmarks.md)")
     demo.add_argument("--threads", type=int, default=2, help="torch threads for training (results depend on it)")
     demo.set_defaults(func=cmd_build_demo)
     return parser

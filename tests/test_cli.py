@@ -65,11 +65,11 @@ def test_generate_reports_bad_arguments(tiny_checkpoint):
 
 
 def test_demo_model_generates_without_a_checkpoint():
-    result = run("generate", "--prompt", "[gMASK]<sop><|user|>\nReverse these words: pine river lotus<|assistant|></think>",
+    result = run("generate", "--prompt", "[gMASK]<sop><|user|>\nRepeat after me: pine river lotus comet<|assistant|></think>",
                  "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "lotus river pine\n"
-    assert "indexer schedule from indexer_types: FSFSFS" in result.stderr
+    assert result.stdout == "pine river lotus comet\n"
+    assert "indexer schedule from indexer_types: FFSFSS" in result.stderr
 
 
 def test_random_demo_is_built_once_into_the_cache(tmp_path):

@@ -1,4 +1,4 @@
-"""The shipped, trained demo model: it answers, retrieves with its sparse attention, thinks and calls tools.
+"""The shipped, trained demo model: it retrieves with its sparse attention, computes, thinks and calls tools.
 
 Every check runs the checkpoint that `dsaserve serve` uses with no model argument, greedily, on
 questions generated with seeds the training never drew from (the trainer's seed is 1234).
@@ -11,7 +11,8 @@ import pytest
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.demo import demo_model_dir
-from dsaserve.demo.tasks import GREETING_REPLY, WEATHER_TOOL, codes, distinct_keys, document, question
+from dsaserve.demo.tasks import (GREETING_REPLY, WEATHER_TOOL, arithmetic_chat, codes, distinct_keys, document,
+                                 fact_sentence, question, words_chat)
 from server_process import ServerProcess
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
@@ -36,21 +37,42 @@ def retrieval_prompt(seed: int, n_filler: int, n_facts: int) -> tuple[str, dict[
     return f"Read the document and answer.\n\n{document(rng, facts, n_filler)}\n\n", facts
 
 
-def test_reverses_and_sorts_words(demo_llm):
-    asked = {"Reverse these words: pine river lotus": "lotus river pine",
-             "Sort these words: pine river lotus comet": "comet lotus pine river"}
-    outputs = demo_llm.chat([[{"role": "user", "content": q}] for q in asked], GREEDY,
+def test_looks_codes_up_in_a_1k_token_document_with_sparse_attention(demo_llm):
+    """Six facts in ~1K tokens of filler, 16 times the demo's index_topk: each answer needs the asked fact's
+    tokens among the 64 that the indexer selects (the LLM's default backend is sparse)."""
+    doc, facts = retrieval_prompt(seed=21, n_filler=95, n_facts=6)
+    assert 900 < len(demo_llm.tokenizer.encode(doc, add_special_tokens=False)) < 1100
+    outputs = demo_llm.chat([[{"role": "user", "content": doc + question(key)}] for key in facts], GREEDY,
                             chat_template_kwargs=NO_THINKING, use_tqdm=False)
-    assert [o.outputs[0].text for o in outputs] == list(asked.values())
+    assert [o.outputs[0].text for o in outputs] == [fact_sentence(key, code) for key, code in facts.items()]
+
+
+def test_adds_and_subtracts_small_numbers(demo_llm):
+    """Most small sums and differences come out right (benchmarks/demo_skills.py measured 80% of 40); the
+    random-weight model gets none."""
+    rng = random.Random(2026)
+    chats = [arithmetic_chat(rng) for _ in range(20)]
+    outputs = demo_llm.chat([chat.messages[:1] for chat in chats], GREEDY, chat_template_kwargs=NO_THINKING,
+                            use_tqdm=False)
+    right = sum(o.outputs[0].text == chat.answers[0] for o, chat in zip(outputs, chats))
+    assert right >= 14, [o.outputs[0].text for o in outputs]
+
+
+def test_repeats_word_lists(demo_llm):
+    rng = random.Random(2027)
+    chats = [chat for chat in (words_chat(rng) for _ in range(12)) if chat.kind == "repeat"][:3]
+    outputs = demo_llm.chat([chat.messages[:1] for chat in chats], GREEDY, chat_template_kwargs=NO_THINKING,
+                            use_tqdm=False)
+    assert len(chats) == 3 and [o.outputs[0].text for o in outputs] == [chat.answers[0] for chat in chats]
 
 
 def test_mtp_layer_loads_and_its_drafts_are_accepted(demo_llm):
     spec = LLM(demo_model_dir(), dtype="float32", max_model_len=4096, progress=False,
                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    conversation = [{"role": "user", "content": "Reverse these words: pine river lotus"}]
+    conversation = [{"role": "user", "content": "Repeat after me: pine river lotus comet"}]
     plain = demo_llm.chat(conversation, GREEDY, chat_template_kwargs=NO_THINKING, use_tqdm=False)[0].outputs[0].text
     drafted = spec.chat(conversation, GREEDY, chat_template_kwargs=NO_THINKING, use_tqdm=False)[0].outputs[0].text
-    assert drafted == plain == "lotus river pine"
+    assert drafted == plain == "pine river lotus comet"
     stats = spec.engine.stats().spec_decode
     assert stats.num_accepted_tokens > 0
 
@@ -99,9 +121,11 @@ def test_matches_the_reference_up_to_top_k_ties():
     layer's top-k set agrees except among tokens tied at the k-th score, and log-probs agree up to the
     first position where such a tie was broken differently.
 
-    The trained indexer (relu heads) scores many tokens exactly 0 in its first layer, so ties at the
-    boundary are common; transformers' torch.topk kept the later tokens where dsaserve's running top-k
-    keeps the earlier ones (docs/design-notes.md)."""
+    A trained indexer (relu heads) can score many tokens exactly 0, so ties at the boundary occur:
+    transformers' torch.topk keeps other tokens among them than dsaserve's running top-k, which keeps the
+    earlier ones (docs/design-notes.md). In the shipped model they occur in its third full layer. A tie
+    broken differently at layer l, position t changes what deeper layers see from position t on, so
+    those are compared only before t."""
     from reference import (ForwardResult, dsaserve_forward, load_reference, reference_forward,
                            reference_index_scores, untied_topk_mismatch)
 
@@ -114,12 +138,16 @@ def test_matches_the_reference_up_to_top_k_ties():
     k = ref.config.index_topk
     assert len(ids) > 4 * k
     ours, expected = dsaserve_forward(path, ids), reference_forward(ref, ids)
-    first_layer = min(expected.topk)
-    first_only = ForwardResult(ours.logprobs, {first_layer: ours.topk[first_layer]})
-    assert untied_topk_mismatch(first_only, ForwardResult(expected.logprobs, {first_layer: expected.topk[first_layer]}),
-                                reference_index_scores(ref, ids), k) is None
-    first_tie = min(t for t, (a, b) in enumerate(zip(ours.topk[first_layer], expected.topk[first_layer])) if a != b)
-    assert first_tie > k  # the indexer pruned before it
-    for layer in expected.topk:
-        assert ours.topk[layer][:first_tie] == expected.topk[layer][:first_tie]
+    layers = sorted(expected.topk)  # in depth order
+    differing = {layer: [t for t, (a, b) in enumerate(zip(ours.topk[layer], expected.topk[layer])) if a != b]
+                 for layer in layers}
+    first_layer = next((layer for layer in layers if differing[layer]), None)
+    first_tie = min((d[0] for d in differing.values() if d), default=len(ids))
+    assert first_tie > k  # the indexers pruned before it
+
+    def comparable(result: ForwardResult) -> ForwardResult:
+        return ForwardResult(result.logprobs, {layer: result.topk[layer] if first_layer is None or layer <= first_layer
+                                               else result.topk[layer][:first_tie] for layer in layers})
+
+    assert untied_topk_mismatch(comparable(ours), comparable(expected), reference_index_scores(ref, ids), k) is None
     assert (ours.logprobs[:first_tie] - expected.logprobs[:first_tie]).abs().max().item() < 1e-4

@@ -192,7 +192,7 @@ def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(t
     from reference import dsaserve_forward, load_reference, reference_forward
 
     tc = TrainConfig(steps=12, dense_steps=6, tokens_per_step=1024, max_doc_tokens=192, save_every=0, warmup=2,
-                     chain_steps=3, shared_embedding=True, attention_weight=1.0, copy_steps=1)  # the lookup recipe
+                     chain_steps=3, copy_steps=1, skills_steps=2)
     log: list[str] = []
     train(str(tmp_path), tc, log=log.append, config_overrides=SMALL)
     # The same fixed batch scores better under the written weights than under the initial ones.
@@ -209,7 +209,7 @@ def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(t
         before, after = (losses(m, ids, target, True, raw["pad_token_id"])[0] for m in (initial, trained))
         heads_before, heads_after = (losses(m, ids, target, False, raw["pad_token_id"], pointer_index(examples))[0]
                                      for m in (initial, trained))  # dense: every key visible to both heads
-    assert after["lm"] < before["lm"] - 1 and after["mtp"] < before["mtp"] - 1 and after["kl"] < before["kl"]
+    assert after["lm"] < before["lm"] - 1 and after["mtp"] < before["mtp"] - 0.5 and after["kl"] < before["kl"]
     assert heads_after["previous"] < heads_before["previous"] - 0.3
     assert any(" pointer " in line for line in log)  # the lookup head's loss was trained on (12 steps are too few to lower it)
     llm = LLM(str(tmp_path), dtype="float32", progress=False, speculative_config={"method": "mtp",
@@ -217,6 +217,26 @@ def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(t
     ids = llm.tokenizer.encode("[gMASK]<sop><|user|>\nHello!<|assistant|>", add_special_tokens=False)
     ours, expected = dsaserve_forward(str(tmp_path), ids), reference_forward(load_reference(str(tmp_path)), ids)
     assert (ours.logprobs - expected.logprobs).abs().max() < 1e-4
+
+
+def test_the_skills_phase_trains_the_trunk_and_leaves_the_mtp_layer_as_it_was(tokenizer, tmp_path):
+    from safetensors.torch import load_file
+
+    from dsaserve.demo.checkpoint_builder import save_tokenizer_files
+    from dsaserve.demo.train import SkillsConfig, train_skills
+
+    raw, model = small_trainable(tokenizer)
+    save_checkpoint(str(tmp_path), raw, model.state_dict_for_checkpoint(), dtype=torch.bfloat16)
+    save_tokenizer_files(tokenizer, str(tmp_path), raw["eos_token_id"])
+    before = load_file(str(tmp_path / "model.safetensors"))
+    train_skills(str(tmp_path), SkillsConfig(steps=2), log=lambda line: None)
+    after = load_file(str(tmp_path / "model.safetensors"))
+    mtp = f"model.layers.{raw['num_hidden_layers']}."
+    # (its router's correction bias keeps following the balancing rule, as every router's does)
+    kept = [n for n in before if n.startswith(mtp) and not n.endswith("e_score_correction_bias")]
+    assert kept and all(torch.equal(before[n], after[n]) for n in kept)
+    trained = [n for n in before if not n.startswith(mtp) and not torch.equal(before[n], after[n])]
+    assert "model.embed_tokens.weight" in trained and "model.layers.1.self_attn.q_b_proj.weight" in trained
 
 
 def test_training_is_deterministic_from_its_seed(tmp_path):
@@ -227,7 +247,7 @@ def test_training_is_deterministic_from_its_seed(tmp_path):
     digests = []
     for seed, name in ((5, "a"), (5, "b"), (6, "c")):
         tc = TrainConfig(seed=seed, steps=4, dense_steps=2, tokens_per_step=1024, max_doc_tokens=192, save_every=0,
-                         warmup=2, chain_steps=2, shared_embedding=True, attention_weight=1.0, copy_steps=1)
+                         warmup=2, chain_steps=2, copy_steps=1, skills_steps=2)
         train(str(tmp_path / name), tc, log=lambda line: None, config_overrides=SMALL)
         digests.append(hashlib.sha256((tmp_path / name / "model.safetensors").read_bytes()).hexdigest())
     assert digests[0] == digests[1] != digests[2]

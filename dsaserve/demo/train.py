@@ -5,10 +5,13 @@ loss on detached inputs, to match the attention of the layers that use its selec
 heads), then sparse training in which attention sees only the indexer's top-k and the KL runs over
 the selected keys. The language-model loss covers the assistant's turns (and the stop token after
 each); the MTP layer learns the token after next. Router correction biases follow the aux-loss-free
-balancing rule (a small step against each expert's load). The lookup recipe (LOOKUP_RECIPE, a trial
-not yet shipped) adds what the LM loss alone did not teach within the budget: two losses on attention
-(attention_losses; one head reads the previous token, one head of the second layer looks the asked
-code up where the document states it) and an induction warm-up (copy_batch).
+balancing rule (a small step against each expert's load). Added for what the LM loss alone did not
+teach within the budget (docs/benchmarks.md, "Teaching the lookup"): an induction warm-up
+(copy_batch), losses on attention (attention_losses: three heads of the first layer read the tokens
+one, two and three back, and one head of the second layer looks the asked code up where the document
+states it), and one that teaches the second layer's indexer to select what that head looks up
+(index_pointer_loss). Then two short phases from the written weights: the MTP layer alone learns
+the later draft steps (train_chain), and the trunk alone trains on mostly short chats (train_skills).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ TRAINED_CONFIG = dict(
     num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
     v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
     index_topk=64, index_head_dim=32, index_n_heads=4,
-    indexer_types=["full", "shared", "full", "shared", "full", "shared"], max_position_embeddings=16384,
+    # The second layer is full: its indexer sees the first layer's output, so sparse attention keeps the lookup.
+    indexer_types=["full", "full", "shared", "full", "shared", "shared"], max_position_embeddings=16384,
     index_share_for_mtp_iteration=True, num_nextn_predict_layers=1,
 )
 
@@ -43,11 +47,11 @@ TRAINED_CONFIG = dict(
 @dataclass
 class TrainConfig:
     seed: int = 1234
-    steps: int = 2600
+    steps: int = 3000
     # Dense attention first, long enough for attention to learn to look facts up (the indexers learn to
     # follow it meanwhile); sparse training before that starves the lookup of signal, because the
     # indexer can only select what attention already finds useful.
-    dense_steps: int = 1800
+    dense_steps: int = 2200
     tokens_per_step: int = 2048  # padded tokens per step
     lr: float = 1e-3
     warmup: int = 100
@@ -57,22 +61,15 @@ class TrainConfig:
     max_doc_tokens: int = 1280  # the longest retrieval chats trained on
     save_every: int = 100  # write the checkpoint this often (0: only at the end)
     chain_steps: int = 300  # then the MTP layer alone learns the later draft steps (dsaserve/demo/mtp_chain.py)
-    # The lookup recipe (LOOKUP_RECIPE; off by default, so the default run reproduces the shipped weights):
-    shared_embedding: bool = False  # embedding rows share one direction at initialization (init_weight)
-    attention_weight: float = 0.0  # the previous-token and lookup heads' losses (attention_losses)
-    copy_steps: int = 0  # an induction warm-up first (copy_batch)
-    copy_share: float = 0.0  # then this share of the steps, against 1.0 for the chats
-    offsets: tuple[int, ...] = (1,)  # first-layer heads that read these offsets back (attention_losses)
-    index_pointer: bool = False  # the lookup layer's indexer learns the pointed keys too (index_pointer_loss)
-    indexer_types: tuple[str, ...] | None = None  # the model's layout of full and shared layers (None: TRAINED_CONFIG's)
-
-
-# What taught the lookup (docs/benchmarks.md, "Teaching the lookup"). A first trial without the last three
-# fields reached 85% dense retrieval at 1K but 10% sparse: its lookup layer shared the first layer's
-# indexer, which sees no context; and it confused keys with the same noun.
-LOOKUP_INDEXER_TYPES = ("full", "full", "shared", "full", "shared", "shared")
-LOOKUP_RECIPE = dict(steps=3000, dense_steps=2200, shared_embedding=True, attention_weight=1.0, copy_steps=500,
-                     copy_share=0.05, offsets=(1, 2, 3), index_pointer=True, indexer_types=LOOKUP_INDEXER_TYPES)
+    skills_steps: int = 800  # then the trunk alone trains on mostly short chats (train_skills)
+    # What teaches the lookup (docs/benchmarks.md, "Teaching the lookup"; the model shipped before had none of it):
+    shared_embedding: bool = True  # embedding rows share one direction at initialization (init_weight)
+    attention_weight: float = 1.0  # the offset and lookup heads' losses (attention_losses, index_pointer_loss)
+    copy_steps: int = 500  # an induction warm-up first (copy_batch)
+    copy_share: float = 0.05  # then this share of the steps, against 1.0 for the chats
+    mix: tuple[float, float, float, float] = (0.35, 0.2, 0.3, 0.15)  # the chats' shares: recall, retrieval, short, tools
+    offsets: tuple[int, ...] = (1, 2, 3)  # first-layer heads that read these offsets back (attention_losses)
+    index_pointer: bool = True  # the lookup layer's indexer learns the pointed keys too (index_pointer_loss)
 
 
 @dataclass
@@ -170,7 +167,7 @@ def sample_batch(rng: random.Random, encoder: ChatEncoder, step: int, tc: TrainC
     - copy (copy_batch): all of the first `copy_steps` steps, and a few later ones so the skill stays."""
     if step < tc.copy_steps:
         return "copy", copy_batch(rng, encoder.text_tokens)
-    kind = rng.choices(("recall", "retrieval", "short", "tools", "copy"), (0.35, 0.2, 0.3, 0.15, tc.copy_share))[0]
+    kind = rng.choices(("recall", "retrieval", "short", "tools", "copy"), (*tc.mix, tc.copy_share))[0]
     if kind == "copy":
         return kind, copy_batch(rng, encoder.text_tokens)
     if kind == "short":
@@ -272,7 +269,7 @@ def lookup_head(cfg: ModelConfig) -> tuple[str, int]:
     """Head 1 of the second layer, right after the offset heads: placed in the last of six layers instead, it did
     not form in 500 steps of the induction probe, nor in the third of three (in the second, it did). Sparse
     attention keeps the lookup only if this layer's selection comes from an indexer that sees context, so the
-    lookup recipe makes the second layer a full one (LOOKUP_INDEXER_TYPES)."""
+    demo's second layer is a full one (TRAINED_CONFIG)."""
     return f"model.layers.{min(1, cfg.num_hidden_layers - 1)}.self_attn", 1
 
 
@@ -345,8 +342,7 @@ def train(out_dir: str, tc: TrainConfig | None = None, log=lambda line: print(li
     torch.set_num_threads(tc.threads)
     rng = random.Random(tc.seed)
     tok = demo_tokenizer()
-    layout = {"indexer_types": list(tc.indexer_types)} if tc.indexer_types else {}
-    raw = model_config(tok, **{**layout, **(config_overrides or {})})
+    raw = model_config(tok, **(config_overrides or {}))
     cfg = ModelConfig.from_dict(raw)
     model = TrainableGlmMoeDsa(cfg, seed=tc.seed, shared_embedding=tc.shared_embedding)
     encoder = ChatEncoder(tok)
@@ -357,29 +353,95 @@ def train(out_dir: str, tc: TrainConfig | None = None, log=lambda line: print(li
     for step in range(tc.steps):
         sparse = step >= tc.dense_steps
         kind, examples = sample_batch(rng, encoder, step, tc)
-        ids, target = collate(examples, pad)
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # about twice as fast on CPUs with bf16 dot products
-            parts, out = losses(model, ids, target, sparse, pad, pointer_index(examples) if tc.attention_weight else None,
-                                tc.offsets, tc.index_pointer)
-            on_attention = sum((v for k, v in parts.items() if k not in ("lm", "kl", "mtp")), torch.zeros(()))
-            loss = parts["lm"] + parts["kl"] + tc.mtp_weight * parts.get("mtp", torch.zeros(())) + tc.attention_weight * on_attention
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, tc)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        balance_routers(model, out, tc.bias_step)
+        parts, shape = train_step(model, optimizer, params, examples, pad, sparse, tc, learning_rate(step, tc))
         if step % 10 == 0 or step == tc.steps - 1:
-            shown = " ".join(f"{k} {v.item():.3f}" for k, v in parts.items())
-            log(f"step {step:5d} {'sparse' if sparse else 'dense '} {kind:9s} {ids.shape[0]:3d}x{ids.shape[1]:<5d} "
-                f"{shown} ({time.monotonic() - started:.0f} s)")
+            log(step_line(f"step {step:5d}", sparse, kind, shape, parts, started))
         if tc.save_every and step and step % tc.save_every == 0:
             write_checkpoint(out_dir, model, raw, tok)
     write_checkpoint(out_dir, model, raw, tok)
-    if tc.chain_steps:  # from the written (bf16) weights, as `python -m dsaserve.demo.train --mtp-chain DIR` runs it
+    # The later phases start from the written (bf16) weights, as `python -m dsaserve.demo.train` runs them alone.
+    if tc.chain_steps:
         train_chain(out_dir, ChainConfig(steps=tc.chain_steps, threads=tc.threads), log=log)
+    if tc.skills_steps:
+        train_skills(out_dir, SkillsConfig(steps=tc.skills_steps, threads=tc.threads), log=log)
     return out_dir
+
+
+def train_step(model: TrainableGlmMoeDsa, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+               examples: list[Example], pad: int, sparse: bool, tc: TrainConfig, lr: float
+               ) -> tuple[dict[str, torch.Tensor], torch.Size]:
+    """One optimizer step on a batch; returns the loss parts and the padded batch's shape."""
+    ids, target = collate(examples, pad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # about twice as fast on CPUs with bf16 dot products
+        parts, out = losses(model, ids, target, sparse, pad, pointer_index(examples) if tc.attention_weight else None,
+                            tc.offsets, tc.index_pointer)
+        on_attention = sum((v for k, v in parts.items() if k not in ("lm", "kl", "mtp")), torch.zeros(()))
+        loss = parts["lm"] + parts["kl"] + tc.mtp_weight * parts.get("mtp", torch.zeros(())) + tc.attention_weight * on_attention
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    balance_routers(model, out, tc.bias_step)
+    return parts, ids.shape
+
+
+def step_line(label: str, sparse: bool, kind: str, shape: torch.Size, parts: dict[str, torch.Tensor],
+              started: float) -> str:
+    shown = " ".join(f"{k} {v.item():.3f}" for k, v in parts.items())
+    return (f"{label} {'sparse' if sparse else 'dense '} {kind:9s} {shape[0]:3d}x{shape[1]:<5d} {shown} "
+            f"({time.monotonic() - started:.0f} s)")
+
+
+@dataclass
+class SkillsConfig:
+    """The last phase: the trunk (all but the MTP layer's own tensors) trains on mostly short chats, sparse, at a
+    lower rate."""
+
+    seed: int = 2468
+    steps: int = 800
+    lr: float = 3e-4
+    warmup: int = 20
+    mix: tuple[float, float, float, float] = (0.1, 0.15, 0.65, 0.1)  # recall, retrieval, short, tools
+    threads: int = 2
+
+
+def train_skills(checkpoint: str, sc: SkillsConfig | None = None, log=lambda line: print(line, flush=True)) -> None:
+    """Fine-tune the checkpoint's trunk in place on a mix weighted to the short chats. The MTP layer's own weights
+    stay as the chain phase left them (it shares the embedding and lm_head, which do train; its router's
+    correction bias keeps following the balancing rule).
+
+    After the main run the shipped model looked codes up in 1K documents but reversed and sorted no word list
+    and got 45% of its sums; after this phase, 80% (docs/benchmarks.md)."""
+    sc = sc or SkillsConfig()
+    model, raw, tok, rng = start_phase(checkpoint, sc.seed, sc.threads)
+    encoder, pad = ChatEncoder(tok), raw["pad_token_id"]
+    mtp_prefix = f"model.layers.{model.cfg.num_hidden_layers}."
+    for name in model.names:
+        model.w(name).requires_grad_(not name.startswith(mtp_prefix) and not name.endswith("e_score_correction_bias"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=sc.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    # Full-length documents (steps=1), no copy batches; the schedule is the main run's over this phase's steps.
+    data = TrainConfig(steps=1, dense_steps=0, copy_steps=0, copy_share=0.0, mix=sc.mix)
+    schedule = TrainConfig(steps=sc.steps, lr=sc.lr, warmup=sc.warmup)
+    started = time.monotonic()
+    for step in range(sc.steps):
+        kind, examples = sample_batch(rng, encoder, sc.steps, data)
+        parts, shape = train_step(model, optimizer, params, examples, pad, True, data, learning_rate(step, schedule))
+        if step % 10 == 0 or step == sc.steps - 1:
+            log(step_line(f"skills step {step:4d}", True, kind, shape, parts, started))
+    write_checkpoint(checkpoint, model, raw, tok)
+
+
+def start_phase(checkpoint: str, seed: int, threads: int) -> tuple[TrainableGlmMoeDsa, dict, object, random.Random]:
+    """A later phase's start: seeded, its threads set, the checkpoint loaded; (model, raw config, tokenizer, rng)."""
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    rng = random.Random(seed)
+    tok = demo_tokenizer()
+    model, raw = load_trainable(checkpoint, seed)
+    return model, raw, tok, rng
 
 
 def write_checkpoint(out_dir: str, model: TrainableGlmMoeDsa, raw: dict, tok) -> None:
@@ -390,15 +452,12 @@ def write_checkpoint(out_dir: str, model: TrainableGlmMoeDsa, raw: dict, tok) ->
 def train_chain(checkpoint: str, cc: ChainConfig | None = None, log=lambda line: print(line, flush=True)) -> None:
     """Fine-tune the MTP layer of the checkpoint in place (its other tensors are written back unchanged)."""
     cc = cc or ChainConfig()
-    torch.manual_seed(cc.seed)
-    torch.set_num_threads(cc.threads)
-    rng = random.Random(cc.seed)
-    tok = demo_tokenizer()
-    model, raw = load_trainable(checkpoint, cc.seed)
+    model, raw, tok, rng = start_phase(checkpoint, cc.seed, cc.threads)
     encoder, pad = ChatEncoder(tok), raw["pad_token_id"]
     params = mtp_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=cc.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    data = TrainConfig(tokens_per_step=cc.tokens_per_step, steps=1, dense_steps=1)  # full-length documents
+    # Full-length documents and the chats only (no copy batches)
+    data = TrainConfig(tokens_per_step=cc.tokens_per_step, steps=1, dense_steps=1, copy_steps=0, copy_share=0.0)
     started = time.monotonic()
     for step in range(cc.steps):
         _, examples = sample_batch(rng, encoder, cc.steps, data)
@@ -420,12 +479,17 @@ def train_chain(checkpoint: str, cc: ChainConfig | None = None, log=lambda line:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="the demo's training phases (the whole run: dsaserve build-demo --train)")
-    parser.add_argument("--mtp-chain", metavar="CHECKPOINT_DIR", required=True,
-                        help="run only the chained MTP phase on this checkpoint, in place")
-    parser.add_argument("--steps", type=int, default=ChainConfig.steps)
+    parser = argparse.ArgumentParser(description="the demo's later training phases, alone (the whole run: dsaserve "
+                                                 "build-demo --train), each on a checkpoint, in place")
+    phase = parser.add_mutually_exclusive_group(required=True)
+    phase.add_argument("--mtp-chain", metavar="CHECKPOINT_DIR", help="the chained MTP phase")
+    phase.add_argument("--skills", metavar="CHECKPOINT_DIR", help="the short-chat phase of the trunk")
+    parser.add_argument("--steps", type=int, default=None, help="the phase's steps (default: its config's)")
     args = parser.parse_args()
-    train_chain(args.mtp_chain, ChainConfig(steps=args.steps))
+    if args.mtp_chain:
+        train_chain(args.mtp_chain, ChainConfig(**({"steps": args.steps} if args.steps else {})))
+    else:
+        train_skills(args.skills, SkillsConfig(**({"steps": args.steps} if args.steps else {})))
 
 
 if __name__ == "__main__":
