@@ -3,7 +3,8 @@
     python benchmarks/demo_skills.py [--model DIR] [--backend sparse|dense|page] [--seed 555]
 
 Thinking off, exact match against the task's own answer: 40 arithmetic chats, 45 word-list chats
-(reverse, sort or repeat), and retrieval over 5 documents of six facts each at about 1K and 2K
+(reverse, sort or repeat), 20 weather questions with the weather tool declared (is the tool called,
+and with the asked city), and retrieval over 5 documents of six facts each at about 1K and 2K
 tokens (the training saw documents of up to 1,280 tokens). Defaults to the shipped checkpoint.
 """
 
@@ -14,7 +15,8 @@ import random
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.demo import demo_model_dir
-from dsaserve.demo.tasks import Chat, arithmetic_chat, codes, distinct_keys, document, fact_sentence, question, words_chat
+from dsaserve.demo.tasks import (CITIES, WEATHER_TOOL, Chat, arithmetic_chat, codes, distinct_keys, document,
+                                 fact_sentence, question, words_chat)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 NO_THINKING = {"enable_thinking": False}
@@ -44,6 +46,18 @@ def retrieval_accuracy(llm: LLM, n_filler: int, seed: int, documents: int = 5) -
     return right / total, tokens
 
 
+def tool_city_accuracy(llm: LLM, rng: random.Random, asks: int = 20) -> tuple[float, float]:
+    """Weather questions with the weather tool declared: the share answered with a tool call, and the share
+    whose call names the asked city."""
+    cities = [rng.choice(CITIES) for _ in range(asks)]
+    outputs = llm.chat([[{"role": "user", "content": f"What is the weather in {city}?"}] for city in cities], GREEDY,
+                       tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING, use_tqdm=False)
+    replies = [o.outputs[0].text for o in outputs]
+    calls = ["<tool_call>" in reply for reply in replies]
+    right = [call and f">{city}<" in reply for call, city, reply in zip(calls, cities, replies)]
+    return sum(calls) / asks, sum(right) / asks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the shipped demo)")
@@ -62,6 +76,8 @@ def main() -> None:
     for name, chats in rows:
         share, wrong = accuracy(llm, chats)
         print(f"{name:10s} {share:6.1%} of {len(chats)}" + (f"   e.g. {wrong[0]}" if wrong else ""))
+    called, right_city = tool_city_accuracy(llm, rng)
+    print(f"tool call  {called:6.1%} of 20 weather questions call the tool, {right_city:.1%} with the asked city")
     for n_filler in (95, 190):
         share, tokens = retrieval_accuracy(llm, n_filler, args.seed)
         print(f"retrieval  {share:6.1%} of 30 at ~{tokens} tokens")

@@ -4,8 +4,9 @@ It was trained by `dsaserve build-demo --train` (dsaserve/demo/train.py: 48 minu
 4 minutes in which its MTP layer learns the later draft steps, dsaserve/demo/mtp_chain.py, and 11 in which
 the trunk trains on short chats): it looks codes up in documents of about 1K tokens with its sparse
 attention, greets, thinks in `<think>` before answering, repeats word lists, gets most small sums right,
-and calls a declared weather or time tool in GLM's format. It does not reverse or sort word lists, nor
-retrieve from documents longer than it was trained on (docs/benchmarks.md). The random-weight builder
+and calls a declared weather or time tool in GLM's format (for the same city whatever is asked). It does
+not reverse or sort word lists, nor retrieve from documents longer than it was trained on
+(docs/benchmarks.md). The random-weight builder
 remains for tests and for comparing selections against untrained weights.
 """
 
