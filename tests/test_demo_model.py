@@ -48,8 +48,8 @@ def test_looks_codes_up_in_a_1k_token_document_with_sparse_attention(demo_llm):
 
 
 def test_adds_and_subtracts_small_numbers(demo_llm):
-    """Most small sums and differences come out right (benchmarks/demo_skills.py measured 80% of 40); the
-    random-weight model gets none."""
+    """Most small sums and differences come out right (benchmarks/demo_skills.py measured 80% of 40; the model
+    shipped before, 50%, and it failed this test)."""
     rng = random.Random(2026)
     chats = [arithmetic_chat(rng) for _ in range(20)]
     outputs = demo_llm.chat([chat.messages[:1] for chat in chats], GREEDY, chat_template_kwargs=NO_THINKING,
