@@ -171,7 +171,10 @@ def plot(results: dict, lengths: list[int], path: str) -> None:
         ax.plot(lengths, [100 * points[n] for n in lengths], marker="o", label=f"accuracy, {backend}")
     if results["recall"]:
         ax.plot(lengths, [100 * results["recall"][n] for n in lengths], linestyle="--", marker="x",
-                label="indexer recall of the needle (sparse)")
+                label="indexer recall of the needle, mean of the full layers")
+        for layer in results["recall_by_layer"][lengths[0]]:
+            ax.plot(lengths, [100 * results["recall_by_layer"][n][layer] for n in lengths], linestyle=":",
+                    marker=".", label=f"indexer recall, layer {layer}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [f"{n // 1024}K" for n in lengths])
     ax.minorticks_off()
