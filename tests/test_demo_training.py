@@ -82,6 +82,49 @@ def test_copy_batches_train_the_repeat_and_point_each_repeated_token_at_its_firs
         assert e.pointers == [(start + i - 1, i) for i in range(1, 8)]
 
 
+def test_call_pointers_lead_from_each_piece_of_the_call_to_the_city_the_user_wrote(tokenizer):
+    encoder = ChatEncoder(tokenizer, skill_pointers=True)
+    rng = random.Random(0)
+    for city in ("Paris", "Munich"):  # one token in the call, and three (`M`, `uni`, `ch`)
+        chat = weather_chat(rng)
+        while chat.tools[0]["function"]["name"] != "get_weather" or "time" in chat.messages[0]["content"]:
+            chat = weather_chat(rng)
+        chat.messages[0]["content"] = f"What is the weather in {city}?"
+        chat.messages[1]["tool_calls"][0]["function"]["arguments"]["city"] = city
+        example = encoder.encode(chat)
+        ids, target = example.ids, example.target
+        queries = [q for q, _ in example.skill_pointers["call"]]
+        pieces = tokenizer.encode(city, add_special_tokens=False).ids
+        assert tokenizer.id_to_token(ids[queries[0]]) == "<arg_value>" and target[queries[0]]
+        assert [ids[q + 1] for q in queries] == pieces and queries == list(range(queries[0], queries[0] + len(pieces)))
+        (key,) = {k for _, k in example.skill_pointers["call"]}
+        assert tokenizer.id_to_token(ids[key]) == "Ġ" + city and not target[key]
+    assert ChatEncoder(tokenizer).encode(chat).skill_pointers == {}  # the main phase, as it was run, has none
+
+
+def test_reverse_pointers_lead_to_the_word_just_written_whose_previous_token_comes_next(tokenizer):
+    from dsaserve.demo.tasks import words_chat
+
+    encoder = ChatEncoder(tokenizer, skill_pointers=True)
+    rng = random.Random(5)
+    kinds = set()
+    while len(kinds) < 3:
+        chat = words_chat(rng)
+        kinds.add(chat.kind)
+        example = encoder.encode(chat)
+        ids, target = example.ids, example.target
+        pointers = example.skill_pointers.get("reverse", [])
+        if chat.kind != "reverse":
+            assert pointers == [] and example.pointers == []
+            continue
+        words = chat.answers[0].split()
+        assert [tokenizer.decode([ids[q + 1]]).strip() for q, _ in pointers] == words[1:]  # each later word, in turn
+        for query, key in pointers:
+            word = tokenizer.decode([ids[query]]).strip()  # (the answer's first word is bare, the prompt's spaced)
+            assert target[query + 1] and not target[key] and tokenizer.decode([ids[key]]).strip() == word
+            assert ids[key - 1] == ids[query + 1]
+
+
 def test_shared_embedding_gives_every_row_one_common_direction(tokenizer):
     cfg = ModelConfig.from_dict(model_config(tokenizer, **SMALL))
     means = [TrainableGlmMoeDsa(cfg, seed=3, shared_embedding=shared).w("model.embed_tokens.weight").mean(0).norm()
@@ -134,6 +177,43 @@ def test_attention_losses_vanish_exactly_when_the_heads_attend_where_they_are_to
     assert parts["previous"].item() == pytest.approx(math.log(2) / 8)  # 8 real queries after the first token
     assert parts["back3"].item() == pytest.approx(math.log(2) / 4)  # 4 real queries from position 3 on
     assert parts["pointer"].item() == pytest.approx(math.log(4) / 2)
+
+
+def test_each_skill_head_is_trained_on_its_own_pointers(tokenizer):
+    from dsaserve.demo.train import SKILL_HEADS, attention_losses, watched_heads
+    from dsaserve.demo.train_model import ForwardOutput
+
+    cfg = ModelConfig.from_dict(model_config(tokenizer, **SMALL))
+    assert watched_heads(cfg).skills == ()  # watched only when the skill pointers are trained
+    heads = watched_heads(cfg, offsets=(1,), skills=True)
+    assert [(role, name, head) for role, name, head in heads.skills] == [
+        ("call", "model.layers.1.self_attn", SKILL_HEADS["call"]), ("reverse", "model.layers.1.self_attn", SKILL_HEADS["reverse"])]
+    s, real = 4, torch.ones(1, 4, dtype=torch.bool)
+    previous = torch.zeros(1, s, s)
+    previous[:, 0, 0], previous[:, torch.arange(1, s), torch.arange(s - 1)] = 1.0, 1.0
+    call, reverse = torch.full((1, s, s), 0.5), torch.full((1, s, s), 0.5)
+    call[0, 3, 1] = 1.0
+    reverse[0, 2, 0] = 0.125
+    out = ForwardOutput(None, None, None, [], {}, dict(zip(heads.all(), (previous, torch.zeros(1, s, s), call, reverse))))
+    parts = attention_losses(out, heads, real, torch.zeros(0, 3, dtype=torch.long),
+                             {"call": torch.tensor([[0, 3, 1]]), "reverse": torch.tensor([[0, 2, 0]])})
+    assert parts["call_pointer"] == 0.0 and parts["reverse_pointer"].item() == pytest.approx(math.log(8))
+    assert "pointer" not in parts  # no lookup pointers in this batch
+
+
+def test_the_indexer_learns_the_calls_pointed_keys_and_not_the_reversals(tokenizer):
+    raw, model = small_trainable(tokenizer)
+    ids = torch.randint(20, 1000, (1, 24), generator=torch.Generator().manual_seed(0))
+    target, none = torch.ones_like(ids, dtype=torch.bool), torch.zeros(0, 3, dtype=torch.long)
+    call, reverse = torch.tensor([[0, 20, 3]]), torch.tensor([[0, 12, 5]])
+
+    def index_pointer(skills: dict) -> float:
+        with torch.no_grad():
+            parts, _ = losses(model, ids, target, True, raw["pad_token_id"], none, (1,), True, skills)
+        return parts["index_pointer"].item()
+
+    assert index_pointer({"call": call, "reverse": reverse}) == index_pointer({"call": call, "reverse": none})
+    assert index_pointer({"call": call, "reverse": none}) != index_pointer({"call": reverse, "reverse": none})
 
 
 def test_the_index_pointer_loss_reads_the_indexer_that_selects_for_the_lookup_layer(tokenizer):
