@@ -93,6 +93,7 @@ class ChatEncoder:
         self.template = ChatTemplate(CHAT_TEMPLATE)
         self.user, self.observation = tokenizer.token_to_id("<|user|>"), tokenizer.token_to_id("<|observation|>")
         self.digit_tokens = {i for t, i in tokenizer.get_vocab().items() if any(c.isdigit() for c in t)}
+        self.arg_open, self.arg_close = tokenizer.token_to_id("<arg_value>"), tokenizer.token_to_id("</arg_value>")
         special = set(tokenizer.get_added_tokens_decoder())
         self.text_tokens = [i for i in range(tokenizer.get_vocab_size()) if i not in special]
 
@@ -124,7 +125,7 @@ class ChatEncoder:
         """Add the short chats' pointers (skill_pointers): where a tool call's city and a reversal's words are read."""
         if chat.kind == "tool":
             example.skill_pointers["call"] = call_pointers(
-                example.ids, example.target, self.single_token("<arg_value>"), self.single_token("</arg_value>"),
+                example.ids, example.target, self.arg_open, self.arg_close,
                 lambda pieces: self.single_token(" " + self.tok.decode(pieces)))
         elif chat.kind == "reverse":
             words = chat.messages[0]["content"].split(": ", 1)[1].split()
