@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                       help="weight dtype (with --random)")
     demo.add_argument("--train", action="store_true",
-                      help="train the demo model on its synthetic tasks (CPU, about 65 minutes on 2 cores) "
+                      help="train the demo model on its synthetic tasks (CPU, about 66 minutes on 2 cores) "
                            "instead of writing random weights")
     demo.add_argument("--steps", type=int, default=None, help="training steps (with --train)")
     demo.add_argument("--threads", type=int, default=2, help="torch threads for training (results depend on it)")

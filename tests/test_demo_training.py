@@ -125,6 +125,14 @@ def test_reverse_pointers_lead_to_the_word_just_written_whose_previous_token_com
             assert ids[key - 1] == ids[query + 1]
 
 
+def test_reversal_batches_hold_reversals_alone_within_the_token_budget(tokenizer):
+    from dsaserve.demo.train import reversal_batch
+
+    examples = reversal_batch(random.Random(8), ChatEncoder(tokenizer, skill_pointers=True), 2048)
+    assert len(examples) > 20 and len(examples) * max(len(e.ids) for e in examples) <= 2048
+    assert all("Reverse these words" in tokenizer.decode(e.ids) and e.skill_pointers["reverse"] for e in examples)
+
+
 def test_shared_embedding_gives_every_row_one_common_direction(tokenizer):
     cfg = ModelConfig.from_dict(model_config(tokenizer, **SMALL))
     means = [TrainableGlmMoeDsa(cfg, seed=3, shared_embedding=shared).w("model.embed_tokens.weight").mean(0).norm()
@@ -299,7 +307,7 @@ def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(t
     assert (ours.logprobs - expected.logprobs).abs().max() < 1e-4
 
 
-def test_the_skills_phase_trains_the_trunk_and_leaves_the_mtp_layer_as_it_was(tokenizer, tmp_path):
+def test_the_skills_phase_opens_with_reversals_trains_the_trunk_and_leaves_the_mtp_layer_as_it_was(tokenizer, tmp_path):
     from safetensors.torch import load_file
 
     from dsaserve.demo.checkpoint_builder import save_tokenizer_files
@@ -309,8 +317,11 @@ def test_the_skills_phase_trains_the_trunk_and_leaves_the_mtp_layer_as_it_was(to
     save_checkpoint(str(tmp_path), raw, model.state_dict_for_checkpoint(), dtype=torch.bfloat16)
     save_tokenizer_files(tokenizer, str(tmp_path), raw["eos_token_id"])
     before = load_file(str(tmp_path / "model.safetensors"))
-    train_skills(str(tmp_path), SkillsConfig(steps=2), log=lambda line: None)
+    lines = []
+    train_skills(str(tmp_path), SkillsConfig(steps=3, opening_steps=2), log=lines.append)
     after = load_file(str(tmp_path / "model.safetensors"))
+    kinds = [line.split()[4] for line in lines]  # steps 0 and 2: reversals alone open the phase, then the mix
+    assert kinds[0] == "reverse" and kinds[-1] in ("recall", "retrieval", "short", "tools")
     mtp = f"model.layers.{raw['num_hidden_layers']}."
     # (its router's correction bias keeps following the balancing rule, as every router's does)
     kept = [n for n in before if n.startswith(mtp) and not n.endswith("e_score_correction_bias")]

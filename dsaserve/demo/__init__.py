@@ -1,11 +1,11 @@
 """The built-in demo model: a small glm_moe_dsa checkpoint trained on synthetic chats, shipped in the package.
 
 It was trained by `dsaserve build-demo --train` (dsaserve/demo/train.py: 48 minutes on 2 CPU cores, then
-4 minutes in which its MTP layer learns the later draft steps, dsaserve/demo/mtp_chain.py, and 12 to 14 in
+4 minutes in which its MTP layer learns the later draft steps, dsaserve/demo/mtp_chain.py, and about 15 in
 which the trunk trains on short chats): it looks codes up in documents of about 1K tokens with its sparse
-attention, greets, thinks in `<think>` before answering, repeats word lists, gets most small sums right,
-and calls a declared weather or time tool in GLM's format for the city asked. It does not reverse or sort
-word lists, nor retrieve from documents longer than it was trained on (docs/benchmarks.md). The random-weight builder
+attention, greets, thinks in `<think>` before answering, repeats and reverses word lists, gets most small sums
+right, and calls a declared weather or time tool in GLM's format for the city asked. It does not sort word
+lists, nor retrieve from documents longer than it was trained on (docs/benchmarks.md). The random-weight builder
 remains for tests and for comparing selections against untrained weights.
 """
 
@@ -37,7 +37,7 @@ def demo_model_dir() -> str:
     if not os.path.isfile(os.path.join(TRAINED_DIR, "model.safetensors")):
         raise FileNotFoundError(
             f"the trained demo checkpoint is missing from {TRAINED_DIR}; reinstall dsaserve, or rebuild it with "
-            f"`dsaserve build-demo --train {TRAINED_DIR}` (about 65 minutes on 2 CPU cores)")
+            f"`dsaserve build-demo --train {TRAINED_DIR}` (about 66 minutes on 2 CPU cores)")
     return TRAINED_DIR
 
 

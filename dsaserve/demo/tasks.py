@@ -137,9 +137,10 @@ def arithmetic_chat(rng: random.Random) -> Chat:
                 thinking=thinking, kind="arithmetic", answers=[answer])
 
 
-def words_chat(rng: random.Random) -> Chat:
+def words_chat(rng: random.Random, kind: str | None = None) -> Chat:
+    """A word list to reverse, sort or repeat (kind; drawn when None)."""
     words = rng.sample(NOUNS, rng.randrange(3, 9))
-    kind = rng.choice(("reverse", "sort", "repeat"))
+    kind = kind or rng.choice(("reverse", "sort", "repeat"))
     if kind == "reverse":
         ask, result = "Reverse these words: {}", list(reversed(words))
     elif kind == "sort":
