@@ -22,7 +22,7 @@ import argparse
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -519,21 +519,25 @@ def train_skills(checkpoint: str, sc: SkillsConfig | None = None, log=lambda lin
     # Full-length documents (steps=1), no copy batches; the schedule is the main run's over this phase's steps.
     data = TrainConfig(steps=1, dense_steps=0, copy_steps=0, copy_share=0.0, mix=sc.mix,
                        skill_pointers=sc.skill_pointers)
-    tools_only = TrainConfig(steps=1, dense_steps=0, copy_steps=0, copy_share=0.0, mix=(0.0, 0.0, 0.0, 1.0),
-                             skill_pointers=sc.skill_pointers)
     schedule = TrainConfig(steps=sc.steps, lr=sc.lr, warmup=sc.warmup)
     started = time.monotonic()
     for step in range(sc.steps):
-        if step < sc.opening_steps and step % 2 == 0:
-            kind, examples = "reverse", reversal_batch(rng, encoder, data.tokens_per_step)
-        elif step < sc.opening_steps:
-            kind, examples = sample_batch(rng, encoder, sc.steps, tools_only)
-        else:
-            kind, examples = sample_batch(rng, encoder, sc.steps, data)
+        kind, examples = skills_batch(rng, encoder, step, sc, data)
         parts, shape = train_step(model, optimizer, params, examples, pad, True, data, learning_rate(step, schedule))
         if step % 10 == 0 or step == sc.steps - 1:
             log(step_line(f"skills step {step:4d}", True, kind, shape, parts, started))
     write_checkpoint(checkpoint, model, raw, tok)
+
+
+def skills_batch(rng: random.Random, encoder: ChatEncoder, step: int, sc: SkillsConfig, data: TrainConfig
+                 ) -> tuple[str, list[Example]]:
+    """The skills phase's batch at a step: in the opening, reversals alone and chats that declare tools in turn;
+    then the phase's mix (data)."""
+    if step >= sc.opening_steps:
+        return sample_batch(rng, encoder, sc.steps, data)
+    if step % 2 == 0:
+        return "reverse", reversal_batch(rng, encoder, data.tokens_per_step)
+    return sample_batch(rng, encoder, sc.steps, replace(data, mix=(0.0, 0.0, 0.0, 1.0)))
 
 
 def start_phase(checkpoint: str, seed: int, threads: int) -> tuple[TrainableGlmMoeDsa, dict, object, random.Random]:
