@@ -357,6 +357,15 @@ def test_training_is_deterministic_from_its_seed(tmp_path):
     assert digests[0] == digests[1] != digests[2]
 
 
+def test_the_whole_run_gives_each_later_phase_the_steps_its_own_config_has():
+    """`build-demo --train` must reproduce the weights trained phase by phase (python -m dsaserve.demo.train)."""
+    from dsaserve.demo.mtp_chain import ChainConfig
+    from dsaserve.demo.train import SkillsConfig, TrainConfig
+
+    assert TrainConfig().chain_steps == ChainConfig().steps
+    assert TrainConfig().skills_steps == SkillsConfig().steps
+
+
 def test_chained_draft_steps_equal_the_layer_run_over_a_rounds_rows(tokenizer):
     """The chain's step k at base j is the MTP layer over the rows a draft round has at that point: step-1
     rows 0…j, then this base's draft rows, each fed the previous step's output (written from the formulas)."""

@@ -63,7 +63,7 @@ class TrainConfig:
     max_doc_tokens: int = 1280  # the longest retrieval chats trained on
     save_every: int = 100  # write the checkpoint this often (0: only at the end)
     chain_steps: int = 300  # then the MTP layer alone learns the later draft steps (dsaserve/demo/mtp_chain.py)
-    skills_steps: int = 800  # then the trunk alone trains on mostly short chats (train_skills)
+    skills_steps: int = 1000  # (SkillsConfig.steps) then the trunk alone trains on mostly short chats (train_skills)
     # What teaches the lookup (docs/benchmarks.md, "Teaching the lookup"; the model shipped before had none of it):
     shared_embedding: bool = True  # embedding rows share one direction at initialization (init_weight)
     attention_weight: float = 1.0  # the offset and lookup heads' losses (attention_losses, index_pointer_loss)
