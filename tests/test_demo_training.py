@@ -8,7 +8,7 @@ import torch
 
 from dsaserve.config import ModelConfig
 from dsaserve.demo.checkpoint_builder import save_checkpoint
-from dsaserve.demo.tasks import retrieval_chat, weather_chat
+from dsaserve.demo.tasks import conversation, retrieval_chat, weather_chat
 from dsaserve.demo.train import ChatEncoder, collate, demo_tokenizer, losses, model_config, pointer_index
 from dsaserve.demo.train_model import TrainableGlmMoeDsa
 
@@ -50,6 +50,25 @@ def test_encoder_trains_exactly_the_assistant_turns_and_their_stop_tokens(tokeni
     assert chat.messages[0]["content"] not in text and "<tool_response>" not in text
     full = tokenizer.decode(example.ids, skip_special_tokens=False)
     assert full.startswith("[gMASK]<sop><|system|>") and "<tool_response>" in full
+
+
+def test_conversations_train_their_last_reply_alone_after_earlier_replies_sent_as_clients_send_them(tokenizer):
+    encoder = ChatEncoder(tokenizer)
+    rng = random.Random(5)
+    chats = [conversation(rng) for _ in range(30)]
+    assert {len(c.messages) for c in chats} == {4, 6} and {c.thinking for c in chats} == {True, False}
+    for chat in chats:
+        earlier, last = chat.messages[:chat.history], chat.messages[-1]
+        assert chat.history == len(chat.messages) - 2 and [m["role"] for m in earlier] == ["user", "assistant"] * (
+            chat.history // 2)
+        assert all("reasoning_content" not in m for m in earlier)  # clients send back the content only
+        assert ("reasoning_content" in last) == chat.thinking and chat.answers == [last["content"]]
+        example = encoder.encode(chat)
+        trained = tokenizer.decode([i for i, t in zip(example.ids, example.target) if t], skip_special_tokens=False)
+        reasoning = f"<think>{last['reasoning_content']}</think>" if chat.thinking else ""
+        assert trained.replace("\n", "") == reasoning + last["content"] + "<|user|>"
+        full = tokenizer.decode(example.ids, skip_special_tokens=False)
+        assert all(m["content"] in full for m in earlier)
 
 
 def test_code_pointers_lead_from_each_answers_code_token_to_its_copy_in_the_document(tokenizer):
@@ -108,7 +127,7 @@ def test_reverse_pointers_lead_to_the_word_just_written_whose_previous_token_com
     encoder = ChatEncoder(tokenizer, skill_pointers=True)
     rng = random.Random(5)
     kinds = set()
-    while len(kinds) < 3:
+    while len(kinds) < 2:  # reverse and repeat
         chat = words_chat(rng)
         kinds.add(chat.kind)
         example = encoder.encode(chat)

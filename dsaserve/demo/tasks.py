@@ -53,6 +53,7 @@ class Chat:
     thinking: bool = True
     kind: str = ""
     answers: list[str] = field(default_factory=list)  # the expected final answers (for evaluation)
+    history: int = 0  # leading messages that are context only (a client's earlier turns), not trained
 
 
 def assistant(content: str, reasoning: str, thinking: bool, tool_calls: list[dict] | None = None) -> dict:
@@ -122,7 +123,7 @@ def retrieval_chat(rng: random.Random, n_filler: int, n_facts: int, n_questions:
     return Chat(messages, thinking=thinking, kind="retrieval", answers=answers)
 
 
-def arithmetic_chat(rng: random.Random) -> Chat:
+def arithmetic_chat(rng: random.Random, thinking: bool | None = None) -> Chat:
     a, b = rng.randrange(0, 21), rng.randrange(0, 21)
     if rng.random() < 0.5:
         text, value = f"{a} + {b}", a + b
@@ -130,14 +131,14 @@ def arithmetic_chat(rng: random.Random) -> Chat:
         a, b = max(a, b), min(a, b)
         text, value = f"{a} - {b}", a - b
     ask = rng.choice(("What is {}?", "Compute {}.", "How much is {}?", "{} = ?"))
-    thinking = rng.random() < 0.5
+    thinking = rng.random() < 0.5 if thinking is None else thinking
     answer = f"{text} = {value}."
     return Chat([{"role": "user", "content": ask.format(text)},
                  assistant(answer, f"The user wants {text}. I add or subtract the numbers.", thinking)],
                 thinking=thinking, kind="arithmetic", answers=[answer])
 
 
-def words_chat(rng: random.Random, kind: str | None = None) -> Chat:
+def words_chat(rng: random.Random, kind: str | None = None, thinking: bool | None = None) -> Chat:
     """A word list to reverse or repeat (kind; drawn when None). Sorting is not among them: the demo's trunk
     did not learn it in the CPU budget (docs/benchmarks.md, "Teaching reversal")."""
     words = rng.sample(NOUNS, rng.randrange(3, 9))
@@ -146,16 +147,16 @@ def words_chat(rng: random.Random, kind: str | None = None) -> Chat:
         ask, result = "Reverse these words: {}", list(reversed(words))
     else:
         ask, result = "Repeat after me: {}", words
-    thinking = rng.random() < 0.5
+    thinking = rng.random() < 0.5 if thinking is None else thinking
     answer = " ".join(result)
     reasoning = f"The user wants me to {kind} {len(words)} words."
     return Chat([{"role": "user", "content": ask.format(" ".join(words))}, assistant(answer, reasoning, thinking)],
                 thinking=thinking, kind=kind, answers=[answer])
 
 
-def greeting_chat(rng: random.Random) -> Chat:
+def greeting_chat(rng: random.Random, thinking: bool | None = None) -> Chat:
     ask = rng.choice(("Hello!", "Hi!", "Hello", "Hi there!", "Who are you?", "What can you do?", "Hey!"))
-    thinking = rng.random() < 0.5
+    thinking = rng.random() < 0.5 if thinking is None else thinking
     return Chat([{"role": "user", "content": ask},
                  assistant(GREETING_REPLY, "The user greets me. I say who I am and what I can do.", thinking)],
                 thinking=thinking, kind="greeting", answers=[GREETING_REPLY])
@@ -208,10 +209,25 @@ def short_chat(rng: random.Random, with_tools: bool | None = None) -> Chat:
     return rng.choices(tasks, weights)[0](rng)
 
 
+def conversation(rng: random.Random) -> Chat:
+    """Two or three short chats in one conversation, as a chat page or an OpenAI client sends it: the earlier
+    replies as plain content (clients do not send reasoning back) and context only; the last one is trained, with
+    its reasoning when thinking is on."""
+    thinking = rng.random() < 0.5
+    tasks, weights = zip(*SHORT_TASKS)
+    chats = [rng.choices(tasks, weights)[0](rng, thinking=thinking) for _ in range(rng.choice((2, 3)))]
+    earlier = []
+    for chat in chats[:-1]:
+        earlier += [chat.messages[0], {"role": "assistant", "content": chat.messages[1]["content"]}]
+    last = chats[-1]
+    return Chat(earlier + last.messages, thinking=thinking, kind=last.kind, answers=last.answers, history=len(earlier))
+
+
 def tokenizer_corpus(seed: int = 0, chats: int = 400) -> list[str]:
     """Text the demo tokenizer's BPE is trained on: every word the tasks use, in their contexts."""
     rng = random.Random(seed)
-    lines = [" ".join(ADJECTIVES), " ".join(NOUNS), " ".join(CITIES), GREETING_REPLY,
+    # Each word after a space, the first of each list too (as a question writes it: the call head needs " Paris" whole)
+    lines = [" " + " ".join(ADJECTIVES), " " + " ".join(NOUNS), " " + " ".join(CITIES), GREETING_REPLY,
              json.dumps(WEATHER_TOOL), json.dumps(TIME_TOOL)]
     for n in range(100):  # every number piece, alone, after a space, after " is", zero-padded
         lines += [f"{n}", f"x {n}", f"x is {n}", f"{n:02d}", f"x {n:02d}"]

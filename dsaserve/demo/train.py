@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from dsaserve.chat_template import ChatTemplate
 from dsaserve.config import ModelConfig
 from dsaserve.demo.checkpoint_builder import save_checkpoint, save_tokenizer_files, small_config
-from dsaserve.demo.tasks import Chat, retrieval_chat, short_chat, tokenizer_corpus, words_chat
+from dsaserve.demo.tasks import Chat, conversation, retrieval_chat, short_chat, tokenizer_corpus, words_chat
 from dsaserve.demo.tokenizer import CHAT_TEMPLATE, build_tokenizer, stop_token_ids
 from dsaserve.demo.mtp_chain import ChainConfig, chain_loss, load_trainable, mtp_parameters
 from dsaserve.demo.train_model import ForwardOutput, TrainableGlmMoeDsa
@@ -73,6 +73,9 @@ class TrainConfig:
     offsets: tuple[int, ...] = (1, 2, 3)  # first-layer heads that read these offsets back (attention_losses)
     index_pointer: bool = True  # the lookup layer's indexer learns the pointed keys too (index_pointer_loss)
     skill_pointers: bool = False  # the short chats' pointers too (skill_pointers; the skills phase turns them on)
+    # This share of the short chats are conversations of two or three (tasks.conversation): alone, a follow-up
+    # question after the greeting got the first number of its sum wrong ("harbor + 7 = 20" for 14 + 7).
+    conversations: float = 0.3
 
 
 @dataclass
@@ -105,7 +108,7 @@ class ChatEncoder:
         msgs = chat.messages
         kwargs = dict(tools=chat.tools, enable_thinking=chat.thinking)
         for j, message in enumerate(msgs):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or j < chat.history:  # history: part of the next turn's prompt
                 continue
             prompt = self.template.render(msgs[:j], add_generation_prompt=True, **kwargs)
             reply = self.template.render(msgs[: j + 1], add_generation_prompt=False, **kwargs)
@@ -129,7 +132,7 @@ class ChatEncoder:
                 example.ids, example.target, self.arg_open, self.arg_close,
                 lambda pieces: self.single_token(" " + self.tok.decode(pieces)))
         elif chat.kind == "reverse":
-            words = chat.messages[0]["content"].split(": ", 1)[1].split()
+            words = chat.messages[-2]["content"].split(": ", 1)[1].split()  # the last request's list
             forms = {w: (self.single_token(" " + w), self.single_token(w)) for w in words}
             example.skill_pointers["reverse"] = reverse_pointers(example.ids, example.target, forms)
 
@@ -228,7 +231,12 @@ def sample_batch(rng: random.Random, encoder: ChatEncoder, step: int, tc: TrainC
     if kind == "copy":
         return kind, copy_batch(rng, encoder.text_tokens)
     if kind == "short":
-        return kind, fill(lambda: encoder.encode(short_chat(rng, with_tools=False)), tc.tokens_per_step)
+        def make() -> Example:
+            if tc.conversations and rng.random() < tc.conversations:
+                return encoder.encode(conversation(rng))
+            return encoder.encode(short_chat(rng, with_tools=False))
+
+        return kind, fill(make, tc.tokens_per_step)
     if kind == "tools":
         return kind, fill(lambda: encoder.encode(short_chat(rng, with_tools=True)), tc.tokens_per_step)
     if kind == "recall":
