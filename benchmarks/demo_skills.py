@@ -5,7 +5,9 @@
 Thinking off, exact match against the task's own answer: 40 arithmetic chats, 45 word-list chats
 (reverse or repeat), 20 weather questions with the weather tool declared (is the tool called,
 and with the asked city), and retrieval over 5 documents of six facts each at about 1K and 2K
-tokens (the training saw documents of up to 1,280 tokens). Defaults to the shipped checkpoint.
+tokens (the training saw documents of up to 1,280 tokens); last, the final reply of 30 conversations of two
+or three short chats (the earlier replies sent back as content, as clients do). Defaults to the shipped
+checkpoint.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import random
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.demo import demo_model_dir
-from dsaserve.demo.tasks import (CITIES, WEATHER_TOOL, Chat, arithmetic_chat, codes, distinct_keys, document,
-                                 fact_sentence, question, words_chat)
+from dsaserve.demo.tasks import (CITIES, WEATHER_TOOL, Chat, arithmetic_chat, codes, conversation, distinct_keys,
+                                 document, fact_sentence, question, words_chat)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 NO_THINKING = {"enable_thinking": False}
@@ -24,7 +26,7 @@ NO_THINKING = {"enable_thinking": False}
 
 def accuracy(llm: LLM, chats: list[Chat]) -> tuple[float, list[str]]:
     """The share answered exactly, and up to three wrong replies."""
-    outputs = llm.chat([chat.messages[:1] for chat in chats], GREEDY, chat_template_kwargs=NO_THINKING, use_tqdm=False)
+    outputs = llm.chat([chat.messages[:-1] for chat in chats], GREEDY, chat_template_kwargs=NO_THINKING, use_tqdm=False)
     replies = [o.outputs[0].text for o in outputs]
     wrong = [f"{chat.messages[0]['content'][-48:]!r} -> {reply!r}" for chat, reply in zip(chats, replies)
              if reply != chat.answers[0]]
@@ -81,6 +83,9 @@ def main() -> None:
     for n_filler in (95, 190):
         share, tokens = retrieval_accuracy(llm, n_filler, args.seed)
         print(f"retrieval  {share:6.1%} of 30 at ~{tokens} tokens")
+    followups = [conversation(rng) for _ in range(30)]
+    share, wrong = accuracy(llm, followups)
+    print(f"follow-up  {share:6.1%} of 30 conversations' last replies" + (f"   e.g. {wrong[0]}" if wrong else ""))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ import pytest
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.demo import demo_model_dir
-from dsaserve.demo.tasks import (GREETING_REPLY, WEATHER_TOOL, arithmetic_chat, codes, distinct_keys, document,
-                                 fact_sentence, question, words_chat)
+from dsaserve.demo.tasks import (GREETING_REPLY, WEATHER_TOOL, arithmetic_chat, codes, conversation, distinct_keys,
+                                 document, fact_sentence, question, words_chat)
 from server_process import ServerProcess
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
@@ -88,12 +88,24 @@ def test_reverses_word_lists(demo_llm):
     assert right >= 8, replies
 
 
+def test_answers_the_last_question_of_a_conversation(demo_llm):
+    """Two or three short chats in one conversation, the earlier replies sent back as content (as the chat page
+    and OpenAI clients send them): the last reply is right for most. The shipped model gets FILL of these 16,
+    the model shipped before it FILL (after a greeting, `What is 14 + 7?` got `harbor + 7 = 20.`)."""
+    rng = random.Random(2029)
+    chats = [conversation(rng) for _ in range(16)]
+    outputs = demo_llm.chat([chat.messages[:-1] for chat in chats], GREEDY, chat_template_kwargs=NO_THINKING,
+                            use_tqdm=False)
+    replies = [o.outputs[0].text for o in outputs]
+    assert sum(reply == chat.answers[0] for reply, chat in zip(replies, chats)) >= FILL, replies
+
+
 def test_mtp_layer_loads_and_its_drafts_are_accepted(demo_llm):
     spec = LLM(demo_model_dir(), dtype="float32", max_model_len=4096, progress=False,
                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    conversation = [{"role": "user", "content": "Repeat after me: pine river lotus comet"}]
-    plain = demo_llm.chat(conversation, GREEDY, chat_template_kwargs=NO_THINKING, use_tqdm=False)[0].outputs[0].text
-    drafted = spec.chat(conversation, GREEDY, chat_template_kwargs=NO_THINKING, use_tqdm=False)[0].outputs[0].text
+    messages = [{"role": "user", "content": "Repeat after me: pine river lotus comet"}]
+    plain = demo_llm.chat(messages, GREEDY, chat_template_kwargs=NO_THINKING, use_tqdm=False)[0].outputs[0].text
+    drafted = spec.chat(messages, GREEDY, chat_template_kwargs=NO_THINKING, use_tqdm=False)[0].outputs[0].text
     assert drafted == plain == "pine river lotus comet"
     stats = spec.engine.stats().spec_decode
     assert stats.num_accepted_tokens > 0
