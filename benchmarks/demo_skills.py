@@ -3,7 +3,7 @@
     python benchmarks/demo_skills.py [--model DIR] [--backend sparse|dense|page] [--seed 555]
 
 Thinking off, exact match against the task's own answer: 40 arithmetic chats, 45 word-list chats
-(reverse or repeat), 20 weather questions with the weather tool declared (is the tool called,
+(reverse, sort or repeat), 20 weather questions with the weather tool declared (is the tool called,
 and with the asked city), and retrieval over 5 documents of six facts each at about 1K and 2K
 tokens (the training saw documents of up to 1,280 tokens); last, the final reply of 30 conversations of two
 or three short chats (the earlier replies sent back as content, as clients do). Defaults to the shipped

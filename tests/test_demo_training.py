@@ -127,7 +127,7 @@ def test_reverse_pointers_lead_to_the_word_just_written_whose_previous_token_com
     encoder = ChatEncoder(tokenizer, skill_pointers=True)
     rng = random.Random(5)
     kinds = set()
-    while len(kinds) < 2:  # reverse and repeat
+    while len(kinds) < 3:
         chat = words_chat(rng)
         kinds.add(chat.kind)
         example = encoder.encode(chat)

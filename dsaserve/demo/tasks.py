@@ -35,7 +35,7 @@ FILLER_TAILS = ("in the morning", "after lunch", "for a while", "without a word"
                 "at night", "with great care", "every day", "on Sunday")
 
 GREETING_REPLY = ("Hello! I am the dsaserve demo model. I can find codes in a document, add and subtract "
-                  "small numbers, reverse or repeat words, and check the weather with a tool.")
+                  "small numbers, reverse, sort or repeat words, and check the weather with a tool.")
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
@@ -139,12 +139,13 @@ def arithmetic_chat(rng: random.Random, thinking: bool | None = None) -> Chat:
 
 
 def words_chat(rng: random.Random, kind: str | None = None, thinking: bool | None = None) -> Chat:
-    """A word list to reverse or repeat (kind; drawn when None). Sorting is not among them: the demo's trunk
-    did not learn it in the CPU budget (docs/benchmarks.md, "Teaching reversal")."""
+    """A word list to reverse, sort or repeat (kind; drawn when None)."""
     words = rng.sample(NOUNS, rng.randrange(3, 9))
-    kind = kind or rng.choice(("reverse", "repeat"))
+    kind = kind or rng.choice(("reverse", "sort", "repeat"))
     if kind == "reverse":
         ask, result = "Reverse these words: {}", list(reversed(words))
+    elif kind == "sort":
+        ask, result = "Sort these words: {}", sorted(words)
     else:
         ask, result = "Repeat after me: {}", words
     thinking = rng.random() < 0.5 if thinking is None else thinking
@@ -226,8 +227,7 @@ def conversation(rng: random.Random) -> Chat:
 def tokenizer_corpus(seed: int = 0, chats: int = 400) -> list[str]:
     """Text the demo tokenizer's BPE is trained on: every word the tasks use, in their contexts."""
     rng = random.Random(seed)
-    # Each word after a space, the first of each list too (as a question writes it: the call head needs " Paris" whole)
-    lines = [" " + " ".join(ADJECTIVES), " " + " ".join(NOUNS), " " + " ".join(CITIES), GREETING_REPLY,
+    lines = [" ".join(ADJECTIVES), " ".join(NOUNS), " ".join(CITIES), GREETING_REPLY,
              json.dumps(WEATHER_TOOL), json.dumps(TIME_TOOL)]
     for n in range(100):  # every number piece, alone, after a space, after " is", zero-padded
         lines += [f"{n}", f"x {n}", f"x is {n}", f"{n:02d}", f"x {n:02d}"]
