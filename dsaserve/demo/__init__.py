@@ -5,7 +5,8 @@ It was trained by `dsaserve build-demo --train` (dsaserve/demo/train.py: 48 minu
 which the trunk trains on short chats): it looks codes up in documents of about 1K tokens with its sparse
 attention, greets, thinks in `<think>` before answering, repeats and reverses word lists, gets most small sums
 right, and calls a declared weather or time tool in GLM's format for the city asked. It does not sort word
-lists, nor retrieve from documents longer than it was trained on (docs/benchmarks.md). The random-weight builder
+lists, answer follow-up questions in a conversation, nor retrieve from documents longer than it was trained
+on (docs/benchmarks.md). The random-weight builder
 remains for tests and for comparing selections against untrained weights.
 """
 
