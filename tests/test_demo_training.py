@@ -71,6 +71,17 @@ def test_conversations_train_their_last_reply_alone_after_earlier_replies_sent_a
         assert all(m["content"] in full for m in earlier)
 
 
+def test_short_steps_hold_conversations_at_the_configured_share(tokenizer):
+    from dsaserve.demo.train import TrainConfig, sample_batch
+
+    encoder, user = ChatEncoder(tokenizer), tokenizer.token_to_id("<|user|>")
+    for share, expected in ((0.0, {1}), (1.0, {2, 3})):
+        tc = TrainConfig(steps=1, copy_steps=0, copy_share=0.0, mix=(0.0, 0.0, 1.0, 0.0), conversations=share)
+        kind, examples = sample_batch(random.Random(3), encoder, 0, tc)
+        turns = {sum(i == user for i, t in zip(e.ids, e.target) if not t) for e in examples}  # user turns asked
+        assert kind == "short" and turns == expected
+
+
 def test_code_pointers_lead_from_each_answers_code_token_to_its_copy_in_the_document(tokenizer):
     encoder = ChatEncoder(tokenizer)
     chat = retrieval_chat(random.Random(3), 6, 4, 3)

@@ -74,7 +74,7 @@ class TrainConfig:
     index_pointer: bool = True  # the lookup layer's indexer learns the pointed keys too (index_pointer_loss)
     skill_pointers: bool = False  # the short chats' pointers too (skill_pointers; the skills phase turns them on)
     # This share of the short chats are conversations of two or three (tasks.conversation). The shipped model had
-    # none and answers 1 of 16 follow-ups right; a main run with 0.3 answered 77%, but its tool calls named one
+    # none and answers 0 of 30 follow-ups right; a main run with 0.3 answered 77%, but its tool calls named one
     # city for every question, so it was not shipped (docs/benchmarks.md, "Conversations").
     conversations: float = 0.0
 
