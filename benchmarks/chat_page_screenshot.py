@@ -1,4 +1,4 @@
-"""The README's screenshot of the chat page: a real conversation with the shipped demo model.
+"""The README's screenshot of the chat page: real replies of the shipped demo model.
 
     python benchmarks/chat_page_screenshot.py [--out docs/chat-page.png] [--model DIR]
 

@@ -62,8 +62,10 @@ class TrainConfig:
     threads: int = 2
     max_doc_tokens: int = 1280  # the longest retrieval chats trained on
     save_every: int = 100  # write the checkpoint this often (0: only at the end)
-    chain_steps: int = 300  # then the MTP layer alone learns the later draft steps (dsaserve/demo/mtp_chain.py)
-    skills_steps: int = 1000  # (SkillsConfig.steps) then the trunk alone trains on mostly short chats (train_skills)
+    # Then the MTP layer alone learns the later draft steps (dsaserve/demo/mtp_chain.py), and the trunk alone trains
+    # on mostly short chats (train_skills); by default as many steps as those phases run alone.
+    chain_steps: int = field(default_factory=lambda: ChainConfig.steps)
+    skills_steps: int = field(default_factory=lambda: SkillsConfig.steps)
     # What teaches the lookup (docs/benchmarks.md, "Teaching the lookup"; the model shipped before had none of it):
     shared_embedding: bool = True  # embedding rows share one direction at initialization (init_weight)
     attention_weight: float = 1.0  # the offset and lookup heads' losses (attention_losses, index_pointer_loss)
