@@ -4,6 +4,8 @@
 
 Against torch's bf16 F.linear on the same weight and this machine's copy bandwidth (bytes copied per
 second, 1 GiB buffers). 64 MiB of bf16 weights (32, 16 MiB packed in 8, 4 bits) is past the caches here.
+int4 runs on the path this CPU takes for bf16 activations (printed); `DSASERVE_INT4_VNNI=0 python
+benchmarks/quant_kernels.py` measures the bf16 one where the VNNI path is the default.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def main() -> None:
     a = torch.ones(1 << 30, dtype=torch.uint8)
     b = torch.empty_like(a)
     copy = a.numel() / min(per_call(lambda: b.copy_(a), 3) for _ in range(2))
-    print(f"copy bandwidth {copy / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
+    print(f"copy bandwidth {copy / 1e9:.1f} GB/s, {torch.get_num_threads()} threads; int4 by bf16 activations: "
+          f"{torch.ops.dsaserve.int4_bf16_path()}")
     w = torch.randn(N, K)
     wb = w.bfloat16()
     for m in (1, 4, 16):

@@ -4,7 +4,9 @@
 
 On the checkpoint benchmarks/model_core.py builds (GLM-5.2 per-head geometry, 214M parameters, bf16),
 each weight form in its own process, the forms taking turns for three rounds (medians reported): bf16 through torch's matmuls (the kernels off), bf16 packed for
-the bandwidth kernel (the default on a CPU with AVX-512 BF16), and --quantization fp8, int8, int4.
+the bandwidth kernel (the default on a CPU with AVX-512 BF16), and --quantization fp8, int8, int4; int4 twice
+where the CPU has AVX-512 VNNI: as served (activations rounded to int8 per row and 128-column group, integer dot
+products) and `int4-bf16act` (DSASERVE_INT4_VNNI=0: the products in bf16, exact in the activations).
 For each: batch-1 decode (median step, 128-token prompts), batch-16 output tokens/s, a 2,048-token
 prefill, the weight bytes one decode token reads (every projection once, the shared expert, and 4 of
 the 8 routed experts per MoE layer), and the resident bytes. The bound is those bytes ÷ this machine's
@@ -25,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-FORMS = ["torch-bf16", "bf16", "fp8", "int8", "int4"]
+FORMS = ["torch-bf16", "bf16", "fp8", "int8", "int4", "int4-bf16act"]
 
 
 def copy_bandwidth() -> float:
@@ -79,7 +81,9 @@ def measure(form: str) -> dict:
 
     if form == "torch-bf16":
         apply.kernels_here = lambda device: False
-    quantization = form if form in ("fp8", "int8", "int4") else None
+    if form == "int4-bf16act":
+        os.environ["DSASERVE_INT4_VNNI"] = "0"  # read by the kernels once, at their first int4 product
+    quantization = {"fp8": "fp8", "int8": "int8", "int4": "int4", "int4-bf16act": "int4"}.get(form)
     engine = LLMEngine(EngineArgs(model=checkpoint_dir(), kv_cache_memory="512MiB", max_model_len=4096,
                                   progress=False, quantization=quantization))
     decode_steps(engine, 1, steps=4)  # warm-up
@@ -105,6 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--forms", default=",".join(FORMS), help="which forms, comma-separated (default: all)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one form in this process
     args = parser.parse_args()
     if args.one:
@@ -114,13 +119,14 @@ def main() -> None:
 
     checkpoint_dir()  # build it once, before the measuring processes
     bandwidth = copy_bandwidth()
-    runs = {form: [] for form in FORMS}
+    forms = args.forms.split(",")
+    runs = {form: [] for form in forms}
     for _ in range(args.rounds):  # the forms take turns, so a slow phase of a shared machine hits them all
-        for form in FORMS:
+        for form in forms:
             out = subprocess.run([sys.executable, __file__, "--one", form], capture_output=True, text=True, check=True)
             runs[form].append(json.loads(out.stdout.strip().splitlines()[-1]))
     rows = []
-    for form in FORMS:
+    for form in forms:
         row = {key: (statistics.median(r[key] for r in runs[form]) if isinstance(value, float) else value)
                for key, value in runs[form][0].items()}  # medians over the rounds
         row["tok_s_batch1_runs"] = [r["tok_s_batch1"] for r in runs[form]]

@@ -22,6 +22,31 @@ needs_kernels = pytest.mark.skipif(
            f"{torch_ops.cpu_kernels()}); the torch fallback is tested instead")
 
 
+def int4_vnni() -> bool:
+    return torch_ops.cpu_kernels() == "avx512_bf16" and torch.ops.dsaserve.int4_bf16_path() == "avx512_vnni"
+
+
+needs_int4_vnni = pytest.mark.skipif(
+    not int4_vnni(), reason="the int4 VNNI path needs AVX-512 VNNI and VBMI besides the kernels' AVX-512 BF16 (this "
+                            f"CPU's kernels: {torch_ops.cpu_kernels()}), and DSASERVE_INT4_VNNI unset or not 0")
+
+
+def int8_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The VNNI path's activations: per row and scale group, round(x * 127 / absmax) (to nearest even, in fp32)
+    with scale absmax / 127. Returns (q [M, K] as floats, scale [M, G], each column's group)."""
+    xf = x.float()
+    columns = torch.arange(x.shape[1]) // group
+    amax = torch.zeros(x.shape[0], int(columns[-1]) + 1).scatter_reduce(1, columns.expand_as(xf), xf.abs(), "amax")
+    inv = torch.where(amax > 1e-30, torch.tensor(127.0) / amax, torch.zeros(()))
+    return torch.round(xf * inv[:, columns]), amax / 127, columns
+
+
+def activation_rounding_bound(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch.Tensor:
+    """[M, N]: sum over k of |weight[n, k]| times half the activation's step in k's group."""
+    _, scale, columns = int8_activations(x, group)
+    return (scale[:, columns] / 2) @ weight.abs().T * (1 + 1e-5)
+
+
 def stored(kind: str, n: int, k: int, col_offset: int, seed: int = 0):
     """(q, scale) of a random [n, k] weight in `kind`'s unpacked form."""
     g = torch.Generator().manual_seed(seed)
@@ -55,12 +80,58 @@ def test_kernel_equals_dequantize_then_matmul(kind, n, k, col_offset):
         # fp32 activations: exact products, only the summation order differs
         y = torch.ops.dsaserve.quant_linear(x, m.qweight, m.scale, *args)
         assert (y - expected).abs().max() <= 1e-5 * expected.abs().max() + 1e-6
-        # bf16 activations: the same products of bf16 values, then the output rounded to bf16
+        # bf16 activations: the same products of bf16 values, then the output rounded to bf16 (int4 on the VNNI
+        # path: the activations rounded to int8 first, off by at most half a step each)
         xb = x.bfloat16()
         yb = torch.ops.dsaserve.quant_linear(xb, m.qweight, m.scale, *args)
         exact = xb.float() @ weight.T
         assert yb.dtype == torch.bfloat16
-        assert ((yb.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-3 * exact.abs().max()).all()
+        rounding = activation_rounding_bound(xb, weight, args[1]) if kind == "int4" and int4_vnni() else 0
+        assert ((yb.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-3 * exact.abs().max() + rounding).all()
+
+
+@needs_int4_vnni
+@pytest.mark.parametrize("n, k", [(37, 301), (16, 128), (5, 45), (70, 388), (33, 1031)])
+def test_int4_vnni_path_is_exact_in_its_int8_activations(n, k):
+    """int4 weights by bf16 activations on the VNNI path equal, up to the bf16 output's rounding, the exact
+    products of the int8-rounded activations (int8_activations) and the int4 weights, group by group: partial
+    last row blocks and chunks, odd column counts, several groups, single and batched weights."""
+    q, scale = stored("int4", n, k, 0)
+    packed_q, packed_s = formats.pack("int4", q, scale)
+    args = (formats.KINDS["int4"], formats.group_of("int4", k), 0, n, k)
+    g = torch.Generator().manual_seed(k)
+    for rows in (1, 2, 5, 8, 11, 16):
+        x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
+        y = torch.ops.dsaserve.quant_linear(x, packed_q, packed_s, *args)
+        xq, xs, columns = int8_activations(x, args[1])
+        expected = torch.zeros(rows, n, dtype=torch.float64)
+        for group in range(xs.shape[1]):
+            inside = columns == group
+            integer = xq[:, inside].double() @ q[:, inside].double().T
+            expected += integer * xs[:, group, None].double() * scale[None, :, group].double()
+        assert ((y.double() - expected).abs() <= expected.abs() * 2**-8 + 1e-5 * expected.abs().max()).all(), rows
+    # stacked weights (one per attention head), each with its own rows
+    heads = torch.stack([packed_q, formats.pack("int4", *stored("int4", n, k, 0, seed=1))[0]])
+    scales = torch.stack([packed_s, formats.pack("int4", *stored("int4", n, k, 0, seed=1))[1]])
+    x = torch.randn(2, 3, k, generator=g).bfloat16()
+    batched = torch.ops.dsaserve.quant_linear(x, heads, scales, *args)
+    for b in range(2):
+        assert torch.equal(batched[b], torch.ops.dsaserve.quant_linear(x[b], heads[b], scales[b], *args))
+
+
+@needs_int4_vnni
+def test_int4_vnni_path_keeps_a_non_finite_row_to_itself():
+    """A row holding NaN or infinity gives NaN outputs (the engine then ends that request alone); the other
+    rows' outputs are what they are without it."""
+    n, k = 40, 300
+    q, scale = stored("int4", n, k, 0)
+    packed = formats.pack("int4", q, scale)
+    args = (formats.KINDS["int4"], formats.group_of("int4", k), 0, n, k)
+    x = torch.randn(4, k).bfloat16()
+    clean = torch.ops.dsaserve.quant_linear(x, *packed, *args)
+    x[1, 7], x[2, 200] = float("nan"), float("inf")
+    y = torch.ops.dsaserve.quant_linear(x, *packed, *args)
+    assert y[1:3].isnan().all() and torch.equal(y[[0, 3]], clean[[0, 3]])
 
 
 @needs_kernels

@@ -20,10 +20,12 @@
 // The AVX-512 BF16 body decodes 32 weights to bf16 (exact for every kind), multiplies them into every
 // activation row, scales each group's sum once, and shares 16-row blocks out over torch's intra-op
 // threads (at::parallel_for). It is compiled for that ISA alone and chosen at run time from the CPU's
-// flags. `dequantize_t` (vectorized there, portable elsewhere) gives the transposed float weight for the
-// torch GEMM: many activation rows, or a CPU without the kernels. `moe_experts` runs a MoE layer's routed
-// experts for a few tokens in one call (gate|up product, SiLU gate, down product, weighted sum), each
-// expert reading its own packed weights in place.
+// flags. int4 weights with bf16 activations take an integer path where the CPU has AVX-512 VNNI and VBMI
+// (Int8Acts below): the activations are quantized to int8 once per call, per row and scale group.
+// `dequantize_t` (vectorized there, portable elsewhere) gives the transposed float weight for the torch
+// GEMM: many activation rows, or a CPU without the kernels. `moe_experts` runs a MoE layer's routed experts
+// for a few tokens in one call (gate|up product, SiLU gate, down product, weighted sum), each expert
+// reading its own packed weights in place.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,7 +33,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -56,6 +60,16 @@ struct Problem {
   const float* scale;  // [N / 16, G, 16]
   int64_t G, group, col_offset;
   int64_t kind;
+};
+
+// Activations quantized for the int4 VNNI path: per row and weight scale group, symmetric int8 (absmax / 127,
+// rounded to nearest even). Within a chunk of 8 columns (one vpermb-transposed chunk of packed weights) the
+// bytes are the 4 even columns, then the 4 odd ones, matching the weights' low and high nibbles.
+struct Int8Acts {
+  const int8_t* q;      // row r at q + r * row_bytes
+  const int32_t* sums;  // [rows, G]: each group's sum of q (the weights' +8 offset takes 8 times it off)
+  const float* scales;  // [rows, G]: each group's scale; NaN where the group holds a NaN or infinity
+  int64_t row_bytes, G;
 };
 
 int64_t entry_bytes(int64_t kind) { return kind == kBF16 ? 2 : 1; }
@@ -279,14 +293,153 @@ AVX512BF16 void blocks_any(const Problem& p, const void* x, int64_t b0, int64_t 
   }
 }
 
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx512vbmi,f16c,fma")))
+
+bool int4_vnni_enabled() {
+  static const bool on = dsaserve::cpu_has_avx512_vnni_vbmi() &&
+                         std::string(std::getenv("DSASERVE_INT4_VNNI") ? std::getenv("DSASERVE_INT4_VNNI") : "1") != "0";
+  return on;
+}
+
+// Whether p's product takes the int4 VNNI path: bf16 activations, and scale groups that start on a chunk of 8
+// columns (else the bf16 body, exact in the activations, runs).
+bool int4_vnni_applies(const Problem& p) {
+  return p.kind == kINT4 && p.out_bf16 && p.group % 8 == 0 && p.col_offset % 8 == 0 && int4_vnni_enabled();
+}
+
+// A row's bytes: a group's last 16-column store may reach 15 bytes past its end.
+int64_t int8_row_bytes(int64_t K) { return (K + 15) / 16 * 16 + 16; }
+
+// Columns [k, min(k + 16, k1)) of a bf16 row as floats, zeros past k1.
+AVX512VNNI inline __m512 load_bf16(const uint16_t* x, int64_t k, int64_t k1) {
+  const __mmask16 mask = k1 - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k1 - k)) - 1);
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, x + k);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One bf16 row of K values into acts' row r (its bytes, group sums and scales).
+AVX512VNNI void quantize_row(const Problem& p, const uint16_t* x, const Int8Acts& acts, int64_t r) {
+  int8_t* q = const_cast<int8_t*>(acts.q) + r * acts.row_bytes;
+  int32_t* sums = const_cast<int32_t*>(acts.sums) + r * acts.G;
+  float* scales = const_cast<float*>(acts.scales) + r * acts.G;
+  // Per 16 columns: the even columns of each 8, then the odd ones.
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+    const int64_t g = scale_column(p, k0);
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __m512 v = load_bf16(x, k, k1);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    const float m = _mm512_reduce_max_ps(amax);
+    const bool finite = nan == 0 && m <= 3.4e38f;
+    const __m512 inv = _mm512_set1_ps(finite && m > 1e-30f ? 127.f / m : 0.f);  // (127 / m overflows below 4e-37)
+    __m512i total = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 16) {  // a group's last store may spill zeros into the next group's first chunk
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(x, k, k1), inv));
+      total = _mm512_add_epi32(total, qi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(qi), order));
+    }
+    sums[g] = _mm512_reduce_add_epi32(total);
+    scales[g] = finite ? m / 127.f : std::numeric_limits<float>::quiet_NaN();
+    k0 = k1;
+  }
+}
+
+// One 16-row int4 block against M quantized activation rows (acts' rows row0…): per chunk of 64 packed bytes
+// (16 rows x 8 columns), one vpermb puts each row's 4 bytes in its own 32-bit lane, low nibbles (even columns)
+// and high nibbles (odd columns) are split, and vpdpbusd adds their products with the rows' int8 values; each
+// group's integer sum, less 8 x the activations' sum, is scaled once by the weight's and the activation's scale.
+template <int M>
+AVX512VNNI void block_rows_int4_vnni(const Problem& p, const Int8Acts& acts, int64_t row0, int64_t b, void* y) {
+  alignas(64) static const uint8_t transpose_index[64] = {
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54,
+      7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59, 12, 28, 44, 60, 13, 29, 45, 61,
+      14, 30, 46, 62, 15, 31, 47, 63};
+  const __m512i transpose = _mm512_load_si512(transpose_index);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* block = p.w + b * p.block_bytes;
+  const int64_t full_chunks = p.K2 / 4;  // chunks with all 4 column pairs (64 bytes) in the block
+  __m512 total[M];
+  for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+    __m512i even[M], odd[M];
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_si512();
+    for (int64_t c = k0 / 8; c < (k1 + 7) / 8; ++c) {
+      const __m512i raw = c < full_chunks
+          ? _mm512_loadu_si512(block + c * 64)
+          : _mm512_maskz_loadu_epi8((__mmask64(1) << ((p.K2 - 4 * c) * 16)) - 1, block + c * 64);
+      const __m512i t = _mm512_permutexvar_epi8(transpose, raw);
+      const __m512i lo = _mm512_and_si512(t, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), nibble);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xq = acts.q + (row0 + m) * acts.row_bytes + c * 8;
+        int32_t xe, xo;
+        std::memcpy(&xe, xq, 4);
+        std::memcpy(&xo, xq + 4, 4);
+        even[m] = _mm512_dpbusd_epi32(even[m], lo, _mm512_set1_epi32(xe));
+        odd[m] = _mm512_dpbusd_epi32(odd[m], hi, _mm512_set1_epi32(xo));
+      }
+    }
+    const int64_t g = scale_column(p, k0);
+    const __m512 sw = _mm512_loadu_ps(p.scale + (b * p.G + g) * 16);
+    for (int m = 0; m < M; ++m) {
+      const int64_t r = (row0 + m) * acts.G + g;
+      const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(even[m], odd[m]), _mm512_set1_epi32(8 * acts.sums[r]));
+      total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sw, _mm512_set1_ps(acts.scales[r])), total[m]);
+    }
+    k0 = k1;
+  }
+  const int64_t rows = std::min<int64_t>(16, p.N - b * 16);
+  for (int m = 0; m < M; ++m) store16(p, y, m * p.N + b * 16, total[m], rows);
+}
+
+template <int M>
+AVX512VNNI void blocks_int4_vnni_m(const Problem& p, const Int8Acts& acts, int64_t row0, int64_t b0, int64_t b1,
+                                   void* y) {
+  for (int64_t b = b0; b < b1; ++b) block_rows_int4_vnni<M>(p, acts, row0, b, y);
+}
+
+AVX512VNNI void blocks_int4_vnni(const Problem& p, const Int8Acts& acts, int64_t row0, int64_t b0, int64_t b1,
+                                 void* y) {
+  switch (p.M) {
+    case 1: return blocks_int4_vnni_m<1>(p, acts, row0, b0, b1, y);
+    case 2: return blocks_int4_vnni_m<2>(p, acts, row0, b0, b1, y);
+    case 3: return blocks_int4_vnni_m<3>(p, acts, row0, b0, b1, y);
+    case 4: return blocks_int4_vnni_m<4>(p, acts, row0, b0, b1, y);
+    case 5: return blocks_int4_vnni_m<5>(p, acts, row0, b0, b1, y);
+    case 6: return blocks_int4_vnni_m<6>(p, acts, row0, b0, b1, y);
+    case 7: return blocks_int4_vnni_m<7>(p, acts, row0, b0, b1, y);
+    default: return blocks_int4_vnni_m<8>(p, acts, row0, b0, b1, y);
+  }
+}
+
+// Room for `rows` quantized activation rows of p's shape.
+struct Int8ActsStorage {
+  at::Tensor q, sums, scales;
+  Int8ActsStorage() = default;
+  Int8ActsStorage(const Problem& p, int64_t rows)
+      : q(at::empty({rows, int8_row_bytes(p.K)}, at::kChar)), sums(at::empty({rows, p.G}, at::kInt)),
+        scales(at::empty({rows, p.G}, at::kFloat)) {}
+  Int8Acts acts() const {
+    return {q.data_ptr<int8_t>(), sums.data_ptr<int32_t>(), scales.data_ptr<float>(), q.size(1), sums.size(1)};
+  }
+};
+
 // Blocks [b0, b1) of p (p.M rows of x, x_row bytes apart; bf16 activations and outputs when p.out_bf16,
-// else fp32) into y [p.M, N]: more than 8 rows go 8 at a time, one sweep of the weights each.
-AVX512BF16 void row_sweeps(const Problem& p, const uint8_t* x, int64_t x_row, int64_t b0, int64_t b1, uint8_t* y) {
+// else fp32) into y [p.M, N]: more than 8 rows go 8 at a time, one sweep of the weights each. With acts, the
+// rows are acts' rows row0… (the int4 VNNI path) and x is not read.
+AVX512BF16 void row_sweeps(const Problem& p, const uint8_t* x, int64_t x_row, int64_t b0, int64_t b1, uint8_t* y,
+                           const Int8Acts* acts = nullptr, int64_t row0 = 0) {
   const int64_t item = p.out_bf16 ? 2 : 4;
   for (int64_t m0 = 0; m0 < p.M; m0 += 8) {
     Problem q = p;
     q.M = std::min<int64_t>(8, p.M - m0);
-    if (p.out_bf16) blocks_any<true>(q, x + m0 * x_row, b0, b1, y + m0 * p.N * item);
+    if (acts) blocks_int4_vnni(q, *acts, row0 + m0, b0, b1, y + m0 * p.N * item);
+    else if (p.out_bf16) blocks_any<true>(q, x + m0 * x_row, b0, b1, y + m0 * p.N * item);
     else blocks_any<false>(q, x + m0 * x_row, b0, b1, y + m0 * p.N * item);
   }
 }
@@ -388,13 +541,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   // Enough weight bytes per task that waking a thread pays off.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / p.block_bytes);
 #if DSASERVE_X86
+  const bool vnni = int4_vnni_applies(p);
+  Int8ActsStorage storage;
+  Int8Acts acts{};
+  if (vnni) {  // every row quantized once, before the weights are swept
+    storage = Int8ActsStorage(p, B * rows);
+    acts = storage.acts();
+    for (int64_t r = 0; r < B * rows; ++r) quantize_row(p, reinterpret_cast<const uint16_t*>(xbase + r * x_row), acts, r);
+  }
   at::parallel_for(0, B * blocks, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {  // runs of blocks within one batch entry
       const int64_t b = i / blocks, first = i % blocks, last = std::min(blocks, first + (i1 - i));
       Problem q = p;
       q.w = p.w + b * w_stride;
       q.scale = p.scale + b * s_stride;
-      row_sweeps(q, xbase + b * rows * x_row, x_row, first, last, out + b * rows * N * item);
+      row_sweeps(q, xbase + b * rows * x_row, x_row, first, last, out + b * rows * N * item, vnni ? &acts : nullptr,
+                 b * rows);
       i += last - first;
     }
   });
@@ -471,20 +633,31 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
       std::memcpy(xdst + (i * kMaxRows + r) * hidden2 * item, xsrc + pairs[active[i]][r].first * hidden * item,
                   hidden * item);
 #if DSASERVE_X86
-  auto run = [&](const Problem& base, const at::Tensor& q, const at::Tensor& s, const at::Tensor& in,
-                 at::Tensor& result) {
+  auto run = [&](Problem base, const at::Tensor& q, const at::Tensor& s, const at::Tensor& in, at::Tensor& result) {
+    base.out_bf16 = bf16;
     const int64_t blocks = (base.N + 15) / 16;
     const int64_t w_stride = blocks * base.block_bytes, s_stride = blocks * base.G * 16;
     const uint8_t* xb = static_cast<const uint8_t*>(in.data_ptr());
     uint8_t* yb = static_cast<uint8_t*>(result.data_ptr());
     const int64_t x_rows = in.size(2) * item, y_rows = base.N * item;
+    // The int4 VNNI path: each expert's rows quantized once (slot i * 16 + r), before the weights are swept.
+    const bool vnni = int4_vnni_applies(base);
+    Int8ActsStorage storage;
+    Int8Acts acts{};
+    if (vnni) {
+      storage = Int8ActsStorage(base, A * kMaxRows);
+      acts = storage.acts();
+      for (int64_t i = 0; i < A; ++i)
+        for (size_t r = 0; r < pairs[active[i]].size(); ++r)
+          quantize_row(base, reinterpret_cast<const uint16_t*>(xb + (i * kMaxRows + r) * x_rows), acts, i * kMaxRows + r);
+    }
     parallel_over_expert_blocks(active, blocks, base.block_bytes, [&](int64_t i, int64_t first, int64_t last) {
       Problem p = base;
       p.M = static_cast<int64_t>(pairs[active[i]].size());
-      p.out_bf16 = bf16;
       p.w = static_cast<const uint8_t*>(q.data_ptr()) + active[i] * w_stride;
       p.scale = s.data_ptr<float>() + active[i] * s_stride;
-      row_sweeps(p, xb + i * kMaxRows * x_rows, x_rows, first, last, yb + i * kMaxRows * y_rows);
+      row_sweeps(p, xb + i * kMaxRows * x_rows, x_rows, first, last, yb + i * kMaxRows * y_rows,
+                 vnni ? &acts : nullptr, i * kMaxRows);
     });
   };
   run(gate_up, gate_up_q, gate_up_s, xs, h);
@@ -543,6 +716,15 @@ at::Tensor dequantize_t(const at::Tensor& qweight, const at::Tensor& scale, int6
 
 std::string cpu_kernels() { return cpu_has_kernels() ? "avx512_bf16" : "none"; }
 
+// How int4 weights meet bf16 activations here: "avx512_vnni" (activations quantized to int8 per row and
+// group, integer dot products), "avx512_bf16" (exact in the activations), or "none".
+std::string int4_bf16_path() {
+#if DSASERVE_X86
+  if (cpu_has_kernels() && int4_vnni_enabled()) return "avx512_vnni";
+#endif
+  return cpu_kernels();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dsaserve, m) {
@@ -554,6 +736,7 @@ TORCH_LIBRARY(dsaserve, m) {
         "Tensor weights, Tensor(a!) out, int kind, int inter, int gate_up_group, int down_group, int down_col_offset) "
         "-> ()");
   m.def("cpu_kernels() -> str", &cpu_kernels);
+  m.def("int4_bf16_path() -> str", &int4_bf16_path);
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
