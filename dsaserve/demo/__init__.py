@@ -3,10 +3,10 @@
 It was trained by `dsaserve build-demo --train` (dsaserve/demo/train.py: 48 minutes on 2 CPU cores, then
 4 minutes in which its MTP layer learns the later draft steps, dsaserve/demo/mtp_chain.py, and about 15 in
 which the trunk trains on short chats): it looks codes up in documents of about 1K tokens with its sparse
-attention, greets, thinks in `<think>` before answering, repeats and reverses word lists, gets most small sums
-right, and calls a declared weather or time tool in GLM's format for the city asked. It does not sort word
-lists, answer follow-up questions in a conversation, nor retrieve from documents longer than it was trained
-on (docs/benchmarks.md). The random-weight builder
+attention, greets, thinks in `<think>` before answering, repeats word lists and reverses or sorts about half
+of them, gets most small sums right, and calls a declared weather or time tool in GLM's format for the city
+asked. It does not answer follow-up questions in a conversation, nor retrieve from documents longer than it
+was trained on (docs/benchmarks.md). The random-weight builder
 remains for tests and for comparing selections against untrained weights.
 """
 

@@ -35,7 +35,7 @@ FILLER_TAILS = ("in the morning", "after lunch", "for a while", "without a word"
                 "at night", "with great care", "every day", "on Sunday")
 
 GREETING_REPLY = ("Hello! I am the dsaserve demo model. I can find codes in a document, add and subtract "
-                  "small numbers, reverse, sort or repeat words, and check the weather with a tool.")
+                  "small numbers, reverse or repeat words, and check the weather with a tool.")
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
