@@ -111,8 +111,8 @@ def test_int4_vnni_path_is_exact_in_its_int8_activations(n, k):
             expected += integer * xs[:, group, None].double() * scale[None, :, group].double()
         assert ((y.double() - expected).abs() <= expected.abs() * 2**-8 + 1e-5 * expected.abs().max()).all(), rows
     # stacked weights (one per attention head), each with its own rows
-    heads = torch.stack([packed_q, formats.pack("int4", *stored("int4", n, k, 0, seed=1))[0]])
-    scales = torch.stack([packed_s, formats.pack("int4", *stored("int4", n, k, 0, seed=1))[1]])
+    other_q, other_s = formats.pack("int4", *stored("int4", n, k, 0, seed=1))
+    heads, scales = torch.stack([packed_q, other_q]), torch.stack([packed_s, other_s])
     x = torch.randn(2, 3, k, generator=g).bfloat16()
     batched = torch.ops.dsaserve.quant_linear(x, heads, scales, *args)
     for b in range(2):

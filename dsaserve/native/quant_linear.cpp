@@ -82,6 +82,11 @@ int64_t scale_column_count(int64_t K, int64_t group, int64_t col_offset) {
 
 int64_t scale_column(const Problem& p, int64_t k) { return (k + p.col_offset) / p.group - p.col_offset / p.group; }
 
+// The end of the scale group that column k0 starts (a group's columns are [k0, group_end)).
+int64_t group_end(const Problem& p, int64_t k0) {
+  return std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+}
+
 float fp8_e4m3_to_float(uint8_t b) {
   // Exponent and mantissa into an fp16's bits: the fp16 value is the e4m3 value times 2^-8, for
   // normal and subnormal numbers alike.
@@ -181,7 +186,7 @@ AVX512BF16 void block_rows(const Problem& p, const void* x, int64_t b, void* y) 
   __m512 total[M];
   for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < p.K;) {
-    const int64_t k1 = std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+    const int64_t k1 = group_end(p, k0);
     __m512 even[M], odd[M];  // two chains per row: half the latency of one
     for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
     const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
@@ -235,7 +240,7 @@ AVX512BF16 void block_pair_rows(const Problem& p, const void* x, int64_t b, void
   for (int r = 0; r < 2; ++r)
     for (int m = 0; m < M; ++m) total[r][m] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < p.K;) {
-    const int64_t k1 = std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+    const int64_t k1 = group_end(p, k0);
     __m512 part[2][M];
     for (int r = 0; r < 2; ++r)
       for (int m = 0; m < M; ++m) part[r][m] = _mm512_setzero_ps();
@@ -296,8 +301,10 @@ AVX512BF16 void blocks_any(const Problem& p, const void* x, int64_t b0, int64_t 
 #define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx512vbmi,f16c,fma")))
 
 bool int4_vnni_enabled() {
-  static const bool on = dsaserve::cpu_has_avx512_vnni_vbmi() &&
-                         std::string(std::getenv("DSASERVE_INT4_VNNI") ? std::getenv("DSASERVE_INT4_VNNI") : "1") != "0";
+  static const bool on = [] {
+    const char* setting = std::getenv("DSASERVE_INT4_VNNI");
+    return dsaserve::cpu_has_avx512_vnni_vbmi() && !(setting && std::string(setting) == "0");
+  }();
   return on;
 }
 
@@ -325,7 +332,7 @@ AVX512VNNI void quantize_row(const Problem& p, const uint16_t* x, const Int8Acts
   // Per 16 columns: the even columns of each 8, then the odd ones.
   const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
   for (int64_t k0 = 0; k0 < p.K;) {
-    const int64_t k1 = std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+    const int64_t k1 = group_end(p, k0);
     const int64_t g = scale_column(p, k0);
     __m512 amax = _mm512_setzero_ps();
     __mmask16 nan = 0;
@@ -366,7 +373,7 @@ AVX512VNNI void block_rows_int4_vnni(const Problem& p, const Int8Acts& acts, int
   __m512 total[M];
   for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < p.K;) {
-    const int64_t k1 = std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+    const int64_t k1 = group_end(p, k0);
     __m512i even[M], odd[M];
     for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_si512();
     for (int64_t c = k0 / 8; c < (k1 + 7) / 8; ++c) {
@@ -451,7 +458,7 @@ AVX512BF16 void dequantize_blocks_kind(const Problem& p, int64_t b0, int64_t b1,
   constexpr float kFactor = Kind == kFP8 ? 256.f : 1.f;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k0 = 0; k0 < p.K;) {
-    const int64_t k1 = std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+    const int64_t k1 = group_end(p, k0);
     const int64_t column = scale_column(p, k0);
     for (int64_t k = k0; k < k1; k += 2) {
       for (int64_t b = b0; b < b1; ++b) {
