@@ -246,6 +246,45 @@ def test_rms_norm_operator_equals_the_torch_operators_up_to_the_sum_order(monkey
         assert (ours != theirs).float().mean() < 1e-2
 
 
+@needs_operators
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_rows_written_in_one_call_equal_the_operators_bits(monkeypatch, dtype):
+    """MLA's cache rows [kv_a_layernorm(latent) | rope(k_rope)] written by one native call against the split,
+    norm, rotary, concatenation and index_copy_ it replaces: the same bits, at scattered slots (three tokens of
+    a batch, two of them in other blocks), both pair orders; no other row is touched."""
+    from dsaserve.config import ModelConfig
+    from dsaserve.demo.checkpoint_builder import small_config
+    from dsaserve.model import mla as mla_module
+
+    g = torch.Generator().manual_seed(8)
+    for interleaved in (False, True):
+        cfg = ModelConfig.from_dict(small_config(rope_interleave=interleaved))
+        attn = mla_module.MLAAttention(cfg, 0, SparseAttention(), Selection(cfg.index_topk))
+        with torch.no_grad():
+            for p in attn.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            attn.kv_a_layernorm.weight.add_(1.0)
+        attn.to(dtype)
+        x = torch.randn(3, cfg.hidden_size, generator=g).to(dtype)
+        cos, sin = torch.randn(3, cfg.qk_rope_head_dim // 2, generator=g).to(dtype), \
+            torch.randn(3, cfg.qk_rope_head_dim // 2, generator=g).to(dtype)
+        meta = BatchMetadata.build([[1, 2, 3]], [5], [[4, 1]], 4, [2])  # positions 5, 6, 7: slots 5, 6, 7
+        meta = BatchMetadata(**{**meta.__dict__, "slot_mapping": torch.tensor([17, 6, 30])})
+        caches = []
+        for native_call in (True, False):
+            cache = torch.full((8, 4, cfg.kv_cache_dim), 7.0, dtype=dtype)
+            monkeypatch.setattr(mla_module, "one_operator", lambda *a: native_call and torch_ops.load())
+            with torch.inference_mode():
+                attn.write_latents(x, cos, sin, meta, cache)
+            caches.append(cache)
+        assert torch.equal(caches[0], caches[1]), interleaved
+        written = caches[0].view(-1, cfg.kv_cache_dim)
+        assert (written[[17, 6, 30]] != 7.0).any(dim=1).all()
+        untouched = torch.ones(32, dtype=torch.bool)
+        untouched[[17, 6, 30]] = False
+        assert (written[untouched] == 7.0).all()
+
+
 def test_a_build_killed_halfway_does_not_block_the_next_start(monkeypatch, tmp_path):
     """torch's builder waits for any lock file in its build directory; a first start interrupted while
     compiling leaves one. Each build therefore runs in a directory of its own and only moves the finished

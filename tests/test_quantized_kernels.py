@@ -243,3 +243,138 @@ def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, monkey
 
 
 from dsaserve.quantization.packed_experts import fused_applies as real_fused_applies  # noqa: E402
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_gated_mlp_gives_the_three_calls_bits(kind, dtype, monkeypatch):
+    """A gated MLP (the shared experts, a dense layer's MLP) in one native call against its two products with
+    torch's SiLU and product between them: the same bits, for 1 to 16 rows, an odd hidden size (padded
+    columns), an intermediate size past one scale group, and for fp8 a down projection whose columns start
+    64 into their FP8 blocks (a tensor-parallel rank's share)."""
+    from dsaserve.model import layers
+
+    hidden, inter = 201, 136
+    mlp = layers.GatedMLP(hidden, inter, first_column=64 if kind == "fp8" else 0)
+    g = torch.Generator().manual_seed(3)
+    gate_up = QuantizedWeight(kind, 2 * inter, hidden)
+    down = QuantizedWeight(kind, hidden, inter, col_offset=64 if kind == "fp8" else 0)
+    gate_up.load_rows(0, torch.randn(2 * inter, hidden, generator=g) * 0.2)
+    down.load_rows(0, torch.randn(hidden, inter, generator=g) * 0.2)
+    del mlp.gate_up_proj, mlp.down_proj.weight
+    mlp.gate_up_proj, mlp.down_proj.weight = gate_up, down
+    calls = []
+    real = layers.gated_mlp
+    monkeypatch.setattr(layers, "gated_mlp", lambda *a: calls.append(1) or real(*a))
+    for tokens in (1, 3, 16):
+        x = torch.randn(tokens, hidden, generator=g).to(dtype)
+        with torch.inference_mode():
+            fused = mlp(x)
+            monkeypatch.setattr(layers, "fused_applies", lambda *a: False)
+            three = mlp(x)
+            monkeypatch.setattr(layers, "fused_applies", real_fused_applies)
+        assert fused.shape == three.shape == x.shape and fused.dtype == dtype
+        assert torch.equal(fused, three), (tokens, (fused.float() - three.float()).abs().max())
+    assert len(calls) == 3
+
+
+@pytest.mark.skipif(not torch_ops.load(), reason="dsaserve's torch operators could not be built here (needs a C++ "
+                                                   "compiler and ninja; DSASERVE_NATIVE=0 turns them off)")
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_operator_chooses_the_torch_operators_experts(groups, dtype, monkeypatch):
+    """The one-call router against Router's torch operators: the same experts in the same order and weights
+    within fp32 rounding (the dot products sum in another order), normalized and not, with group-limited
+    routing (4 groups of 8, 2 kept), and a hidden size that is not a multiple of the vector width. Scores are
+    spread apart so that no two candidates tie."""
+    from types import SimpleNamespace
+
+    from dsaserve.model import moe as moe_module
+    from dsaserve.native import torch_ops as ops
+
+    n_group, topk_group = groups
+    hidden, experts = 203, 32
+    for normalize in (True, False):
+        cfg = SimpleNamespace(hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=6, n_group=n_group,
+                              topk_group=topk_group, norm_topk_prob=normalize, routed_scaling_factor=2.5)
+        router = moe_module.Router(cfg)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(experts, hidden, generator=g) * 0.1)
+            router.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, experts)[torch.randperm(experts, generator=g)])
+        x = (torch.randn(9, hidden, generator=g) * 2).to(dtype)
+        calls = []
+        real = torch.ops.dsaserve.moe_route.default
+        monkeypatch.setattr(moe_module, "one_operator", lambda *a: calls.append(1) or True)
+        with torch.inference_mode():
+            weights, ids = router(x)
+            monkeypatch.setattr(moe_module, "one_operator", lambda *a: False)
+            ref_weights, ref_ids = router(x)
+        assert calls == [1] and real is torch.ops.dsaserve.moe_route.default and ops.load()
+        assert ids.dtype == torch.long and weights.dtype == torch.float32
+        assert torch.equal(ids, ref_ids)
+        assert torch.allclose(weights, ref_weights, rtol=1e-5, atol=1e-7)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_strided_per_head_activations_are_read_in_place(kind):
+    """Per-head products take a strided view (one head's columns of a token, as MLA's q_nope is at decode)
+    without a copy, and a copy where rows are not consecutive (several tokens): each head's result as its own
+    product gives it, strided or not."""
+    heads, n, k = 3, 40, 96
+    weight = QuantizedWeight(kind, n, k, experts=heads)
+    g = torch.Generator().manual_seed(9)
+    for h in range(heads):
+        weight.load_rows(0, torch.randn(n, k, generator=g), expert=h)
+    for tokens in (1, 5):
+        wide = torch.randn(tokens, heads, k + 32, generator=g).bfloat16()
+        rows = wide[..., :k].transpose(0, 1)  # [heads, tokens, k], rows 128 + 32 apart, heads k + 32 apart
+        assert not rows.is_contiguous()
+        with torch.inference_mode():
+            one_by_one = torch.stack([weight.matrix(h).matmul(rows[h]) for h in range(heads)])
+            assert torch.equal(weight.batched_matmul(rows), one_by_one)
+            assert torch.equal(weight.batched_matmul(rows.contiguous()), one_by_one)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_absorbed_query_gives_the_operators_bits(kind, dtype, monkeypatch):
+    """MLA's absorbed query [q_nope · W_UK | rope(q_rope)] and q_resid from one native call against the
+    products, norm, split, rotary embedding and concatenation it replaces: the same bits, for 1 to 16 tokens
+    and both rotary pair orders."""
+    from dsaserve.attention import SparseAttention
+    from dsaserve.attention.indexer import Selection
+    from dsaserve.config import ModelConfig
+    from dsaserve.demo.checkpoint_builder import small_config
+    from dsaserve.model import mla as mla_module
+
+    g = torch.Generator().manual_seed(10)
+    for interleaved in (False, True):
+        cfg = ModelConfig.from_dict(small_config(rope_interleave=interleaved, q_lora_rank=144))
+        attn = mla_module.MLAAttention(cfg, 0, SparseAttention(), Selection(cfg.index_topk))
+        heads, nope, rank = attn.num_heads, attn.nope_dim, attn.kv_lora_rank
+        q_a = QuantizedWeight(kind, cfg.q_lora_rank, cfg.hidden_size)
+        q_b = QuantizedWeight(kind, heads * cfg.qk_head_dim, cfg.q_lora_rank)
+        w_uk = QuantizedWeight(kind, rank, nope, experts=heads)
+        q_a.load_rows(0, torch.randn(cfg.q_lora_rank, cfg.hidden_size, generator=g) * 0.2)
+        q_b.load_rows(0, torch.randn(heads * cfg.qk_head_dim, cfg.q_lora_rank, generator=g) * 0.2)
+        for h in range(heads):
+            w_uk.load_rows(0, torch.randn(rank, nope, generator=g) * 0.3, expert=h)
+        del attn.q_a_proj.weight, attn.q_b_proj.weight, attn.w_uk
+        attn.q_a_proj.weight, attn.q_b_proj.weight, attn.w_uk = q_a, q_b, w_uk
+        attn.q_a_layernorm.weight.data = (torch.rand(cfg.q_lora_rank, generator=g) + 0.5).to(dtype)
+        for tokens in (1, 3, 16):
+            x = torch.randn(tokens, cfg.hidden_size, generator=g).to(dtype)
+            half = cfg.qk_rope_head_dim // 2
+            cos, sin = torch.randn(tokens, half, generator=g).to(dtype), torch.randn(tokens, half, generator=g).to(dtype)
+            with torch.inference_mode():
+                assert attn._one_call_query(x, cos, sin)
+                q_resid, query = attn.absorbed_query(x, cos, sin)
+                monkeypatch.setattr(attn, "_one_call_query", lambda *a: False)
+                ref_resid, ref_query = attn.absorbed_query(x, cos, sin)
+                monkeypatch.undo()
+            assert query.shape == (tokens, heads, rank + cfg.qk_rope_head_dim) and query.dtype == dtype
+            assert torch.equal(q_resid, ref_resid) and torch.equal(query, ref_query), (interleaved, tokens)

@@ -85,16 +85,20 @@ FEW_ROWS = 8
 @dataclass(frozen=True)
 class DecodeRows:
     """Where single-query requests' queries and keys are: the requests' rows of the batch [R] and the
-    cache slots of the positions each attends to [R, W] (-1 for padding)."""
+    cache slots of the positions each attends to [R, W] (-1 for padding). every_row: the requests' rows
+    are the whole batch in order (a decode-only batch), so queries and outputs need no gather or scatter."""
 
     query_rows: torch.Tensor
     slots: torch.Tensor
+    every_row: bool = False
 
     @classmethod
     def of(cls, meta: BatchMetadata, reqs: list[int], positions: torch.Tensor, invalid: torch.Tensor) -> "DecodeRows":
         """positions [R, W] of requests reqs; entries under `invalid` are padding (but valid positions)."""
         req_index = torch.tensor(reqs, device=positions.device)
-        return cls(meta.query_start_loc[req_index], meta.slots_of(req_index, positions).masked_fill_(invalid, -1))
+        every_row = meta.num_tokens == len(reqs) and list(reqs) == list(range(meta.num_reqs))
+        return cls(meta.query_start_loc[req_index], meta.slots_of(req_index, positions).masked_fill_(invalid, -1),
+                   every_row)
 
 
 def attend_decode_rows(query: torch.Tensor, cache: torch.Tensor, rows_of: DecodeRows, scale: float, value_dim: int,
@@ -103,8 +107,10 @@ def attend_decode_rows(query: torch.Tensor, cache: torch.Tensor, rows_of: Decode
     BF16) reads the rows in place; the torch path gathers them and makes one batched matmul per chunk
     instead of one small one per request."""
     rows = cache.view(-1, cache.shape[-1])
-    queries = query[rows_of.query_rows]
     slots = rows_of.slots
+    if rows_of.every_row and attend_selected_rows(query, rows, slots, scale, out):
+        return
+    queries = query[rows_of.query_rows]
     attended = queries.new_empty(queries.shape[0], query.shape[1], value_dim)
     if attend_selected_rows(queries, rows, slots, scale, attended):
         out[rows_of.query_rows] = attended

@@ -54,8 +54,9 @@ def select_topk(keys: torch.Tensor, queries: Callable[[], tuple[torch.Tensor, to
     key_cache.write(meta.slot_mapping, meta.rows_to_write(keys))
     width = selection.width(meta.block_size)
     if max(meta.seq_lens_host) <= width:
-        # Every request sees at most `width` tokens, so all of them are selected: no scoring.
-        return all_visible(meta.positions, width)
+        # Every request sees at most `width` tokens, so all of them are selected: no scoring (the same
+        # rows for every full layer of the batch).
+        return meta.once(("all visible", width), lambda: all_visible(meta.positions, width))
     q, weights = queries()
     if meta.shard is not None:
         return select_sharded(q, weights, key_cache, meta, selection)

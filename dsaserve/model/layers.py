@@ -12,6 +12,7 @@ from dsaserve.config import RopeConfig
 from dsaserve.model.linear import linear
 from dsaserve.native import torch_ops
 from dsaserve.model.parallel_layers import RowParallelLinear
+from dsaserve.quantization.packed_experts import fused_applies, gated_mlp
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +23,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if one_operator(x, self.weight):  # the same arithmetic in one native call
-            return torch.ops.dsaserve.rms_norm(x, self.weight, self.eps)
+            return torch.ops.dsaserve.rms_norm.default(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -34,9 +35,14 @@ def one_operator(*tensors: torch.Tensor) -> bool:
     with the operators built. They compute what the torch operators below them do, rounding included
     (only the order of the norm's fp32 sum differs); a decode step calls them dozens of times, where
     each torch operator's own cost outweighs its arithmetic."""
-    dtype = tensors[0].dtype
-    return (dtype in (torch.bfloat16, torch.float32) and all(t.dtype == dtype for t in tensors)
-            and tensors[0].device.type == "cpu" and torch_ops.load())
+    first = tensors[0]
+    dtype = first.dtype
+    if not (first.is_cpu and (dtype is torch.bfloat16 or dtype is torch.float32) and torch_ops.load()):
+        return False
+    for t in tensors:  # (a loop: a generator costs more than the check, dozens of times a step)
+        if t.dtype is not dtype:
+            return False
+    return True
 
 
 class GatedMLP(nn.Module):
@@ -58,8 +64,12 @@ class GatedMLP(nn.Module):
                                            first_column=first_column)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down = self.down_proj
+        if fused_applies(x, self.gate_up_proj, down.weight):  # a few tokens: one native call, the same bits
+            y = gated_mlp(x, self.gate_up_proj, down.weight, self.intermediate_size)
+            return y if down.comm.size == 1 else down.comm.all_reduce(y)
         gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return down(F.silu(gate) * up)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -139,7 +149,7 @@ class RotaryEmbedding:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """x: [T, ..., dim]; cos/sin: [T, dim/2]."""
     if x.shape[0] and one_operator(x, cos, sin):
-        return torch.ops.dsaserve.apply_rope(x, cos, sin, interleaved)
+        return torch.ops.dsaserve.apply_rope.default(x, cos, sin, interleaved)
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     cos, sin = cos.view(shape), sin.view(shape)
     if interleaved:

@@ -21,9 +21,11 @@ from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext, check_same_on_ranks
 from dsaserve.model.indexer import Indexer
-from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale
+from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale, one_operator
 from dsaserve.model.linear import Linear
 from dsaserve.model.parallel_layers import RowParallelLinear
+from dsaserve.native import torch_ops
+from dsaserve.quantization.quantized_weight import KERNEL_ROWS, QuantizedWeight
 
 
 class MLAAttention(nn.Module):
@@ -66,10 +68,7 @@ class MLAAttention(nn.Module):
         """Returns (attention output [T, hidden], top-k produced or reused here). With run_indexer off, a
         full layer attends with prev_topk instead (the MTP layer's later draft steps)."""
         tokens = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(tokens, self.num_heads, -1)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin, self.rope_interleave)
+        q_resid, query = self.absorbed_query(x, cos, sin)
         self.write_latents(x, cos, sin, meta, kv_cache)
 
         topk = prev_topk
@@ -78,8 +77,6 @@ class MLAAttention(nn.Module):
             if self.parallel.check_ranks:
                 check_same_on_ranks(self.parallel.tp, topk, f"layer {self.layer_idx} top-k")
 
-        q_latent = per_head(q_nope, self.w_uk, transposed=True)  # [T, H, rank]
-        query = torch.cat([q_latent, q_rope], dim=-1)
         if meta.shard is None:
             out_latent = self.backend.forward(query, kv_cache, meta, self.scale, self.kv_lora_rank, topk)
         else:  # this rank holds 1/N of the context: attend to it, merge with the other ranks' parts
@@ -89,10 +86,38 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, -1)), topk
 
 
+    def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_resid [T, q_lora_rank], query [T, H, rank + rope] = [q_nope · W_UK | rope(q_rope)])."""
+        if self._one_call_query(x, cos, sin):  # a few tokens, packed weights: one native call, the same bits
+            query, q_resid = torch.ops.dsaserve.mla_query.default(
+                x, self.q_a_proj.weight.qweight, self.q_a_proj.weight.scale, self.q_a_proj.weight.args,
+                self.q_a_layernorm.weight, self.q_a_layernorm.eps, self.q_b_proj.weight.qweight,
+                self.q_b_proj.weight.scale, self.q_b_proj.weight.args, self.w_uk.qweight, self.w_uk.scale,
+                self.w_uk.args, cos, sin, self.rope_interleave, self.num_heads, self.nope_dim, self.rope_dim)
+            return q_resid, query
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(x.shape[0], self.num_heads, -1)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_latent = per_head(q_nope, self.w_uk, transposed=True)  # [T, H, rank]
+        return q_resid, torch.cat([q_latent, apply_rope(q_rope, cos, sin, self.rope_interleave)], dim=-1)
+
+    def _one_call_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        weights = (self.q_a_proj.weight, self.q_b_proj.weight, self.w_uk)
+        return (0 < x.shape[0] <= KERNEL_ROWS and self.q_a_proj.bias is None
+                and all(isinstance(w, QuantizedWeight) for w in weights) and torch_ops.cpu_kernels() == "avx512_bf16"
+                and one_operator(x, self.q_a_layernorm.weight, cos, sin))
+
     def write_latents(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
                       kv_cache: torch.Tensor) -> None:
         """The cache rows of these tokens, `[kv_a_layernorm(latent) | rope(k_rope)]`, at their slots."""
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)
+        norm = self.kv_a_layernorm
+        if meta.write_rows is None and kv.dtype == kv_cache.dtype and one_operator(kv, norm.weight, cos, sin):
+            # One native call: the same bits as the operators below.
+            torch.ops.dsaserve.write_latent_rows.default(kv, norm.weight, norm.eps, cos, sin, self.rope_interleave,
+                                                         kv_cache.view(-1, kv.shape[-1]), meta.slot_mapping)
+            return
+        latent, k_rope = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         row = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rope, cos, sin, self.rope_interleave)], dim=-1)
         kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, meta.rows_to_write(row).to(kv_cache.dtype))
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
-from dsaserve.model.layers import GatedMLP
+from dsaserve.model.layers import GatedMLP, one_operator
 from dsaserve.model.linear import expert_weight, linear
 from dsaserve.quantization.packed_experts import add_routed_experts, fused_applies
 
@@ -28,6 +28,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → (weights fp32 [T, top_k], expert ids int64 [T, top_k])."""
+        if one_operator(x) and self.weight.dtype == self.e_score_correction_bias.dtype == torch.float32:
+            return torch.ops.dsaserve.moe_route.default(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                                        self.n_group, self.topk_group, self.norm_topk_prob,
+                                                        self.scaling)
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:

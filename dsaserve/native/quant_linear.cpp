@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "packed_product.h"
 
 #if DSASERVE_X86
 #include <immintrin.h>
@@ -426,13 +427,16 @@ AVX512VNNI void blocks_int4_vnni(const Problem& p, const Int8Acts& acts, int64_t
 
 // Room for `rows` quantized activation rows of p's shape.
 struct Int8ActsStorage {
-  at::Tensor q, sums, scales;
+  at::Tensor bytes;  // the rows' int8 values, then their group sums, then their group scales (one allocation)
+  int64_t rows = 0, row_bytes = 0, G = 0;
   Int8ActsStorage() = default;
   Int8ActsStorage(const Problem& p, int64_t rows)
-      : q(at::empty({rows, int8_row_bytes(p.K)}, at::kChar)), sums(at::empty({rows, p.G}, at::kInt)),
-        scales(at::empty({rows, p.G}, at::kFloat)) {}
+      : bytes(at::empty({rows * (int8_row_bytes(p.K) + 8 * p.G)}, at::kChar)), rows(rows),
+        row_bytes(int8_row_bytes(p.K)), G(p.G) {}
   Int8Acts acts() const {
-    return {q.data_ptr<int8_t>(), sums.data_ptr<int32_t>(), scales.data_ptr<float>(), q.size(1), sums.size(1)};
+    int8_t* base = bytes.data_ptr<int8_t>();
+    const auto* sums = reinterpret_cast<const int32_t*>(base + rows * row_bytes);  // row_bytes: a multiple of 16
+    return {base, sums, reinterpret_cast<const float*>(sums + rows * G), row_bytes, G};
   }
 };
 
@@ -501,17 +505,18 @@ bool cpu_has_kernels() { return dsaserve::cpu_has_avx512_bf16(); }
 
 void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "dsaserve quantized weights: ", what); }
 
+// The problem of the first of `stacked` [N, K] weights laid end to end in qweight and scale (experts, heads).
 Problem problem_of(const at::Tensor& qweight, const at::Tensor& scale, int64_t kind, int64_t group,
-                   int64_t col_offset, int64_t N, int64_t K) {
+                   int64_t col_offset, int64_t N, int64_t K, int64_t stacked = 1) {
   check(kind >= kBF16 && kind <= kINT4, "unknown weight kind");
   check(N >= 1 && K >= 1 && group >= 1 && col_offset >= 0 && col_offset % 2 == 0 && group % 2 == 0,
         "N, K, group >= 1, col_offset and group even");
   const int64_t K2 = (K + 1) / 2, blocks = (N + 15) / 16, block_bytes = block_bytes_of(kind, K2);
-  check(qweight.is_contiguous() && qweight.numel() * qweight.element_size() == blocks * block_bytes,
-        "qweight must be the contiguous packed form of a [N, K] weight");
+  check(qweight.is_contiguous() && qweight.numel() * qweight.element_size() == stacked * blocks * block_bytes,
+        "qweight must be the contiguous packed form of a [N, K] weight (one per expert or head)");
   const int64_t G = scale_column_count(K, group, col_offset);
-  check(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == blocks * G * 16,
-        "scale must be contiguous fp32 [ceil(N / 16), G, 16]");
+  check(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == stacked * blocks * G * 16,
+        "scale must be contiguous fp32 [ceil(N / 16), G, 16] (one per expert or head)");
   return Problem{0, N, K, K2, false, static_cast<const uint8_t*>(qweight.data_ptr()), block_bytes,
                  scale.data_ptr<float>(), G, group, col_offset, kind};
 }
@@ -523,26 +528,27 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   check((x.dim() == 2 || batched) && x.size(-1) == K, "x must be [M, K] or [B, M, K]");
   const int64_t B = batched ? x.size(0) : 1;
   check(!batched || (qweight.size(0) == B && scale.size(0) == B), "a weight per batch entry");
-  Problem p = problem_of(batched ? qweight[0] : qweight, batched ? scale[0] : scale, kind, group, col_offset, N, K);
+  Problem p = problem_of(qweight, scale, kind, group, col_offset, N, K, B);
   const int64_t rows = x.size(-2);
   check(rows >= 1 && rows <= kMaxRows, "at most 16 activation rows");
   p.M = rows;
   check(cpu_has_kernels(), "this CPU has no AVX-512 BF16: use dequantize_t");
-  check(qweight.is_contiguous() && scale.is_contiguous(), "stacked weights must be contiguous");
   const bool bf16_act = x.scalar_type() == at::kBFloat16;
   p.out_bf16 = bf16_act;
   const at::ScalarType act = bf16_act ? at::kBFloat16 : at::kFloat;
-  // Rows of 2·K2 activations: x itself when it already is that, else a zero-padded copy.
-  at::Tensor xs = x.reshape({B, rows, K});
-  if (!(xs.is_contiguous() && xs.scalar_type() == act && K == 2 * p.K2)) {
+  // Each entry's rows as 2·K2 consecutive activations (the kernel bodies step from row to row by that): x
+  // itself where it is so, whatever the stride between entries (one token's heads, as MLA's per-head
+  // products take them at decode), else a zero-padded copy.
+  at::Tensor xs = batched ? x : x.unsqueeze(0);
+  if (!(xs.stride(2) == 1 && (rows == 1 || xs.stride(1) == 2 * p.K2) && xs.scalar_type() == act && K == 2 * p.K2)) {
     at::Tensor padded = at::zeros({B, rows, 2 * p.K2}, x.options().dtype(act));
     padded.narrow(2, 0, K).copy_(xs);
     xs = padded;
   }
   const int64_t blocks = (N + 15) / 16, item = bf16_act ? 2 : 4;
-  at::Tensor y = at::empty({B, rows, N}, x.options().dtype(act));
+  at::Tensor y = batched ? at::empty({B, rows, N}, x.options().dtype(act)) : at::empty({rows, N}, x.options().dtype(act));
   const int64_t w_stride = blocks * p.block_bytes, s_stride = blocks * p.G * 16;
-  const int64_t x_row = 2 * p.K2 * item;
+  const int64_t x_row = 2 * p.K2 * item, x_entry = xs.stride(0) * item;
   const uint8_t* xbase = static_cast<const uint8_t*>(xs.data_ptr());
   uint8_t* out = static_cast<uint8_t*>(y.data_ptr());
   // Enough weight bytes per task that waking a thread pays off.
@@ -554,7 +560,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   if (vnni) {  // every row quantized once, before the weights are swept
     storage = Int8ActsStorage(p, B * rows);
     acts = storage.acts();
-    for (int64_t r = 0; r < B * rows; ++r) quantize_row(p, reinterpret_cast<const uint16_t*>(xbase + r * x_row), acts, r);
+    for (int64_t r = 0; r < B * rows; ++r)
+      quantize_row(p, reinterpret_cast<const uint16_t*>(xbase + (r / rows) * x_entry + (r % rows) * x_row), acts, r);
   }
   at::parallel_for(0, B * blocks, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {  // runs of blocks within one batch entry
@@ -562,13 +569,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       Problem q = p;
       q.w = p.w + b * w_stride;
       q.scale = p.scale + b * s_stride;
-      row_sweeps(q, xbase + b * rows * x_row, x_row, first, last, out + b * rows * N * item, vnni ? &acts : nullptr,
+      row_sweeps(q, xbase + b * x_entry, x_row, first, last, out + b * rows * N * item, vnni ? &acts : nullptr,
                  b * rows);
       i += last - first;
     }
   });
 #endif
-  if (!batched) y = y.squeeze(0);
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
@@ -591,6 +597,58 @@ void parallel_over_expert_blocks(const std::vector<int64_t>& active, int64_t blo
 
 float round_like(float v, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
 
+// Entry i of xs [A, 16, hidden2] (its first rows[i] rows; columns past hidden zero) through the gated MLP of
+// weight set index[i] of the stacked gate|up [*, 2 * inter, hidden] and down [*, hidden, inter] packed weights:
+// y [A, 16, hidden] = down(silu(gate) * up). Each product runs over every entry's blocks in one parallel pass.
+// Rounding is torch's on the same tensors: each product in x's dtype, the SiLU, then the gating product.
+at::Tensor gated_rows(Problem gate_up, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s, Problem down,
+                      const at::Tensor& down_q, const at::Tensor& down_s, const std::vector<int64_t>& index,
+                      const std::vector<int64_t>& rows, const at::Tensor& xs) {
+  const int64_t A = static_cast<int64_t>(index.size()), inter = gate_up.N / 2, hidden = down.N;
+  const bool bf16 = xs.scalar_type() == at::kBFloat16;
+  const int64_t item = bf16 ? 2 : 4, inter2 = down.K2 * 2;
+  at::Tensor h = at::empty({A, kMaxRows, 2 * inter}, xs.options());
+  at::Tensor a = inter2 > inter ? at::zeros({A, kMaxRows, inter2}, xs.options())
+                                : at::empty({A, kMaxRows, inter2}, xs.options());
+  at::Tensor y = at::empty({A, kMaxRows, hidden}, xs.options());
+#if DSASERVE_X86
+  auto run = [&](Problem base, const at::Tensor& q, const at::Tensor& s, const at::Tensor& in, at::Tensor& result) {
+    base.out_bf16 = bf16;
+    const int64_t blocks = (base.N + 15) / 16;
+    const int64_t w_stride = blocks * base.block_bytes, s_stride = blocks * base.G * 16;
+    const uint8_t* xb = static_cast<const uint8_t*>(in.data_ptr());
+    uint8_t* yb = static_cast<uint8_t*>(result.data_ptr());
+    const int64_t x_rows = in.size(2) * item, y_rows = base.N * item;
+    // The int4 VNNI path: each entry's rows quantized once (slot i * 16 + r), before the weights are swept.
+    const bool vnni = int4_vnni_applies(base);
+    Int8ActsStorage storage;
+    Int8Acts acts{};
+    if (vnni) {
+      storage = Int8ActsStorage(base, A * kMaxRows);
+      acts = storage.acts();
+      for (int64_t i = 0; i < A; ++i)
+        for (int64_t r = 0; r < rows[i]; ++r)
+          quantize_row(base, reinterpret_cast<const uint16_t*>(xb + (i * kMaxRows + r) * x_rows), acts, i * kMaxRows + r);
+    }
+    parallel_over_expert_blocks(index, blocks, base.block_bytes, [&](int64_t i, int64_t first, int64_t last) {
+      Problem p = base;
+      p.M = rows[i];
+      p.w = static_cast<const uint8_t*>(q.data_ptr()) + index[i] * w_stride;
+      p.scale = s.data_ptr<float>() + index[i] * s_stride;
+      row_sweeps(p, xb + i * kMaxRows * x_rows, x_rows, first, last, yb + i * kMaxRows * y_rows,
+                 vnni ? &acts : nullptr, i * kMaxRows);
+    });
+  };
+  run(gate_up, gate_up_q, gate_up_s, xs, h);
+#endif
+  // The gating as torch computes it on the loop's [rows, 2 * inter] outputs (same views, same kernels).
+  a.narrow(2, 0, inter).copy_(at::silu(h.narrow(2, 0, inter)) * h.narrow(2, inter, inter));
+#if DSASERVE_X86
+  run(down, down_q, down_s, a, y);
+#endif
+  return y;
+}
+
 // out[t] += sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j] (-1: an expert of
 // another rank, skipped), for x [T <= 16, hidden]. gate|up is [E, 2 * inter, hidden] packed, down [E, hidden,
 // inter]. Rounding follows the torch path step by step in bf16 (each product, the SiLU, the gating product,
@@ -609,8 +667,8 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
   check(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.sizes() == ids.sizes(),
         "weights must be fp32 like ids");
   check(down_q.size(0) == E && gate_up_s.size(0) == E && down_s.size(0) == E, "one weight per expert");
-  const Problem gate_up = problem_of(gate_up_q[0], gate_up_s[0], kind, gate_up_group, 0, 2 * inter, hidden);
-  const Problem down = problem_of(down_q[0], down_s[0], kind, down_group, down_col_offset, hidden, inter);
+  const Problem gate_up = problem_of(gate_up_q, gate_up_s, kind, gate_up_group, 0, 2 * inter, hidden, E);
+  const Problem down = problem_of(down_q, down_s, kind, down_group, down_col_offset, hidden, inter, E);
   // Each expert's (token, choice) pairs, in token order, experts in id order (a stable sort by id).
   std::vector<std::vector<std::pair<int64_t, int64_t>>> pairs(E);
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -620,60 +678,25 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
       check(e >= -1 && e < E, "expert id out of range");
       if (e >= 0) pairs[e].emplace_back(t, j);
     }
-  std::vector<int64_t> active;
+  std::vector<int64_t> active, rows;
   for (int64_t e = 0; e < E; ++e)
-    if (!pairs[e].empty()) active.push_back(e);
+    if (!pairs[e].empty()) {
+      active.push_back(e);
+      rows.push_back(static_cast<int64_t>(pairs[e].size()));
+    }
   if (active.empty()) return;
   const int64_t A = static_cast<int64_t>(active.size()), item = bf16 ? 2 : 4;
   // Rows are padded to even column counts (pairs of columns are the kernel's unit), rows in slot order.
-  const int64_t hidden2 = gate_up.K2 * 2, inter2 = down.K2 * 2;
+  const int64_t hidden2 = gate_up.K2 * 2;
   at::Tensor xs = hidden2 > hidden ? at::zeros({A, kMaxRows, hidden2}, x.options())
                                    : at::empty({A, kMaxRows, hidden2}, x.options());
-  at::Tensor h = at::empty({A, kMaxRows, 2 * inter}, x.options());
-  at::Tensor a = inter2 > inter ? at::zeros({A, kMaxRows, inter2}, x.options())
-                                : at::empty({A, kMaxRows, inter2}, x.options());
-  at::Tensor y = at::empty({A, kMaxRows, hidden}, x.options());
   const uint8_t* xsrc = static_cast<const uint8_t*>(x.data_ptr());
   uint8_t* xdst = static_cast<uint8_t*>(xs.data_ptr());
   for (int64_t i = 0; i < A; ++i)
     for (size_t r = 0; r < pairs[active[i]].size(); ++r)
       std::memcpy(xdst + (i * kMaxRows + r) * hidden2 * item, xsrc + pairs[active[i]][r].first * hidden * item,
                   hidden * item);
-#if DSASERVE_X86
-  auto run = [&](Problem base, const at::Tensor& q, const at::Tensor& s, const at::Tensor& in, at::Tensor& result) {
-    base.out_bf16 = bf16;
-    const int64_t blocks = (base.N + 15) / 16;
-    const int64_t w_stride = blocks * base.block_bytes, s_stride = blocks * base.G * 16;
-    const uint8_t* xb = static_cast<const uint8_t*>(in.data_ptr());
-    uint8_t* yb = static_cast<uint8_t*>(result.data_ptr());
-    const int64_t x_rows = in.size(2) * item, y_rows = base.N * item;
-    // The int4 VNNI path: each expert's rows quantized once (slot i * 16 + r), before the weights are swept.
-    const bool vnni = int4_vnni_applies(base);
-    Int8ActsStorage storage;
-    Int8Acts acts{};
-    if (vnni) {
-      storage = Int8ActsStorage(base, A * kMaxRows);
-      acts = storage.acts();
-      for (int64_t i = 0; i < A; ++i)
-        for (size_t r = 0; r < pairs[active[i]].size(); ++r)
-          quantize_row(base, reinterpret_cast<const uint16_t*>(xb + (i * kMaxRows + r) * x_rows), acts, i * kMaxRows + r);
-    }
-    parallel_over_expert_blocks(active, blocks, base.block_bytes, [&](int64_t i, int64_t first, int64_t last) {
-      Problem p = base;
-      p.M = static_cast<int64_t>(pairs[active[i]].size());
-      p.w = static_cast<const uint8_t*>(q.data_ptr()) + active[i] * w_stride;
-      p.scale = s.data_ptr<float>() + active[i] * s_stride;
-      row_sweeps(p, xb + i * kMaxRows * x_rows, x_rows, first, last, yb + i * kMaxRows * y_rows,
-                 vnni ? &acts : nullptr, i * kMaxRows);
-    });
-  };
-  run(gate_up, gate_up_q, gate_up_s, xs, h);
-#endif
-  // The gating as torch computes it on the loop's [rows, 2 * inter] outputs (same views, same kernels).
-  a.narrow(2, 0, inter).copy_(at::silu(h.narrow(2, 0, inter)) * h.narrow(2, inter, inter));
-#if DSASERVE_X86
-  run(down, down_q, down_s, a, y);
-#endif
+  const at::Tensor y = gated_rows(gate_up, gate_up_q, gate_up_s, down, down_q, down_s, active, rows, xs);
   const float* w = weights.data_ptr<float>();
   auto value = [bf16](const void* base, int64_t index) {
     return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(base)[index])
@@ -692,6 +715,29 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
       }
     }
   }
+}
+
+// A gated MLP (the dense layers' MLP, a MoE layer's shared experts) for x [T <= 16, hidden] in one call:
+// down(silu(gate) * up) with gate|up [2 * inter, hidden] and down [hidden, inter] packed, the same bits as
+// its products called one by one with torch's SiLU and product between them.
+at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
+                     const at::Tensor& down_q, const at::Tensor& down_s, int64_t kind, int64_t inter,
+                     int64_t gate_up_group, int64_t down_group, int64_t down_col_offset) {
+  check(cpu_has_kernels(), "this CPU has no AVX-512 BF16");
+  check(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows, "x must be [1 <= T <= 16, hidden]");
+  check(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
+  const int64_t T = x.size(0), hidden = x.size(1);
+  const Problem gate_up = problem_of(gate_up_q, gate_up_s, kind, gate_up_group, 0, 2 * inter, hidden);
+  const Problem down = problem_of(down_q, down_s, kind, down_group, down_col_offset, hidden, inter);
+  const at::Tensor xc = x.contiguous();
+  const int64_t hidden2 = gate_up.K2 * 2, item = x.element_size();
+  at::Tensor xs = hidden2 > hidden ? at::zeros({1, kMaxRows, hidden2}, x.options())
+                                   : at::empty({1, kMaxRows, hidden2}, x.options());
+  for (int64_t r = 0; r < T; ++r)
+    std::memcpy(static_cast<uint8_t*>(xs.data_ptr()) + r * hidden2 * item,
+                static_cast<const uint8_t*>(xc.data_ptr()) + r * hidden * item, hidden * item);
+  const at::Tensor y = gated_rows(gate_up, gate_up_q, gate_up_s, down, down_q, down_s, {0}, {T}, xs);
+  return y[0].narrow(0, 0, T);
 }
 
 // The weight transposed, [K, N] in `dtype` (fp32 or bf16): what the torch GEMM multiplies many rows by.
@@ -734,6 +780,11 @@ std::string int4_bf16_path() {
 
 }  // namespace
 
+at::Tensor dsaserve::packed_product(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                                    int64_t kind, int64_t group, int64_t col_offset, int64_t N, int64_t K) {
+  return quant_linear(x, qweight, scale, kind, group, col_offset, N, K);
+}
+
 TORCH_LIBRARY(dsaserve, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scale, int kind, int group, int col_offset, int N, int K) "
         "-> Tensor");
@@ -742,6 +793,8 @@ TORCH_LIBRARY(dsaserve, m) {
   m.def("moe_experts(Tensor x, Tensor gate_up_q, Tensor gate_up_s, Tensor down_q, Tensor down_s, Tensor ids, "
         "Tensor weights, Tensor(a!) out, int kind, int inter, int gate_up_group, int down_group, int down_col_offset) "
         "-> ()");
+  m.def("gated_mlp(Tensor x, Tensor gate_up_q, Tensor gate_up_s, Tensor down_q, Tensor down_s, int kind, int inter, "
+        "int gate_up_group, int down_group, int down_col_offset) -> Tensor");
   m.def("cpu_kernels() -> str", &cpu_kernels);
   m.def("int4_bf16_path() -> str", &int4_bf16_path);
 }
@@ -750,4 +803,5 @@ TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("dequantize_t", &dequantize_t);
   m.impl("moe_experts", &moe_experts);
+  m.impl("gated_mlp", &gated_mlp);
 }

@@ -8,25 +8,16 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstdint>
+
+#include "row_math.h"
 
 namespace {
 
 template <typename T>
 void normalize_rows(const T* x, const T* weight, T* y, int64_t rows, int64_t dim, int64_t x_row, float eps) {
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* row = x + r * x_row;
-      float sum = 0.f;
-      for (int64_t k = 0; k < dim; ++k) {
-        const float v = static_cast<float>(row[k]);
-        sum += v * v;
-      }
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
-      T* out = y + r * dim;
-      for (int64_t k = 0; k < dim; ++k) out[k] = weight[k] * static_cast<T>(static_cast<float>(row[k]) * inv);
-    }
+    for (int64_t r = r0; r < r1; ++r) dsaserve::rms_norm_row(x + r * x_row, weight, y + r * dim, dim, eps);
   });
 }
 

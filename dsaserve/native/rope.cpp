@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "row_math.h"
+
 namespace {
 
 template <typename T>
@@ -24,16 +26,7 @@ void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, a
   at::parallel_for(0, tokens * heads, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / heads, h = i % heads;
-      const T* row = xp + t * st + h * sh;
-      const T* c = cp + t * half;
-      const T* s = sp + t * half;
-      T* o = op + i * 2 * half;
-      for (int64_t j = 0; j < half; ++j) {
-        const T a = interleaved ? row[2 * j] : row[j];
-        const T b = interleaved ? row[2 * j + 1] : row[half + j];
-        o[j] = a * c[j] - b * s[j];
-        o[half + j] = b * c[j] + a * s[j];
-      }
+      dsaserve::rope_row(xp + t * st + h * sh, cp + t * half, sp + t * half, op + i * 2 * half, half, interleaved);
     }
   });
 }

@@ -44,7 +44,7 @@ def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.T
                          f"slots {tuple(slots.shape)}, out {tuple(out.shape)} do not fit together")
     slots = slots.to(torch.int64).contiguous()
     if padded == heads:
-        torch.ops.dsaserve.attend_selected_rows(query.contiguous(), rows.contiguous(), slots, scale, out)
+        torch.ops.dsaserve.attend_selected_rows.default(query.contiguous(), rows.contiguous(), slots, scale, out)
         return True
     # Fewer heads than the kernel's 16 lanes (small models): zero queries fill the lanes, their
     # outputs are dropped. Cheaper than the torch path's gather and two bmm calls for decode rows.

@@ -4,7 +4,8 @@ They are compiled with torch.utils.cpp_extension once per machine, on first use 
 about a minute on 2 cores), into the dsaserve cache, keyed by the sources, the torch version and
 the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query attention
 (selected_rows.cpp), the indexer's scores (index_scores.cpp) and its top-k (topk.cpp), and the
-small per-token operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
+small per-token operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp, latent_write.cpp,
+moe_route.cpp, mla_query.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
 have portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False
 and callers keep their torch path.
 """
@@ -101,6 +102,23 @@ def _register_fakes() -> None:
     def _(x, gate_up_q, gate_up_s, down_q, down_s, ids, weights, out, kind, inter, gate_up_group, down_group,
           down_col_offset):
         return None
+
+    @torch.library.register_fake("dsaserve::gated_mlp")
+    def _(x, gate_up_q, gate_up_s, down_q, down_s, kind, inter, gate_up_group, down_group, down_col_offset):
+        return x.new_empty(x.shape)  # down maps the intermediate back to hidden
+
+    @torch.library.register_fake("dsaserve::moe_route")
+    def _(x, weight, bias, top_k, n_group, topk_group, normalize, scaling):
+        return weight.new_empty(x.shape[0], top_k), weight.new_empty(x.shape[0], top_k, dtype=torch.long)
+
+    @torch.library.register_fake("dsaserve::write_latent_rows")
+    def _(kv, weight, eps, cos, sin, interleaved, rows, slots):
+        return None
+
+    @torch.library.register_fake("dsaserve::mla_query")
+    def _(x, q_a_q, q_a_s, q_a_args, norm_weight, eps, q_b_q, q_b_s, q_b_args, w_uk_q, w_uk_s, w_uk_args, cos, sin,
+          interleaved, heads, nope, rope):
+        return x.new_empty(x.shape[0], heads, w_uk_args[3] + rope), x.new_empty(x.shape[0], q_a_args[3])
 
     @torch.library.register_fake("dsaserve::rms_norm")
     def _(x, weight, eps):

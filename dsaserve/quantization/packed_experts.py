@@ -1,4 +1,6 @@
-"""A MoE layer's routed experts for a few tokens in one native call, their packed weights read in place.
+"""Gated MLPs for a few tokens in one native call each, their packed weights read in place: a MoE layer's
+routed experts (`add_routed_experts`), and a single gated MLP such as the shared experts or a dense layer's
+MLP (`gated_mlp`: its two products with the SiLU gating between them, the bits of the three torch calls).
 
 The per-expert loop of model/moe.py costs some 60 torch operators and two thread wake-ups per expert
 and layer; for decode and draft verification that bookkeeping outweighs reading the experts' weights.
@@ -16,18 +18,24 @@ from dsaserve.quantization.quantized_weight import KERNEL_ROWS, QuantizedWeight
 
 
 def fused_applies(x: torch.Tensor, gate_up, down) -> bool:
-    """Whether add_routed_experts takes these: packed weights, a CPU with the kernels, few tokens."""
+    """Whether add_routed_experts and gated_mlp take these: packed weights, a CPU with the kernels, few tokens."""
     return (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
             and gate_up.kind == down.kind and gate_up.col_offset == 0
-            and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+            and x.is_cpu and x.dtype in (torch.bfloat16, torch.float32)
             and 0 < x.shape[0] <= KERNEL_ROWS and torch_ops.cpu_kernels() == "avx512_bf16")
+
+
+def gated_mlp(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, inter: int) -> torch.Tensor:
+    """down(silu(gate) · up) of x [T, hidden], gate|up [2 · inter, hidden] fused. Only where fused_applies."""
+    return torch.ops.dsaserve.gated_mlp.default(x, gate_up.qweight, gate_up.scale, down.qweight, down.scale,
+                                                gate_up.args[0], inter, gate_up.args[1], down.args[1], down.col_offset)
 
 
 def add_routed_experts(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, ids: torch.Tensor,
                        weights: torch.Tensor, out: torch.Tensor) -> None:
     """out [T, hidden] += Σ_j weights[t, j] · expert ids[t, j] applied to x[t]; ids are this rank's expert
     indices (-1: an expert held elsewhere), weights fp32 [T, top_k]. Only where fused_applies."""
-    torch.ops.dsaserve.moe_experts(
+    torch.ops.dsaserve.moe_experts.default(
         x.contiguous(), gate_up.qweight, gate_up.scale, down.qweight, down.scale, ids.contiguous(),
         weights.float().contiguous(), out, gate_up.args[0], down.in_features, gate_up.args[1], down.args[1],
         down.col_offset)

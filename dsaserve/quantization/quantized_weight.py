@@ -37,9 +37,9 @@ class PackedMatrix:
         if rows.shape[0] == 0:  # e.g. lm_head in a step of prompt chunks only
             return x.new_empty(*x.shape[:-1], self.n)
         args = self.args
-        if x.device.type == "cpu" and torch_ops.cpu_kernels() == "avx512_bf16":
+        if x.is_cpu and torch_ops.cpu_kernels() == "avx512_bf16":
             if rows.shape[0] <= KERNEL_ROWS:
-                y = torch.ops.dsaserve.quant_linear(rows, self.qweight, self.scale, *args)
+                y = torch.ops.dsaserve.quant_linear.default(rows, self.qweight, self.scale, *args)
             else:
                 y = rows @ torch.ops.dsaserve.dequantize_t(self.qweight, self.scale, *args, x.dtype)
         else:
@@ -81,8 +81,8 @@ class QuantizedWeight(nn.Module):
         """x [B, M, K] by each of the B stacked weights: [B, M, N] (one attention head each)."""
         if x.shape[1] == 0:
             return x.new_empty(x.shape[0], 0, self.out_features)
-        if x.device.type == "cpu" and torch_ops.cpu_kernels() == "avx512_bf16" and x.shape[1] <= KERNEL_ROWS:
-            return torch.ops.dsaserve.quant_linear(x.contiguous(), self.qweight, self.scale, *self.args)
+        if x.is_cpu and torch_ops.cpu_kernels() == "avx512_bf16" and x.shape[1] <= KERNEL_ROWS:
+            return torch.ops.dsaserve.quant_linear.default(x, self.qweight, self.scale, *self.args)  # strided x too
         return torch.stack([self.matrix(b).matmul(x[b]) for b in range(x.shape[0])])
 
     def nbytes(self) -> int:

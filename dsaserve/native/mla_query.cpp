@@ -1,0 +1,88 @@
+// MLA's absorbed query for a few tokens (decode, draft verification) in one operator, with the bits of
+// model/mla.py's operators: q_resid = q_a_layernorm(q_a_proj(x)), q = q_b_proj(q_resid) per head as
+// [nope | rope], and query = [q_nope · W_UK | rope(q_rope)] [T, heads, rank + rope]. The three products are the
+// packed-weight kernels (packed_product.h), the norm and rotary embedding row_math.h's; what this saves is the
+// nine torch calls and their Python around them per layer and step, which cost more than the arithmetic of one
+// token. Returns (query, q_resid): the indexer reads q_resid.
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <tuple>
+
+#include "packed_product.h"
+#include "row_math.h"
+
+namespace {
+
+at::Tensor product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, at::IntArrayRef args) {
+  TORCH_CHECK(args.size() == 5, "dsaserve mla_query: a weight's args are (kind, group, col_offset, N, K)");
+  return dsaserve::packed_product(x, q, s, args[0], args[1], args[2], args[3], args[4]);
+}
+
+template <typename T>
+void finish(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& cos, const at::Tensor& sin,
+            bool interleaved, int64_t heads, int64_t nope, int64_t rope, at::Tensor& query) {
+  const int64_t tokens = q.size(0), rank = latent.size(2), half = rope / 2, width = rank + rope;
+  const T* qp = q.data_ptr<T>();
+  const T* lp = latent.data_ptr<T>();
+  T* out = query.data_ptr<T>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      T* row = out + (t * heads + h) * width;
+      const T* l = lp + (h * tokens + t) * rank;
+      std::copy(l, l + rank, row);
+      dsaserve::rope_row(qp + (t * heads + h) * (nope + rope) + nope, cos.data_ptr<T>() + t * half,
+                         sin.data_ptr<T>() + t * half, row + rank, half, interleaved);
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor> mla_query(const at::Tensor& x, const at::Tensor& q_a_q, const at::Tensor& q_a_s,
+                                             at::IntArrayRef q_a_args, const at::Tensor& norm_weight, double eps,
+                                             const at::Tensor& q_b_q, const at::Tensor& q_b_s, at::IntArrayRef q_b_args,
+                                             const at::Tensor& w_uk_q, const at::Tensor& w_uk_s,
+                                             at::IntArrayRef w_uk_args, const at::Tensor& cos, const at::Tensor& sin,
+                                             bool interleaved, int64_t heads, int64_t nope, int64_t rope) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat) && norm_weight.scalar_type() == dtype &&
+                  cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              "dsaserve mla_query: x [T, hidden], the norm's weight, cos and sin must share one dtype, bf16 or fp32");
+  const int64_t tokens = x.size(0);
+  TORCH_CHECK(rope % 2 == 0 && cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == rope / 2 &&
+                  sin.sizes() == cos.sizes(), "dsaserve mla_query: cos and sin must be [T, rope / 2]");
+  const at::Tensor a = product(x, q_a_q, q_a_s, q_a_args);  // [T, q_lora_rank]
+  const int64_t lora = a.size(1);
+  TORCH_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == lora && norm_weight.is_contiguous(),
+              "dsaserve mla_query: the norm's weight must be [q_lora_rank]");
+  at::Tensor q_resid = at::empty_like(a);
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (dtype == at::kFloat)
+      dsaserve::rms_norm_row(a.data_ptr<float>() + t * lora, norm_weight.data_ptr<float>(),
+                             q_resid.data_ptr<float>() + t * lora, lora, static_cast<float>(eps));
+    else
+      dsaserve::rms_norm_row(a.data_ptr<c10::BFloat16>() + t * lora, norm_weight.data_ptr<c10::BFloat16>(),
+                             q_resid.data_ptr<c10::BFloat16>() + t * lora, lora, static_cast<float>(eps));
+  }
+  const at::Tensor q = product(q_resid, q_b_q, q_b_s, q_b_args);  // [T, heads * (nope + rope)]
+  TORCH_CHECK(q.size(1) == heads * (nope + rope), "dsaserve mla_query: q_b_proj gives ", q.size(1),
+              " columns, heads * (nope + rope) is ", heads * (nope + rope));
+  // Each head's nope columns of every token, [heads, T, nope] (a view), by that head's W_UK: [heads, T, rank].
+  const at::Tensor latent = product(q.view({tokens, heads, nope + rope}).narrow(2, 0, nope).transpose(0, 1), w_uk_q,
+                                    w_uk_s, w_uk_args);
+  at::Tensor query = at::empty({tokens, heads, latent.size(2) + rope}, x.options());
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  if (dtype == at::kFloat) finish<float>(q, latent, c, s, interleaved, heads, nope, rope, query);
+  else finish<c10::BFloat16>(q, latent, c, s, interleaved, heads, nope, rope, query);
+  return {query, q_resid};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
+  m.def("mla_query(Tensor x, Tensor q_a_q, Tensor q_a_s, int[] q_a_args, Tensor norm_weight, float eps, "
+        "Tensor q_b_q, Tensor q_b_s, int[] q_b_args, Tensor w_uk_q, Tensor w_uk_s, int[] w_uk_args, Tensor cos, "
+        "Tensor sin, bool interleaved, int heads, int nope, int rope) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("mla_query", &mla_query); }
