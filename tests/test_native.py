@@ -285,6 +285,25 @@ def test_latent_rows_written_in_one_call_equal_the_operators_bits(monkeypatch, d
         assert (written[untouched] == 7.0).all()
 
 
+@needs_operators
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_addition_and_norm_in_one_call_give_their_bits(monkeypatch, dtype):
+    """A decoder layer's `x + attn` and the norm after it in one native call: the sum's bits, and the norm's
+    bits as the norm operator gives them for that sum."""
+    from dsaserve.model import layers
+    from dsaserve.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(12)
+    norm = RMSNorm(300, 1e-6)
+    norm.weight.data = (torch.rand(300, generator=g) + 0.5).to(dtype)
+    x, attn = (torch.randn(3, 300, generator=g) * 3).to(dtype), torch.randn(3, 300, generator=g).to(dtype)
+    with torch.inference_mode():
+        normed, total = norm.add_and_norm(x, attn)
+        assert torch.equal(total, x + attn) and torch.equal(normed, norm(x + attn))
+        monkeypatch.setattr(layers, "one_operator", lambda *a: False)
+        assert torch.equal(norm.add_and_norm(x, attn)[1], total)
+
+
 def test_a_build_killed_halfway_does_not_block_the_next_start(monkeypatch, tmp_path):
     """torch's builder waits for any lock file in its build directory; a first start interrupted while
     compiling leaves one. Each build therefore runs in a directory of its own and only moves the finished

@@ -378,3 +378,38 @@ def test_one_call_absorbed_query_gives_the_operators_bits(kind, dtype, monkeypat
                 monkeypatch.undo()
             assert query.shape == (tokens, heads, rank + cfg.qk_rope_head_dim) and query.dtype == dtype
             assert torch.equal(q_resid, ref_resid) and torch.equal(query, ref_query), (interleaved, tokens)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_attention_output_gives_the_operators_bits(kind, dtype):
+    """o_proj(attended latents · W_UVᵀ) from one native call against the per-head product, reshape and o_proj
+    it replaces: the same bits, for 1 to 16 tokens, the latents a strided view as attention leaves them."""
+    from dsaserve.attention import SparseAttention
+    from dsaserve.attention.indexer import Selection
+    from dsaserve.config import ModelConfig
+    from dsaserve.demo.checkpoint_builder import small_config
+    from dsaserve.model import mla as mla_module
+
+    g = torch.Generator().manual_seed(11)
+    cfg = ModelConfig.from_dict(small_config())
+    attn = mla_module.MLAAttention(cfg, 0, SparseAttention(), Selection(cfg.index_topk))
+    heads, rank, v = attn.num_heads, attn.kv_lora_rank, attn.v_dim
+    w_uv = QuantizedWeight(kind, v, rank, experts=heads)
+    o_proj = QuantizedWeight(kind, cfg.hidden_size, heads * v)
+    for h in range(heads):
+        w_uv.load_rows(0, torch.randn(v, rank, generator=g) * 0.3, expert=h)
+    o_proj.load_rows(0, torch.randn(cfg.hidden_size, heads * v, generator=g) * 0.2)
+    del attn.w_uv, attn.o_proj.weight
+    attn.w_uv, attn.o_proj.weight = w_uv, o_proj
+    for tokens in (1, 3, 16):
+        wide = torch.randn(tokens, heads, rank + cfg.qk_rope_head_dim, generator=g).to(dtype)
+        latent = wide[..., :rank]
+        with torch.inference_mode(), torch.profiler.profile() as prof:
+            one_call = attn.attention_output(latent)
+        assert any(e.name == "dsaserve::mla_output" for e in prof.events())
+        with torch.inference_mode():
+            two_products = attn.o_proj(mla_module.per_head(latent, attn.w_uv).reshape(tokens, -1))
+        assert one_call.shape == (tokens, cfg.hidden_size) and one_call.dtype == dtype
+        assert torch.equal(one_call, two_products), tokens

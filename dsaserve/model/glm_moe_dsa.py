@@ -55,8 +55,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk, run_indexer: bool = True):
         attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, indexer_cache, prev_topk,
                                     run_indexer)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), topk
+        h, x = self.post_attention_layernorm.add_and_norm(x, attn)
+        return x + self.mlp(h), topk
 
 
 class GlmMoeDsaModel(nn.Module):

@@ -29,6 +29,13 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a residual addition and the norm after it."""
+        if x.dim() == 2 and one_operator(x, residual, self.weight):  # one native call, the same bits
+            return torch.ops.dsaserve.add_rms_norm.default(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self(total), total
+
 
 def one_operator(*tensors: torch.Tensor) -> bool:
     """Whether the native norm and rotary operators take these: CPU tensors of one dtype, bf16 or fp32,

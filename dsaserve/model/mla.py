@@ -67,7 +67,6 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (attention output [T, hidden], top-k produced or reused here). With run_indexer off, a
         full layer attends with prev_topk instead (the MTP layer's later draft steps)."""
-        tokens = x.shape[0]
         q_resid, query = self.absorbed_query(x, cos, sin)
         self.write_latents(x, cos, sin, meta, kv_cache)
 
@@ -82,8 +81,19 @@ class MLAAttention(nn.Module):
         else:  # this rank holds 1/N of the context: attend to it, merge with the other ranks' parts
             out_latent = attend_context_shard(query, kv_cache, meta, self.scale, self.kv_lora_rank,
                                               topk if self.backend.uses_indexer else None)
+        return self.attention_output(out_latent), topk
+
+    def attention_output(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """o_proj of each head's attended latent [T, H, rank] times W_UVᵀ: [T, hidden]."""
+        o_proj = self.o_proj
+        if (0 < out_latent.shape[0] <= KERNEL_ROWS and o_proj.bias is None and isinstance(self.w_uv, QuantizedWeight)
+                and isinstance(o_proj.weight, QuantizedWeight) and torch_ops.cpu_kernels() == "avx512_bf16"):
+            # A few tokens, packed weights: one native call, the same bits as the two products.
+            y = torch.ops.dsaserve.mla_output.default(out_latent, self.w_uv.qweight, self.w_uv.scale, self.w_uv.args,
+                                                      o_proj.weight.qweight, o_proj.weight.scale, o_proj.weight.args)
+            return y if o_proj.comm.size == 1 else o_proj.comm.all_reduce(y)
         out = per_head(out_latent, self.w_uv)  # [T, H, v]
-        return self.o_proj(out.reshape(tokens, -1)), topk
+        return o_proj(out.reshape(out_latent.shape[0], -1))
 
 
     def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
 // The packed-weight product of quant_linear.cpp for other operators that chain it with their own arithmetic
-// (mla_query.cpp): the `quant_linear` operator's function, called without the dispatcher.
+// (mla_projections.cpp): the `quant_linear` operator's function, called without the dispatcher.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -2,13 +2,15 @@
 // model/layers.py RMSNorm computes it in several torch operators (whose per-call cost, not the
 // arithmetic, is what a decode step of a few rows pays). Rounding follows those operators: the
 // normalized row is rounded to x's dtype, then multiplied by the weight and rounded again. Only the
-// order of the fp32 sum differs. Portable C++; rows are shared out over torch's intra-op threads.
+// order of the fp32 sum differs. Portable C++; rows are shared out over torch's intra-op threads. add_rms_norm
+// takes the residual addition before the norm into the same call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <tuple>
 
 #include "row_math.h"
 
@@ -38,8 +40,24 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y.view(x.sizes());
 }
 
+// (rms_norm(x + residual), x + residual) for x, residual [T, dim] of one dtype: a decoder layer's residual
+// addition and the norm after it in one call, the sum rounded to the dtype first as torch's addition rounds it.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "dsaserve add_rms_norm: x and residual must be [T, dim] of one dtype");
+  const at::Tensor sum = at::add(x, residual);
+  return {rms_norm(sum, weight, eps), sum};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(dsaserve, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+}
 
-TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+}

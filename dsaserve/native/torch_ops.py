@@ -5,7 +5,7 @@ about a minute on 2 cores), into the dsaserve cache, keyed by the sources, the t
 the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query attention
 (selected_rows.cpp), the indexer's scores (index_scores.cpp) and its top-k (topk.cpp), and the
 small per-token operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp, latent_write.cpp,
-moe_route.cpp, mla_query.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
+moe_route.cpp, mla_projections.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
 have portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False
 and callers keep their torch path.
 """
@@ -119,6 +119,14 @@ def _register_fakes() -> None:
     def _(x, q_a_q, q_a_s, q_a_args, norm_weight, eps, q_b_q, q_b_s, q_b_args, w_uk_q, w_uk_s, w_uk_args, cos, sin,
           interleaved, heads, nope, rope):
         return x.new_empty(x.shape[0], heads, w_uk_args[3] + rope), x.new_empty(x.shape[0], q_a_args[3])
+
+    @torch.library.register_fake("dsaserve::mla_output")
+    def _(latent, w_uv_q, w_uv_s, w_uv_args, o_q, o_s, o_args):
+        return latent.new_empty(latent.shape[0], o_args[3])
+
+    @torch.library.register_fake("dsaserve::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)
 
     @torch.library.register_fake("dsaserve::rms_norm")
     def _(x, weight, eps):

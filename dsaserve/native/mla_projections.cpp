@@ -1,9 +1,12 @@
-// MLA's absorbed query for a few tokens (decode, draft verification) in one operator, with the bits of
-// model/mla.py's operators: q_resid = q_a_layernorm(q_a_proj(x)), q = q_b_proj(q_resid) per head as
-// [nope | rope], and query = [q_nope · W_UK | rope(q_rope)] [T, heads, rank + rope]. The three products are the
-// packed-weight kernels (packed_product.h), the norm and rotary embedding row_math.h's; what this saves is the
-// nine torch calls and their Python around them per layer and step, which cost more than the arithmetic of one
-// token. Returns (query, q_resid): the indexer reads q_resid.
+// MLA's projections around attention for a few tokens (decode, draft verification), one operator on each side,
+// with the bits of model/mla.py's operators:
+//   mla_query:  q_resid = q_a_layernorm(q_a_proj(x)), q = q_b_proj(q_resid) per head as [nope | rope], and
+//               query = [q_nope · W_UK | rope(q_rope)] [T, heads, rank + rope]; returns (query, q_resid), the
+//               indexer reads q_resid;
+//   mla_output: o_proj(each head's attended latent · W_UVᵀ, heads side by side) [T, hidden].
+// The products are the packed-weight kernels (packed_product.h), the norm and rotary embedding row_math.h's;
+// what this saves is a dozen torch calls and their Python per layer and step, which cost more than the
+// arithmetic of one token.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -17,7 +20,7 @@
 namespace {
 
 at::Tensor product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, at::IntArrayRef args) {
-  TORCH_CHECK(args.size() == 5, "dsaserve mla_query: a weight's args are (kind, group, col_offset, N, K)");
+  TORCH_CHECK(args.size() == 5, "dsaserve MLA projections: a weight's args are (kind, group, col_offset, N, K)");
   return dsaserve::packed_product(x, q, s, args[0], args[1], args[2], args[3], args[4]);
 }
 
@@ -77,12 +80,25 @@ std::tuple<at::Tensor, at::Tensor> mla_query(const at::Tensor& x, const at::Tens
   return {query, q_resid};
 }
 
+at::Tensor mla_output(const at::Tensor& latent, const at::Tensor& w_uv_q, const at::Tensor& w_uv_s,
+                      at::IntArrayRef w_uv_args, const at::Tensor& o_q, const at::Tensor& o_s, at::IntArrayRef o_args) {
+  TORCH_CHECK(latent.dim() == 3, "dsaserve mla_output: the attended latents must be [T, heads, rank]");
+  const int64_t tokens = latent.size(0), heads = latent.size(1);
+  const at::Tensor values = product(latent.transpose(0, 1), w_uv_q, w_uv_s, w_uv_args);  // [heads, T, v]
+  return product(values.transpose(0, 1).reshape({tokens, heads * values.size(2)}), o_q, o_s, o_args);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("mla_query(Tensor x, Tensor q_a_q, Tensor q_a_s, int[] q_a_args, Tensor norm_weight, float eps, "
         "Tensor q_b_q, Tensor q_b_s, int[] q_b_args, Tensor w_uk_q, Tensor w_uk_s, int[] w_uk_args, Tensor cos, "
         "Tensor sin, bool interleaved, int heads, int nope, int rope) -> (Tensor, Tensor)");
+  m.def("mla_output(Tensor latent, Tensor w_uv_q, Tensor w_uv_s, int[] w_uv_args, Tensor o_q, Tensor o_s, "
+        "int[] o_args) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("mla_query", &mla_query); }
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
+  m.impl("mla_query", &mla_query);
+  m.impl("mla_output", &mla_output);
+}
