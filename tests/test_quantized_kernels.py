@@ -204,19 +204,23 @@ def test_the_torch_fallback_matches_the_reference(monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, monkeypatch):
+@pytest.mark.parametrize("shared", ["float", "packed", "packed, twice as wide"])
+def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, shared, monkeypatch):
     """The one-call routed experts (decode, verification) against the per-expert loop of model/moe.py on
     the same packed weights: the same bits, with 5 of 8 experts on this rank (first one 2, as under expert
     parallelism; tokens routed to the others are skipped), a partial 16-row block in both products, odd
-    column counts, and for fp8 a down projection whose columns start 64 into their FP8 blocks (TP)."""
+    column counts, and for fp8 a down projection whose columns start 64 into their FP8 blocks (TP). The shared
+    expert as float weights (its own torch path first), packed like the experts (swept in their passes, same
+    call), and packed with two experts' width (its own passes, same call)."""
     from types import SimpleNamespace
 
     from dsaserve.model import moe as moe_module
 
     hidden, inter, experts, first, local = 200, 72, 8, 2, 5
+    n_shared = 2 if shared == "packed, twice as wide" else 1
     cfg = SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
-                          n_shared_experts=1, num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=True,
-                          routed_scaling_factor=2.5)
+                          n_shared_experts=n_shared, num_experts_per_tok=3, n_group=1, topk_group=1,
+                          norm_topk_prob=True, routed_scaling_factor=2.5)
     layer = moe_module.MoE(cfg)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -229,9 +233,18 @@ def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, monkey
         down.load_rows(0, torch.randn(hidden, inter, generator=g) * 0.2, expert=e)
     del layer.experts_gate_up, layer.experts_down
     layer.experts_gate_up, layer.experts_down, layer.first_expert = gate_up, down, first
+    if shared != "float":
+        mlp = layer.shared_experts
+        s_inter = inter * n_shared
+        s_gate_up = QuantizedWeight(kind, 2 * s_inter, hidden)
+        s_down = QuantizedWeight(kind, hidden, s_inter, col_offset=64 if kind == "fp8" else 0)
+        s_gate_up.load_rows(0, torch.randn(2 * s_inter, hidden, generator=g) * 0.2)
+        s_down.load_rows(0, torch.randn(hidden, s_inter, generator=g) * 0.2)
+        del mlp.gate_up_proj, mlp.down_proj.weight
+        mlp.gate_up_proj, mlp.down_proj.weight = s_gate_up, s_down
     calls = []
     real = moe_module.add_routed_experts
-    monkeypatch.setattr(moe_module, "add_routed_experts", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(moe_module, "add_routed_experts", lambda *a: calls.append(len(a) == 7) or real(*a))
     for tokens in (1, 3, 9, 16):
         x = torch.randn(tokens, hidden, generator=g).to(dtype)
         fused = layer(x)
@@ -239,7 +252,7 @@ def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, monkey
         loop = layer(x)
         monkeypatch.setattr(moe_module, "fused_applies", real_fused_applies)
         assert torch.equal(fused, loop), (tokens, (fused.float() - loop.float()).abs().max())
-    assert len(calls) == 4
+    assert calls == [shared != "float"] * 4  # the shared expert in the same call where it is packed
 
 
 from dsaserve.quantization.packed_experts import fused_applies as real_fused_applies  # noqa: E402

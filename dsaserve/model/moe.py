@@ -77,14 +77,21 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        shared = self.shared_experts
         if fused_applies(x, self.experts_gate_up, self.experts_down):  # a few tokens: one native call
             if self.first_expert or self.experts_gate_up.shape[0] < self.gate.weight.shape[0]:  # experts elsewhere
                 local = ids - self.first_expert
                 mine = (local >= 0) & (local < self.experts_gate_up.shape[0])
                 ids = torch.where(mine, local, -1)
-            add_routed_experts(x, self.experts_gate_up, self.experts_down, ids, weights, out)
+            if (shared is not None and fused_applies(x, shared.gate_up_proj, shared.down_proj.weight)
+                    and shared.gate_up_proj.kind == self.experts_gate_up.kind):
+                out = torch.empty_like(x)  # the shared expert's output is written first, in the same call
+                add_routed_experts(x, self.experts_gate_up, self.experts_down, ids, weights, out, shared)
+            else:
+                out = shared(x) if shared is not None else torch.zeros_like(x)
+                add_routed_experts(x, self.experts_gate_up, self.experts_down, ids, weights, out)
             return self.comm.all_reduce(out)
+        out = shared(x) if shared is not None else torch.zeros_like(x)
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
         counts = torch.bincount(flat_ids, minlength=self.gate.weight.shape[0]).tolist()

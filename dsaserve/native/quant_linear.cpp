@@ -36,6 +36,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -579,13 +580,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 }
 
 #if DSASERVE_X86
-// Runs `product(expert, first block, last block)` over every active expert's blocks of one weight, the
-// experts' blocks laid end to end and shared out over torch's threads as one range.
+// Runs `product(entry, first block, last block)` over every entry's blocks of one weight (the active experts,
+// and a shared one), laid end to end and shared out over torch's threads as one range.
 template <typename F>
-void parallel_over_expert_blocks(const std::vector<int64_t>& active, int64_t blocks, int64_t block_bytes,
-                                 const F& product) {
+void parallel_over_expert_blocks(int64_t entries, int64_t blocks, int64_t block_bytes, const F& product) {
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / block_bytes);
-  at::parallel_for(0, static_cast<int64_t>(active.size()) * blocks, grain, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, entries * blocks, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {
       const int64_t a = i / blocks, first = i % blocks, last = std::min(blocks, first + (i1 - i));
       product(a, first, last);
@@ -597,14 +597,31 @@ void parallel_over_expert_blocks(const std::vector<int64_t>& active, int64_t blo
 
 float round_like(float v, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
 
-// Entry i of xs [A, 16, hidden2] (its first rows[i] rows; columns past hidden zero) through the gated MLP of
-// weight set index[i] of the stacked gate|up [*, 2 * inter, hidden] and down [*, hidden, inter] packed weights:
+// Where one gated MLP's packed weights are (an expert of a stacked tensor, or a weight of its own).
+struct GatedWeights {
+  const uint8_t* gate_up_w;
+  const float* gate_up_s;
+  const uint8_t* down_w;
+  const float* down_s;
+};
+
+// Weight set e of the stacked gate|up and down packed tensors whose shapes gate_up and down describe.
+GatedWeights stacked(const Problem& gate_up, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
+                     const Problem& down, const at::Tensor& down_q, const at::Tensor& down_s, int64_t e) {
+  const int64_t gu_blocks = (gate_up.N + 15) / 16, d_blocks = (down.N + 15) / 16;
+  return {static_cast<const uint8_t*>(gate_up_q.data_ptr()) + e * gu_blocks * gate_up.block_bytes,
+          gate_up_s.data_ptr<float>() + e * gu_blocks * gate_up.G * 16,
+          static_cast<const uint8_t*>(down_q.data_ptr()) + e * d_blocks * down.block_bytes,
+          down_s.data_ptr<float>() + e * d_blocks * down.G * 16};
+}
+
+// Entry i of xs [A, 16, hidden2] (its first rows[i] rows; columns past hidden zero) through the gated MLP whose
+// weights are sources[i], all of the shapes gate_up [2 * inter, hidden] and down [hidden, inter] describe:
 // y [A, 16, hidden] = down(silu(gate) * up). Each product runs over every entry's blocks in one parallel pass.
 // Rounding is torch's on the same tensors: each product in x's dtype, the SiLU, then the gating product.
-at::Tensor gated_rows(Problem gate_up, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s, Problem down,
-                      const at::Tensor& down_q, const at::Tensor& down_s, const std::vector<int64_t>& index,
+at::Tensor gated_rows(Problem gate_up, Problem down, const std::vector<GatedWeights>& sources,
                       const std::vector<int64_t>& rows, const at::Tensor& xs) {
-  const int64_t A = static_cast<int64_t>(index.size()), inter = gate_up.N / 2, hidden = down.N;
+  const int64_t A = static_cast<int64_t>(sources.size()), inter = gate_up.N / 2, hidden = down.N;
   const bool bf16 = xs.scalar_type() == at::kBFloat16;
   const int64_t item = bf16 ? 2 : 4, inter2 = down.K2 * 2;
   at::Tensor h = at::empty({A, kMaxRows, 2 * inter}, xs.options());
@@ -612,10 +629,9 @@ at::Tensor gated_rows(Problem gate_up, const at::Tensor& gate_up_q, const at::Te
                                 : at::empty({A, kMaxRows, inter2}, xs.options());
   at::Tensor y = at::empty({A, kMaxRows, hidden}, xs.options());
 #if DSASERVE_X86
-  auto run = [&](Problem base, const at::Tensor& q, const at::Tensor& s, const at::Tensor& in, at::Tensor& result) {
+  auto run = [&](Problem base, bool first, const at::Tensor& in, at::Tensor& result) {
     base.out_bf16 = bf16;
     const int64_t blocks = (base.N + 15) / 16;
-    const int64_t w_stride = blocks * base.block_bytes, s_stride = blocks * base.G * 16;
     const uint8_t* xb = static_cast<const uint8_t*>(in.data_ptr());
     uint8_t* yb = static_cast<uint8_t*>(result.data_ptr());
     const int64_t x_rows = in.size(2) * item, y_rows = base.N * item;
@@ -630,33 +646,47 @@ at::Tensor gated_rows(Problem gate_up, const at::Tensor& gate_up_q, const at::Te
         for (int64_t r = 0; r < rows[i]; ++r)
           quantize_row(base, reinterpret_cast<const uint16_t*>(xb + (i * kMaxRows + r) * x_rows), acts, i * kMaxRows + r);
     }
-    parallel_over_expert_blocks(index, blocks, base.block_bytes, [&](int64_t i, int64_t first, int64_t last) {
+    parallel_over_expert_blocks(A, blocks, base.block_bytes, [&](int64_t i, int64_t b0, int64_t b1) {
       Problem p = base;
       p.M = rows[i];
-      p.w = static_cast<const uint8_t*>(q.data_ptr()) + index[i] * w_stride;
-      p.scale = s.data_ptr<float>() + index[i] * s_stride;
-      row_sweeps(p, xb + i * kMaxRows * x_rows, x_rows, first, last, yb + i * kMaxRows * y_rows,
-                 vnni ? &acts : nullptr, i * kMaxRows);
+      p.w = first ? sources[i].gate_up_w : sources[i].down_w;
+      p.scale = first ? sources[i].gate_up_s : sources[i].down_s;
+      row_sweeps(p, xb + i * kMaxRows * x_rows, x_rows, b0, b1, yb + i * kMaxRows * y_rows, vnni ? &acts : nullptr,
+                 i * kMaxRows);
     });
   };
-  run(gate_up, gate_up_q, gate_up_s, xs, h);
+  run(gate_up, true, xs, h);
 #endif
   // The gating as torch computes it on the loop's [rows, 2 * inter] outputs (same views, same kernels).
   a.narrow(2, 0, inter).copy_(at::silu(h.narrow(2, 0, inter)) * h.narrow(2, inter, inter));
 #if DSASERVE_X86
-  run(down, down_q, down_s, a, y);
+  run(down, false, a, y);
 #endif
   return y;
 }
 
+// Rows of x [T, hidden] into slots of xs [*, 16, hidden2] (hidden2 >= hidden; the caller zeroes the padding).
+void copy_rows(const at::Tensor& x, at::Tensor& xs, int64_t entry, const std::vector<int64_t>& tokens) {
+  const int64_t hidden = x.size(1), hidden2 = xs.size(2), item = x.element_size();
+  const uint8_t* src = static_cast<const uint8_t*>(x.data_ptr());
+  uint8_t* dst = static_cast<uint8_t*>(xs.data_ptr()) + entry * kMaxRows * hidden2 * item;
+  for (size_t r = 0; r < tokens.size(); ++r)
+    std::memcpy(dst + r * hidden2 * item, src + tokens[r] * hidden * item, hidden * item);
+}
+
 // out[t] += sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j] (-1: an expert of
 // another rank, skipped), for x [T <= 16, hidden]. gate|up is [E, 2 * inter, hidden] packed, down [E, hidden,
-// inter]. Rounding follows the torch path step by step in bf16 (each product, the SiLU, the gating product,
-// the weighted output and every addition into out, experts in id order): the same bits as per-expert calls.
+// inter]. With a shared expert's weights (shared_inter > 0), out is first set to that expert's output (its
+// blocks swept in the routed experts' passes where its shapes are theirs). Rounding follows the torch path step
+// by step in x's dtype (each product, the SiLU, the gating product, the weighted output and every addition into
+// out, experts in id order): the same bits as the shared expert and the per-expert calls one by one.
 void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
                  const at::Tensor& down_q, const at::Tensor& down_s, const at::Tensor& ids, const at::Tensor& weights,
                  at::Tensor out, int64_t kind, int64_t inter, int64_t gate_up_group, int64_t down_group,
-                 int64_t down_col_offset) {
+                 int64_t down_col_offset, const std::optional<at::Tensor>& shared_gate_up_q,
+                 const std::optional<at::Tensor>& shared_gate_up_s, const std::optional<at::Tensor>& shared_down_q,
+                 const std::optional<at::Tensor>& shared_down_s, int64_t shared_inter, int64_t shared_gate_up_group,
+                 int64_t shared_down_group, int64_t shared_down_col_offset) {
   check(cpu_has_kernels(), "this CPU has no AVX-512 BF16");
   check(x.dim() == 2 && x.is_contiguous() && x.size(0) <= kMaxRows, "x must be contiguous [T <= 16, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1), E = gate_up_q.size(0), top = ids.size(1);
@@ -669,6 +699,9 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
   check(down_q.size(0) == E && gate_up_s.size(0) == E && down_s.size(0) == E, "one weight per expert");
   const Problem gate_up = problem_of(gate_up_q, gate_up_s, kind, gate_up_group, 0, 2 * inter, hidden, E);
   const Problem down = problem_of(down_q, down_s, kind, down_group, down_col_offset, hidden, inter, E);
+  const bool with_shared = shared_inter > 0;
+  check(!with_shared || (shared_gate_up_q && shared_gate_up_s && shared_down_q && shared_down_s),
+        "a shared expert needs its four tensors");
   // Each expert's (token, choice) pairs, in token order, experts in id order (a stable sort by id).
   std::vector<std::vector<std::pair<int64_t, int64_t>>> pairs(E);
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -679,24 +712,51 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
       if (e >= 0) pairs[e].emplace_back(t, j);
     }
   std::vector<int64_t> active, rows;
+  std::vector<GatedWeights> sources;
+  std::vector<std::vector<int64_t>> tokens;
   for (int64_t e = 0; e < E; ++e)
     if (!pairs[e].empty()) {
       active.push_back(e);
       rows.push_back(static_cast<int64_t>(pairs[e].size()));
+      sources.push_back(stacked(gate_up, gate_up_q, gate_up_s, down, down_q, down_s, e));
+      tokens.emplace_back();
+      for (const auto& [t, j] : pairs[e]) tokens.back().push_back(t);
     }
-  if (active.empty()) return;
   const int64_t A = static_cast<int64_t>(active.size()), item = bf16 ? 2 : 4;
+  std::vector<int64_t> every_token(T);
+  for (int64_t t = 0; t < T; ++t) every_token[t] = t;
+  bool shared_in_pass = false;  // the shared expert as one more entry of the routed experts' passes
+  at::Tensor shared_y;
+  if (with_shared) {
+    const Problem sgu = problem_of(*shared_gate_up_q, *shared_gate_up_s, kind, shared_gate_up_group, 0,
+                                   2 * shared_inter, hidden);
+    const Problem sd = problem_of(*shared_down_q, *shared_down_s, kind, shared_down_group, shared_down_col_offset,
+                                  hidden, shared_inter);
+    const GatedWeights source = stacked(sgu, *shared_gate_up_q, *shared_gate_up_s, sd, *shared_down_q, *shared_down_s, 0);
+    shared_in_pass = shared_inter == inter && shared_gate_up_group == gate_up_group &&
+                     shared_down_group == down_group && shared_down_col_offset == down_col_offset;
+    if (shared_in_pass) {
+      sources.push_back(source);
+      rows.push_back(T);
+      tokens.push_back(every_token);
+    } else {  // other shapes: a pass of its own
+      at::Tensor xs = sgu.K2 * 2 > hidden ? at::zeros({1, kMaxRows, sgu.K2 * 2}, x.options())
+                                          : at::empty({1, kMaxRows, sgu.K2 * 2}, x.options());
+      copy_rows(x, xs, 0, every_token);
+      shared_y = gated_rows(sgu, sd, {source}, {T}, xs)[0].narrow(0, 0, T);
+    }
+  }
+  if (sources.empty()) {
+    if (with_shared) out.copy_(shared_y);
+    return;
+  }
   // Rows are padded to even column counts (pairs of columns are the kernel's unit), rows in slot order.
-  const int64_t hidden2 = gate_up.K2 * 2;
-  at::Tensor xs = hidden2 > hidden ? at::zeros({A, kMaxRows, hidden2}, x.options())
-                                   : at::empty({A, kMaxRows, hidden2}, x.options());
-  const uint8_t* xsrc = static_cast<const uint8_t*>(x.data_ptr());
-  uint8_t* xdst = static_cast<uint8_t*>(xs.data_ptr());
-  for (int64_t i = 0; i < A; ++i)
-    for (size_t r = 0; r < pairs[active[i]].size(); ++r)
-      std::memcpy(xdst + (i * kMaxRows + r) * hidden2 * item, xsrc + pairs[active[i]][r].first * hidden * item,
-                  hidden * item);
-  const at::Tensor y = gated_rows(gate_up, gate_up_q, gate_up_s, down, down_q, down_s, active, rows, xs);
+  const int64_t hidden2 = gate_up.K2 * 2, entries = static_cast<int64_t>(sources.size());
+  at::Tensor xs = hidden2 > hidden ? at::zeros({entries, kMaxRows, hidden2}, x.options())
+                                   : at::empty({entries, kMaxRows, hidden2}, x.options());
+  for (int64_t i = 0; i < entries; ++i) copy_rows(x, xs, i, tokens[i]);
+  const at::Tensor y = gated_rows(gate_up, down, sources, rows, xs);
+  if (with_shared) out.copy_(shared_in_pass ? y[A].narrow(0, 0, T) : shared_y);
   const float* w = weights.data_ptr<float>();
   auto value = [bf16](const void* base, int64_t index) {
     return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(base)[index])
@@ -736,7 +796,8 @@ at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_q, const at:
   for (int64_t r = 0; r < T; ++r)
     std::memcpy(static_cast<uint8_t*>(xs.data_ptr()) + r * hidden2 * item,
                 static_cast<const uint8_t*>(xc.data_ptr()) + r * hidden * item, hidden * item);
-  const at::Tensor y = gated_rows(gate_up, gate_up_q, gate_up_s, down, down_q, down_s, {0}, {T}, xs);
+  const at::Tensor y = gated_rows(gate_up, down, {stacked(gate_up, gate_up_q, gate_up_s, down, down_q, down_s, 0)}, {T},
+                                 xs);
   return y[0].narrow(0, 0, T);
 }
 
@@ -791,8 +852,10 @@ TORCH_LIBRARY(dsaserve, m) {
   m.def("dequantize_t(Tensor qweight, Tensor scale, int kind, int group, int col_offset, int N, int K, "
         "ScalarType dtype) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor gate_up_q, Tensor gate_up_s, Tensor down_q, Tensor down_s, Tensor ids, "
-        "Tensor weights, Tensor(a!) out, int kind, int inter, int gate_up_group, int down_group, int down_col_offset) "
-        "-> ()");
+        "Tensor weights, Tensor(a!) out, int kind, int inter, int gate_up_group, int down_group, int down_col_offset, "
+        "Tensor? shared_gate_up_q=None, Tensor? shared_gate_up_s=None, Tensor? shared_down_q=None, "
+        "Tensor? shared_down_s=None, int shared_inter=0, int shared_gate_up_group=0, int shared_down_group=0, "
+        "int shared_down_col_offset=0) -> ()");
   m.def("gated_mlp(Tensor x, Tensor gate_up_q, Tensor gate_up_s, Tensor down_q, Tensor down_s, int kind, int inter, "
         "int gate_up_group, int down_group, int down_col_offset) -> Tensor");
   m.def("cpu_kernels() -> str", &cpu_kernels);

@@ -100,7 +100,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("dsaserve::moe_experts")
     def _(x, gate_up_q, gate_up_s, down_q, down_s, ids, weights, out, kind, inter, gate_up_group, down_group,
-          down_col_offset):
+          down_col_offset, shared_gate_up_q=None, shared_gate_up_s=None, shared_down_q=None, shared_down_s=None,
+          shared_inter=0, shared_gate_up_group=0, shared_down_group=0, shared_down_col_offset=0):
         return None
 
     @torch.library.register_fake("dsaserve::gated_mlp")

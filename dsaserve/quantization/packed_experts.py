@@ -32,10 +32,19 @@ def gated_mlp(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, 
 
 
 def add_routed_experts(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, ids: torch.Tensor,
-                       weights: torch.Tensor, out: torch.Tensor) -> None:
+                       weights: torch.Tensor, out: torch.Tensor, shared=None) -> None:
     """out [T, hidden] += Σ_j weights[t, j] · expert ids[t, j] applied to x[t]; ids are this rank's expert
-    indices (-1: an expert held elsewhere), weights fp32 [T, top_k]. Only where fused_applies."""
+    indices (-1: an expert held elsewhere), weights fp32 [T, top_k]. Only where fused_applies. With `shared` (a
+    GatedMLP whose packed weights are of the experts' kind), out is first set to its output in the same call."""
+    extra = ()
+    if shared is not None:
+        s_gate_up, s_down = shared.gate_up_proj, shared.down_proj.weight
+        if s_gate_up.kind != gate_up.kind:
+            raise ValueError(f"shared expert weights in {s_gate_up.kind}, routed experts in {gate_up.kind}: one call "
+                             "takes one kind")
+        extra = (s_gate_up.qweight, s_gate_up.scale, s_down.qweight, s_down.scale, shared.intermediate_size,
+                 s_gate_up.args[1], s_down.args[1], s_down.col_offset)
     torch.ops.dsaserve.moe_experts.default(
         x.contiguous(), gate_up.qweight, gate_up.scale, down.qweight, down.scale, ids.contiguous(),
         weights.float().contiguous(), out, gate_up.args[0], down.in_features, gate_up.args[1], down.args[1],
-        down.col_offset)
+        down.col_offset, *extra)
