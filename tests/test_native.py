@@ -145,6 +145,38 @@ def test_decode_batches_take_the_kernel_for_bf16(monkeypatch):
     assert calls[1:] == [True, True] and (out - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
+@pytest.mark.skipif(not CPU_HAS_AVX512_BF16 or os.environ.get("DSASERVE_NATIVE") == "0",
+                    reason="this CPU has no AVX-512 BF16, or DSASERVE_NATIVE=0 turns the kernels off")
+def test_a_few_row_request_ahead_of_a_prompt_attends_through_the_kernel_correctly():
+    """A request with three new tokens (draft verification, a short chunk) as the batch's first rows, then a
+    prompt and a decode row: the few rows go through the single-query path as requests of their own, whose
+    rows are the batch's first ones but not all of it. Each row's output against its own causal softmax."""
+    from dsaserve.attention import DenseAttention
+
+    block, heads, rank, rope = 16, 16, 64, 8
+    g = torch.Generator().manual_seed(13)
+    new, context = [3, 20, 1], [12, 0, 30]
+    blocks = [-(-(c + n) // block) for c, n in zip(context, new)]
+    cache = torch.randn(sum(blocks) + 2, block, rank + rope, generator=g).bfloat16()
+    perm = torch.randperm(sum(blocks) + 2, generator=g).tolist()
+    tables = [perm[sum(blocks[:i]):sum(blocks[:i + 1])] for i in range(len(new))]
+    meta = BatchMetadata.build([[1] * n for n in new], context, tables, block, [])
+    query = (torch.randn(sum(new), heads, rank + rope, generator=g) * 3).bfloat16()
+    rows = cache.view(-1, rank + rope)
+    for backend, extra in ((DenseAttention(), ()), (SparseAttention(), (torch.full((sum(new), 64), -1).int(),))):
+        if extra:  # every row sees at most 64 positions: all of them selected
+            for t in range(sum(new)):
+                extra[0][t, : int(meta.positions[t]) + 1] = torch.arange(int(meta.positions[t]) + 1)
+        out = backend.forward(query, cache, meta, 0.2, rank, *extra).float()
+        for i in range(meta.num_reqs):
+            start, end = meta.query_range(i)
+            for t in range(start, end):
+                slots = meta.slots(i, torch.arange(int(meta.positions[t]) + 1))[None]
+                expected = reference(query[t:t + 1], rows, slots, 0.2, rank)
+                # bf16 scores and probabilities: the prompt's torch path rounds more than the kernel
+                assert (out[t:t + 1] - expected).abs().max() <= 0.05 * expected.abs().max(), (type(backend), t)
+
+
 def test_without_a_compiler_the_operators_are_off_and_attention_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(torch_ops, "_loaded", None)
     monkeypatch.setattr(torch_ops, "_kernels", None)

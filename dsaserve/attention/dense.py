@@ -86,7 +86,8 @@ FEW_ROWS = 8
 class DecodeRows:
     """Where single-query requests' queries and keys are: the requests' rows of the batch [R] and the
     cache slots of the positions each attends to [R, W] (-1 for padding). every_row: the requests' rows
-    are the whole batch in order (a decode-only batch), so queries and outputs need no gather or scatter."""
+    are the batch's first R rows in order; where the query holds no others (a decode-only batch), queries
+    and outputs need no gather or scatter."""
 
     query_rows: torch.Tensor
     slots: torch.Tensor
@@ -108,8 +109,8 @@ def attend_decode_rows(query: torch.Tensor, cache: torch.Tensor, rows_of: Decode
     instead of one small one per request."""
     rows = cache.view(-1, cache.shape[-1])
     slots = rows_of.slots
-    if rows_of.every_row and attend_selected_rows(query, rows, slots, scale, out):
-        return
+    if rows_of.every_row and query.shape[0] == slots.shape[0] and attend_selected_rows(query, rows, slots, scale, out):
+        return  # (a few-row request's rows as single queries may be the first rows of a larger batch)
     queries = query[rows_of.query_rows]
     attended = queries.new_empty(queries.shape[0], query.shape[1], value_dim)
     if attend_selected_rows(queries, rows, slots, scale, attended):
