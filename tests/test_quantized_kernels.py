@@ -234,14 +234,7 @@ def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, shared
     del layer.experts_gate_up, layer.experts_down
     layer.experts_gate_up, layer.experts_down, layer.first_expert = gate_up, down, first
     if shared != "float":
-        mlp = layer.shared_experts
-        s_inter = inter * n_shared
-        s_gate_up = QuantizedWeight(kind, 2 * s_inter, hidden)
-        s_down = QuantizedWeight(kind, hidden, s_inter, col_offset=64 if kind == "fp8" else 0)
-        s_gate_up.load_rows(0, torch.randn(2 * s_inter, hidden, generator=g) * 0.2)
-        s_down.load_rows(0, torch.randn(hidden, s_inter, generator=g) * 0.2)
-        del mlp.gate_up_proj, mlp.down_proj.weight
-        mlp.gate_up_proj, mlp.down_proj.weight = s_gate_up, s_down
+        pack_gated_mlp(layer.shared_experts, kind, hidden, inter * n_shared, g)
     calls = []
     real = moe_module.add_routed_experts
     monkeypatch.setattr(moe_module, "add_routed_experts", lambda *a: calls.append(len(a) == 7) or real(*a))
@@ -258,6 +251,16 @@ def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, shared
 from dsaserve.quantization.packed_experts import fused_applies as real_fused_applies  # noqa: E402
 
 
+def pack_gated_mlp(mlp, kind: str, hidden: int, inter: int, g: torch.Generator) -> None:
+    """Random packed weights of `kind` for a GatedMLP (fp8: its down projection's columns 64 into their blocks)."""
+    gate_up = QuantizedWeight(kind, 2 * inter, hidden)
+    down = QuantizedWeight(kind, hidden, inter, col_offset=64 if kind == "fp8" else 0)
+    gate_up.load_rows(0, torch.randn(2 * inter, hidden, generator=g) * 0.2)
+    down.load_rows(0, torch.randn(hidden, inter, generator=g) * 0.2)
+    del mlp.gate_up_proj, mlp.down_proj.weight
+    mlp.gate_up_proj, mlp.down_proj.weight = gate_up, down
+
+
 @needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -271,12 +274,7 @@ def test_one_call_gated_mlp_gives_the_three_calls_bits(kind, dtype, monkeypatch)
     hidden, inter = 201, 136
     mlp = layers.GatedMLP(hidden, inter, first_column=64 if kind == "fp8" else 0)
     g = torch.Generator().manual_seed(3)
-    gate_up = QuantizedWeight(kind, 2 * inter, hidden)
-    down = QuantizedWeight(kind, hidden, inter, col_offset=64 if kind == "fp8" else 0)
-    gate_up.load_rows(0, torch.randn(2 * inter, hidden, generator=g) * 0.2)
-    down.load_rows(0, torch.randn(hidden, inter, generator=g) * 0.2)
-    del mlp.gate_up_proj, mlp.down_proj.weight
-    mlp.gate_up_proj, mlp.down_proj.weight = gate_up, down
+    pack_gated_mlp(mlp, kind, hidden, inter, g)
     calls = []
     real = layers.gated_mlp
     monkeypatch.setattr(layers, "gated_mlp", lambda *a: calls.append(1) or real(*a))

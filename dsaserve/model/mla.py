@@ -95,7 +95,6 @@ class MLAAttention(nn.Module):
         out = per_head(out_latent, self.w_uv)  # [T, H, v]
         return o_proj(out.reshape(out_latent.shape[0], -1))
 
-
     def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_resid [T, q_lora_rank], query [T, H, rank + rope] = [q_nope · W_UK | rope(q_rope)])."""
         if self._one_call_query(x, cos, sin):  # a few tokens, packed weights: one native call, the same bits

@@ -11,6 +11,7 @@ from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.layers import GatedMLP, one_operator
 from dsaserve.model.linear import expert_weight, linear
 from dsaserve.quantization.packed_experts import add_routed_experts, fused_applies
+from dsaserve.quantization.quantized_weight import KERNEL_ROWS
 
 
 class Router(nn.Module):
@@ -28,7 +29,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → (weights fp32 [T, top_k], expert ids int64 [T, top_k])."""
-        if one_operator(x) and self.weight.dtype == self.e_score_correction_bias.dtype == torch.float32:
+        if (x.shape[0] <= KERNEL_ROWS and one_operator(x)  # a few tokens (prefill: torch's GEMM)
+                and self.weight.dtype == self.e_score_correction_bias.dtype == torch.float32):
             return torch.ops.dsaserve.moe_route.default(x, self.weight, self.e_score_correction_bias, self.top_k,
                                                         self.n_group, self.topk_group, self.norm_topk_prob,
                                                         self.scaling)
