@@ -85,15 +85,12 @@ class MoE(nn.Module):
                 local = ids - self.first_expert
                 mine = (local >= 0) & (local < self.experts_gate_up.shape[0])
                 ids = torch.where(mine, local, -1)
-            if (shared is not None and fused_applies(x, shared.gate_up_proj, shared.down_proj.weight)
-                    and shared.gate_up_proj.kind == self.experts_gate_up.kind):
-                out = torch.empty_like(x)  # the shared expert's output is written first, in the same call
-                add_routed_experts(x, self.experts_gate_up, self.experts_down, ids, weights, out, shared)
-            else:
-                out = shared(x) if shared is not None else torch.zeros_like(x)
-                add_routed_experts(x, self.experts_gate_up, self.experts_down, ids, weights, out)
+            in_call = (shared is not None and fused_applies(x, shared.gate_up_proj, shared.down_proj.weight)
+                       and shared.gate_up_proj.kind == self.experts_gate_up.kind)
+            out = torch.empty_like(x) if in_call else self._shared_output(x)  # in_call: written first, in the call
+            add_routed_experts(x, self.experts_gate_up, self.experts_down, ids, weights, out, shared if in_call else None)
             return self.comm.all_reduce(out)
-        out = shared(x) if shared is not None else torch.zeros_like(x)
+        out = self._shared_output(x)
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
         counts = torch.bincount(flat_ids, minlength=self.gate.weight.shape[0]).tolist()
@@ -109,3 +106,7 @@ class MoE(nn.Module):
             out.index_add_(0, tokens, (y * weight_of[start : start + count, None]).to(out.dtype))
             start += count
         return self.comm.all_reduce(out)
+
+    def _shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output, or zeros without any: what the routed experts add into."""
+        return self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)

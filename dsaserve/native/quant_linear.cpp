@@ -665,13 +665,26 @@ at::Tensor gated_rows(Problem gate_up, Problem down, const std::vector<GatedWeig
   return y;
 }
 
-// Rows of x [T, hidden] into slots of xs [*, 16, hidden2] (hidden2 >= hidden; the caller zeroes the padding).
-void copy_rows(const at::Tensor& x, at::Tensor& xs, int64_t entry, const std::vector<int64_t>& tokens) {
-  const int64_t hidden = x.size(1), hidden2 = xs.size(2), item = x.element_size();
+// What gated_rows reads: rows of contiguous x [T, hidden] gathered into xs [entries, 16, hidden2], entry i
+// holding rows tokens[i] in order, padded to hidden2 >= hidden columns with zeros (pairs of columns are the
+// kernel's unit).
+at::Tensor entry_rows(const at::Tensor& x, int64_t hidden2, const std::vector<std::vector<int64_t>>& tokens) {
+  const int64_t hidden = x.size(1), item = x.element_size(), entries = static_cast<int64_t>(tokens.size());
+  at::Tensor xs = hidden2 > hidden ? at::zeros({entries, kMaxRows, hidden2}, x.options())
+                                   : at::empty({entries, kMaxRows, hidden2}, x.options());
   const uint8_t* src = static_cast<const uint8_t*>(x.data_ptr());
-  uint8_t* dst = static_cast<uint8_t*>(xs.data_ptr()) + entry * kMaxRows * hidden2 * item;
-  for (size_t r = 0; r < tokens.size(); ++r)
-    std::memcpy(dst + r * hidden2 * item, src + tokens[r] * hidden * item, hidden * item);
+  for (int64_t i = 0; i < entries; ++i) {
+    uint8_t* dst = static_cast<uint8_t*>(xs.data_ptr()) + i * kMaxRows * hidden2 * item;
+    for (size_t r = 0; r < tokens[i].size(); ++r)
+      std::memcpy(dst + r * hidden2 * item, src + tokens[i][r] * hidden * item, hidden * item);
+  }
+  return xs;
+}
+
+std::vector<int64_t> first_tokens(int64_t T) {
+  std::vector<int64_t> tokens(T);
+  for (int64_t t = 0; t < T; ++t) tokens[t] = t;
+  return tokens;
 }
 
 // out[t] += sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j] (-1: an expert of
@@ -711,20 +724,17 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
       check(e >= -1 && e < E, "expert id out of range");
       if (e >= 0) pairs[e].emplace_back(t, j);
     }
-  std::vector<int64_t> active, rows;
+  std::vector<int64_t> active;
   std::vector<GatedWeights> sources;
-  std::vector<std::vector<int64_t>> tokens;
+  std::vector<std::vector<int64_t>> tokens;  // each entry's rows of x
   for (int64_t e = 0; e < E; ++e)
     if (!pairs[e].empty()) {
       active.push_back(e);
-      rows.push_back(static_cast<int64_t>(pairs[e].size()));
       sources.push_back(stacked(gate_up, gate_up_q, gate_up_s, down, down_q, down_s, e));
       tokens.emplace_back();
       for (const auto& [t, j] : pairs[e]) tokens.back().push_back(t);
     }
   const int64_t A = static_cast<int64_t>(active.size()), item = bf16 ? 2 : 4;
-  std::vector<int64_t> every_token(T);
-  for (int64_t t = 0; t < T; ++t) every_token[t] = t;
   bool shared_in_pass = false;  // the shared expert as one more entry of the routed experts' passes
   at::Tensor shared_y;
   if (with_shared) {
@@ -737,25 +747,18 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
                      shared_down_group == down_group && shared_down_col_offset == down_col_offset;
     if (shared_in_pass) {
       sources.push_back(source);
-      rows.push_back(T);
-      tokens.push_back(every_token);
+      tokens.push_back(first_tokens(T));
     } else {  // other shapes: a pass of its own
-      at::Tensor xs = sgu.K2 * 2 > hidden ? at::zeros({1, kMaxRows, sgu.K2 * 2}, x.options())
-                                          : at::empty({1, kMaxRows, sgu.K2 * 2}, x.options());
-      copy_rows(x, xs, 0, every_token);
-      shared_y = gated_rows(sgu, sd, {source}, {T}, xs)[0].narrow(0, 0, T);
+      shared_y = gated_rows(sgu, sd, {source}, {T}, entry_rows(x, sgu.K2 * 2, {first_tokens(T)}))[0].narrow(0, 0, T);
     }
   }
   if (sources.empty()) {
     if (with_shared) out.copy_(shared_y);
     return;
   }
-  // Rows are padded to even column counts (pairs of columns are the kernel's unit), rows in slot order.
-  const int64_t hidden2 = gate_up.K2 * 2, entries = static_cast<int64_t>(sources.size());
-  at::Tensor xs = hidden2 > hidden ? at::zeros({entries, kMaxRows, hidden2}, x.options())
-                                   : at::empty({entries, kMaxRows, hidden2}, x.options());
-  for (int64_t i = 0; i < entries; ++i) copy_rows(x, xs, i, tokens[i]);
-  const at::Tensor y = gated_rows(gate_up, down, sources, rows, xs);
+  std::vector<int64_t> rows;
+  for (const auto& t : tokens) rows.push_back(static_cast<int64_t>(t.size()));
+  const at::Tensor y = gated_rows(gate_up, down, sources, rows, entry_rows(x, gate_up.K2 * 2, tokens));
   if (with_shared) out.copy_(shared_in_pass ? y[A].narrow(0, 0, T) : shared_y);
   const float* w = weights.data_ptr<float>();
   auto value = [bf16](const void* base, int64_t index) {
@@ -789,15 +792,8 @@ at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_q, const at:
   const int64_t T = x.size(0), hidden = x.size(1);
   const Problem gate_up = problem_of(gate_up_q, gate_up_s, kind, gate_up_group, 0, 2 * inter, hidden);
   const Problem down = problem_of(down_q, down_s, kind, down_group, down_col_offset, hidden, inter);
-  const at::Tensor xc = x.contiguous();
-  const int64_t hidden2 = gate_up.K2 * 2, item = x.element_size();
-  at::Tensor xs = hidden2 > hidden ? at::zeros({1, kMaxRows, hidden2}, x.options())
-                                   : at::empty({1, kMaxRows, hidden2}, x.options());
-  for (int64_t r = 0; r < T; ++r)
-    std::memcpy(static_cast<uint8_t*>(xs.data_ptr()) + r * hidden2 * item,
-                static_cast<const uint8_t*>(xc.data_ptr()) + r * hidden * item, hidden * item);
   const at::Tensor y = gated_rows(gate_up, down, {stacked(gate_up, gate_up_q, gate_up_s, down, down_q, down_s, 0)}, {T},
-                                 xs);
+                                 entry_rows(x.contiguous(), gate_up.K2 * 2, {first_tokens(T)}));
   return y[0].narrow(0, 0, T);
 }
 
