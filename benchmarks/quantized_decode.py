@@ -4,9 +4,10 @@
 
 On the checkpoint benchmarks/model_core.py builds (GLM-5.2 per-head geometry, 214M parameters, bf16),
 each weight form in its own process, the forms taking turns for three rounds (medians reported): bf16 through torch's matmuls (the kernels off), bf16 packed for
-the bandwidth kernel (the default on a CPU with AVX-512 BF16), and --quantization fp8, int8, int4; int4 twice
-where the CPU has AVX-512 VNNI: as served (activations rounded to int8 per row and 128-column group, integer dot
-products) and `int4-bf16act` (DSASERVE_INT4_VNNI=0: the products in bf16, exact in the activations).
+the bandwidth kernel (the default on a CPU with AVX-512 BF16), and --quantization fp8, int8, int4; int8 and int4
+twice where the CPU has AVX-512 VNNI: as served (activations rounded to int8 per row and 128-column group, integer
+dot products) and `int8-bf16act`, `int4-bf16act` (DSASERVE_INT8_VNNI=0, DSASERVE_INT4_VNNI=0: the products in
+bf16, exact in the activations).
 For each: batch-1 decode (median step, 128-token prompts), batch-16 output tokens/s, a 2,048-token
 prefill, the weight bytes one decode token reads (every projection once, the shared expert, and 4 of
 the 8 routed experts per MoE layer), and the resident bytes. The bound is those bytes ÷ this machine's
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-FORMS = ["torch-bf16", "bf16", "fp8", "int8", "int4", "int4-bf16act"]
+FORMS = ["torch-bf16", "bf16", "fp8", "int8", "int8-bf16act", "int4", "int4-bf16act"]
 
 
 def copy_bandwidth() -> float:
@@ -82,9 +83,10 @@ def measure(form: str) -> dict:
 
     if form == "torch-bf16":
         apply.kernels_here = lambda device: False
-    if form == "int4-bf16act":
-        os.environ["DSASERVE_INT4_VNNI"] = "0"  # read by the kernels once, at their first int4 product
-    quantization = {"fp8": "fp8", "int8": "int8", "int4": "int4", "int4-bf16act": "int4"}.get(form)
+    if form.endswith("-bf16act"):  # read by the kernels once, at their first product of that kind
+        os.environ[f"DSASERVE_{form.split('-')[0].upper()}_VNNI"] = "0"
+    quantization = {"fp8": "fp8", "int8": "int8", "int8-bf16act": "int8", "int4": "int4",
+                    "int4-bf16act": "int4"}.get(form)
     engine = LLMEngine(EngineArgs(model=checkpoint_dir(), kv_cache_memory="512MiB", max_model_len=4096,
                                   progress=False, quantization=quantization))
     decode_steps(engine, 1, steps=4)  # warm-up

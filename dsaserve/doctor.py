@@ -139,9 +139,15 @@ def _weight_kernel_path() -> str:
     from dsaserve.native import torch_ops
 
     if torch_ops.cpu_kernels() == "avx512_bf16":
-        int4 = ("int4 by int8-rounded activations on AVX-512 VNNI (DSASERVE_INT4_VNNI=0: in bf16)"
-                if torch.ops.dsaserve.int4_bf16_path() == "avx512_vnni" else "int4 in bf16 (no AVX-512 VNNI and VBMI)")
-        return f"native AVX-512 BF16 kernels for up to 16 rows (bf16 models and --quantization; {int4}), torch GEMM beyond"
+        paths = []
+        for kind in ("int8", "int4"):
+            switch = f"DSASERVE_{kind.upper()}_VNNI"
+            if getattr(torch.ops.dsaserve, f"{kind}_bf16_path")() == "avx512_vnni":
+                paths.append(f"{kind} by int8-rounded activations on AVX-512 VNNI ({switch}=0: in bf16)")
+            else:
+                paths.append(f"{kind} in bf16 (no AVX-512 VNNI and VBMI, or {switch}=0)")
+        return (f"native AVX-512 BF16 kernels for up to 16 rows (bf16 models and --quantization; {'; '.join(paths)}), "
+                "torch GEMM beyond")
     return "torch (the packed-weight kernels need a C++ compiler and AVX-512 BF16; quantized weights dequantize)"
 
 

@@ -22,13 +22,22 @@ needs_kernels = pytest.mark.skipif(
            f"{torch_ops.cpu_kernels()}); the torch fallback is tested instead")
 
 
-def int4_vnni() -> bool:
-    return torch_ops.cpu_kernels() == "avx512_bf16" and torch.ops.dsaserve.int4_bf16_path() == "avx512_vnni"
+def vnni(kind: str) -> bool:
+    """Whether `kind` ("int4", "int8") weights meet bf16 activations on the VNNI path here."""
+    return (torch_ops.cpu_kernels() == "avx512_bf16"
+            and getattr(torch.ops.dsaserve, f"{kind}_bf16_path")() == "avx512_vnni")
 
 
-needs_int4_vnni = pytest.mark.skipif(
-    not int4_vnni(), reason="the int4 VNNI path needs AVX-512 VNNI and VBMI besides the kernels' AVX-512 BF16 (this "
-                            f"CPU's kernels: {torch_ops.cpu_kernels()}), and DSASERVE_INT4_VNNI unset or not 0")
+def needs_vnni(kind: str):
+    return pytest.mark.skipif(
+        not vnni(kind), reason=f"the {kind} VNNI path needs AVX-512 VNNI and VBMI besides the kernels' AVX-512 BF16 "
+                               f"(this CPU's kernels: {torch_ops.cpu_kernels()}), and DSASERVE_{kind.upper()}_VNNI "
+                               "unset or not 0")
+
+
+def activation_group(kind: str, k: int) -> int:
+    """The VNNI path's activation groups: int4's weight scale groups; 128 columns for int8 (one scale per row)."""
+    return formats.group_of(kind, k) if kind == "int4" else 128
 
 
 def int8_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,38 +89,41 @@ def test_kernel_equals_dequantize_then_matmul(kind, n, k, col_offset):
         # fp32 activations: exact products, only the summation order differs
         y = torch.ops.dsaserve.quant_linear(x, m.qweight, m.scale, *args)
         assert (y - expected).abs().max() <= 1e-5 * expected.abs().max() + 1e-6
-        # bf16 activations: the same products of bf16 values, then the output rounded to bf16 (int4 on the VNNI
-        # path: the activations rounded to int8 first, off by at most half a step each)
+        # bf16 activations: the same products of bf16 values, then the output rounded to bf16 (int4 and int8 on
+        # the VNNI path: the activations rounded to int8 first, off by at most half a step each)
         xb = x.bfloat16()
         yb = torch.ops.dsaserve.quant_linear(xb, m.qweight, m.scale, *args)
         exact = xb.float() @ weight.T
         assert yb.dtype == torch.bfloat16
-        rounding = activation_rounding_bound(xb, weight, args[1]) if kind == "int4" and int4_vnni() else 0
+        on_vnni = kind in ("int4", "int8") and vnni(kind)
+        rounding = activation_rounding_bound(xb, weight, activation_group(kind, k)) if on_vnni else 0
         assert ((yb.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-3 * exact.abs().max() + rounding).all()
 
 
-@needs_int4_vnni
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=needs_vnni(kind)) for kind in ("int4", "int8")])
 @pytest.mark.parametrize("n, k", [(37, 301), (16, 128), (5, 45), (70, 388), (33, 1031)])
-def test_int4_vnni_path_is_exact_in_its_int8_activations(n, k):
-    """int4 weights by bf16 activations on the VNNI path equal, up to the bf16 output's rounding, the exact
-    products of the int8-rounded activations (int8_activations) and the int4 weights, group by group: partial
-    last row blocks and chunks, odd column counts, several groups, single and batched weights."""
-    q, scale = stored("int4", n, k, 0)
-    packed_q, packed_s = formats.pack("int4", q, scale)
-    args = (formats.KINDS["int4"], formats.group_of("int4", k), 0, n, k)
+def test_vnni_path_is_exact_in_its_int8_activations(kind, n, k):
+    """int4 and int8 weights by bf16 activations on the VNNI path equal, up to the bf16 output's rounding, the
+    exact products of the int8-rounded activations (int8_activations) and the integer weights, activation group
+    by group, each scaled by its weight scale: partial last row blocks and chunks, odd column counts, several
+    groups, single and batched weights."""
+    q, scale = stored(kind, n, k, 0)
+    packed_q, packed_s = formats.pack(kind, q, scale)
+    args = (formats.KINDS[kind], formats.group_of(kind, k), 0, n, k)
     g = torch.Generator().manual_seed(k)
     for rows in (1, 2, 5, 8, 11, 16):
         x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
         y = torch.ops.dsaserve.quant_linear(x, packed_q, packed_s, *args)
-        xq, xs, columns = int8_activations(x, args[1])
+        xq, xs, columns = int8_activations(x, activation_group(kind, k))
         expected = torch.zeros(rows, n, dtype=torch.float64)
         for group in range(xs.shape[1]):
             inside = columns == group
+            weight_group = int(inside.nonzero()[0]) // args[1]  # an activation group lies within one weight group
             integer = xq[:, inside].double() @ q[:, inside].double().T
-            expected += integer * xs[:, group, None].double() * scale[None, :, group].double()
+            expected += integer * xs[:, group, None].double() * scale[None, :, weight_group].double()
         assert ((y.double() - expected).abs() <= expected.abs() * 2**-8 + 1e-5 * expected.abs().max()).all(), rows
     # stacked weights (one per attention head), each with its own rows
-    other_q, other_s = formats.pack("int4", *stored("int4", n, k, 0, seed=1))
+    other_q, other_s = formats.pack(kind, *stored(kind, n, k, 0, seed=1))
     heads, scales = torch.stack([packed_q, other_q]), torch.stack([packed_s, other_s])
     x = torch.randn(2, 3, k, generator=g).bfloat16()
     batched = torch.ops.dsaserve.quant_linear(x, heads, scales, *args)
@@ -119,14 +131,14 @@ def test_int4_vnni_path_is_exact_in_its_int8_activations(n, k):
         assert torch.equal(batched[b], torch.ops.dsaserve.quant_linear(x[b], heads[b], scales[b], *args))
 
 
-@needs_int4_vnni
-def test_int4_vnni_path_keeps_a_non_finite_row_to_itself():
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=needs_vnni(kind)) for kind in ("int4", "int8")])
+def test_vnni_path_keeps_a_non_finite_row_to_itself(kind):
     """A row holding NaN or infinity gives NaN outputs (the engine then ends that request alone); the other
     rows' outputs are what they are without it."""
     n, k = 40, 300
-    q, scale = stored("int4", n, k, 0)
-    packed = formats.pack("int4", q, scale)
-    args = (formats.KINDS["int4"], formats.group_of("int4", k), 0, n, k)
+    q, scale = stored(kind, n, k, 0)
+    packed = formats.pack(kind, q, scale)
+    args = (formats.KINDS[kind], formats.group_of(kind, k), 0, n, k)
     x = torch.randn(4, k).bfloat16()
     clean = torch.ops.dsaserve.quant_linear(x, *packed, *args)
     x[1, 7], x[2, 200] = float("nan"), float("inf")

@@ -20,8 +20,8 @@
 // The AVX-512 BF16 body decodes 32 weights to bf16 (exact for every kind), multiplies them into every
 // activation row, scales each group's sum once, and shares 16-row blocks out over torch's intra-op
 // threads (at::parallel_for). It is compiled for that ISA alone and chosen at run time from the CPU's
-// flags. int4 weights with bf16 activations take an integer path where the CPU has AVX-512 VNNI and VBMI
-// (Int8Acts below): the activations are quantized to int8 once per call, per row and scale group.
+// flags. int4 and int8 weights with bf16 activations take an integer path where the CPU has AVX-512 VNNI and
+// VBMI (Int8Acts below): the activations are quantized to int8 once per call, per row and group of columns.
 // `dequantize_t` (vectorized there, portable elsewhere) gives the transposed float weight for the torch
 // GEMM: many activation rows, or a CPU without the kernels. `moe_experts` runs a MoE layer's routed experts
 // for a few tokens in one call (gate|up product, SiLU gate, down product, weighted sum), each expert
@@ -64,12 +64,13 @@ struct Problem {
   int64_t kind;
 };
 
-// Activations quantized for the int4 VNNI path: per row and weight scale group, symmetric int8 (absmax / 127,
-// rounded to nearest even). Within a chunk of 8 columns (one vpermb-transposed chunk of packed weights) the
-// bytes are the 4 even columns, then the 4 odd ones, matching the weights' low and high nibbles.
+// Activations quantized for the VNNI paths: per row and group of columns (act_group_end), symmetric int8
+// (absmax / 127, rounded to nearest even). For int4 weights, within a chunk of 8 columns (one vpermb-transposed
+// chunk of packed weights) the bytes are the 4 even columns, then the 4 odd ones, matching the weights' low and
+// high nibbles; for int8 weights they are in column order.
 struct Int8Acts {
   const int8_t* q;      // row r at q + r * row_bytes
-  const int32_t* sums;  // [rows, G]: each group's sum of q (the weights' +8 offset takes 8 times it off)
+  const int32_t* sums;  // [rows, G]: each group's sum of q (the weights' unsigned offset takes a multiple off)
   const float* scales;  // [rows, G]: each group's scale; NaN where the group holds a NaN or infinity
   int64_t row_bytes, G;
 };
@@ -302,19 +303,43 @@ AVX512BF16 void blocks_any(const Problem& p, const void* x, int64_t b0, int64_t 
 
 #define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx512vbmi,f16c,fma")))
 
+// Whether the CPU has the VNNI paths' instructions and the environment variable `name` does not turn them off.
+bool vnni_allowed(const char* name) {
+  const char* setting = std::getenv(name);
+  return dsaserve::cpu_has_avx512_vnni_vbmi() && !(setting && std::string(setting) == "0");
+}
+
 bool int4_vnni_enabled() {
-  static const bool on = [] {
-    const char* setting = std::getenv("DSASERVE_INT4_VNNI");
-    return dsaserve::cpu_has_avx512_vnni_vbmi() && !(setting && std::string(setting) == "0");
-  }();
+  static const bool on = vnni_allowed("DSASERVE_INT4_VNNI");
   return on;
 }
 
-// Whether p's product takes the int4 VNNI path: bf16 activations, and scale groups that start on a chunk of 8
-// columns (else the bf16 body, exact in the activations, runs).
-bool int4_vnni_applies(const Problem& p) {
-  return p.kind == kINT4 && p.out_bf16 && p.group % 8 == 0 && p.col_offset % 8 == 0 && int4_vnni_enabled();
+bool int8_vnni_enabled() {
+  static const bool on = vnni_allowed("DSASERVE_INT8_VNNI");
+  return on;
 }
+
+// Whether p's product takes a VNNI path: bf16 activations, and for int4 scale groups that start on a chunk of 8
+// columns, for int8 one scale per row (else the bf16 body, exact in the activations, runs).
+bool vnni_applies(const Problem& p) {
+  if (!p.out_bf16) return false;
+  if (p.kind == kINT4) return p.group % 8 == 0 && p.col_offset % 8 == 0 && int4_vnni_enabled();
+  return p.kind == kINT8 && p.G == 1 && int8_vnni_enabled();
+}
+
+// The activations' groups on the VNNI paths: the weight's scale groups for int4, 128 columns for int8 (whose
+// weight has one scale per row: a group per row would round a whole row's activations to one step).
+constexpr int64_t kInt8ActGroup = 128;
+
+int64_t act_group_end(const Problem& p, int64_t k0) {
+  return p.kind == kINT8 ? std::min(p.K, k0 + kInt8ActGroup) : group_end(p, k0);
+}
+
+int64_t act_group_index(const Problem& p, int64_t k0) {
+  return p.kind == kINT8 ? k0 / kInt8ActGroup : scale_column(p, k0);
+}
+
+int64_t act_group_count(const Problem& p) { return p.kind == kINT8 ? (p.K + kInt8ActGroup - 1) / kInt8ActGroup : p.G; }
 
 // A row's bytes: a group's last 16-column store may reach 15 bytes past its end.
 int64_t int8_row_bytes(int64_t K) { return (K + 15) / 16 * 16 + 16; }
@@ -331,11 +356,12 @@ AVX512VNNI void quantize_row(const Problem& p, const uint16_t* x, const Int8Acts
   int8_t* q = const_cast<int8_t*>(acts.q) + r * acts.row_bytes;
   int32_t* sums = const_cast<int32_t*>(acts.sums) + r * acts.G;
   float* scales = const_cast<float*>(acts.scales) + r * acts.G;
-  // Per 16 columns: the even columns of each 8, then the odd ones.
-  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  // int4: per 16 columns, the even columns of each 8, then the odd ones; int8: column order.
+  const __m128i order = p.kind == kINT4 ? _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
+                                        : _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t k0 = 0; k0 < p.K;) {
-    const int64_t k1 = group_end(p, k0);
-    const int64_t g = scale_column(p, k0);
+    const int64_t k1 = act_group_end(p, k0);
+    const int64_t g = act_group_index(p, k0);
     __m512 amax = _mm512_setzero_ps();
     __mmask16 nan = 0;
     for (int64_t k = k0; k < k1; k += 16) {
@@ -406,24 +432,95 @@ AVX512VNNI void block_rows_int4_vnni(const Problem& p, const Int8Acts& acts, int
   for (int m = 0; m < M; ++m) store16(p, y, m * p.N + b * 16, total[m], rows);
 }
 
-template <int M>
-AVX512VNNI void blocks_int4_vnni_m(const Problem& p, const Int8Acts& acts, int64_t row0, int64_t b0, int64_t b1,
-                                   void* y) {
-  for (int64_t b = b0; b < b1; ++b) block_rows_int4_vnni<M>(p, acts, row0, b, y);
+// Chunk c of an int8 block (columns 4c … 4c + 3 of its 16 rows) with each row's 4 bytes in its own 32-bit lane,
+// made unsigned (w + 128): the first 32 bytes only past the block's full chunks (an odd number of column pairs).
+AVX512VNNI inline __m512i int8_chunk(const uint8_t* block, int64_t c, int64_t full_chunks, __m512i transpose) {
+  const __m512i raw = c < full_chunks ? _mm512_loadu_si512(block + c * 64)
+                                      : _mm512_maskz_loadu_epi8((__mmask64(1) << 32) - 1, block + c * 64);
+  return _mm512_xor_si512(_mm512_permutexvar_epi8(transpose, raw), _mm512_set1_epi8(static_cast<char>(0x80)));
 }
 
-AVX512VNNI void blocks_int4_vnni(const Problem& p, const Int8Acts& acts, int64_t row0, int64_t b0, int64_t b1,
+// Four int8 activations, broadcast to every 32-bit lane.
+AVX512VNNI inline __m512i four_bytes(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// One 16-row int8 block (one scale per row) against M quantized activation rows (acts' rows row0…): per chunk
+// of 64 packed bytes (16 rows x 4 columns), one vpermb puts each row's 4 bytes in its own 32-bit lane, a xor with
+// 0x80 makes them unsigned (w + 128) and vpdpbusd adds their products with the rows' int8 values; each
+// activation group's integer sum, less 128 x the activations' sum, is scaled by the activation's scale, and
+// the row's total by the weight's.
+template <int M>
+AVX512VNNI void block_rows_int8_vnni(const Problem& p, const Int8Acts& acts, int64_t row0, int64_t b, void* y) {
+  alignas(64) static const uint8_t transpose_index[64] = {
+      0, 1, 32, 33, 2, 3, 34, 35, 4, 5, 36, 37, 6, 7, 38, 39, 8, 9, 40, 41, 10, 11, 42, 43, 12, 13, 44, 45,
+      14, 15, 46, 47, 16, 17, 48, 49, 18, 19, 50, 51, 20, 21, 52, 53, 22, 23, 54, 55, 24, 25, 56, 57, 26, 27, 58,
+      59, 28, 29, 60, 61, 30, 31, 62, 63};
+  const __m512i transpose = _mm512_load_si512(transpose_index);
+  const uint8_t* block = p.w + b * p.block_bytes;
+  const int64_t full_chunks = p.K2 / 2;  // chunks with both column pairs (64 bytes) in the block
+  constexpr int C = M == 1 ? 2 : 1;  // chains per row: one row alone would wait on its one chain's latency
+  const int8_t* xq[M];
+  for (int m = 0; m < M; ++m) xq[m] = acts.q + (row0 + m) * acts.row_bytes;
+  __m512 total[M];
+  for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < p.K; k0 = act_group_end(p, k0)) {
+    const int64_t c1 = (act_group_end(p, k0) + 3) / 4;
+    __m512i part[C][M];
+    for (int j = 0; j < C; ++j)
+      for (int m = 0; m < M; ++m) part[j][m] = _mm512_setzero_si512();
+    int64_t c = k0 / 4;
+    for (; c + C <= c1; c += C)
+      for (int j = 0; j < C; ++j) {
+        const __m512i w = int8_chunk(block, c + j, full_chunks, transpose);
+        for (int m = 0; m < M; ++m) part[j][m] = _mm512_dpbusd_epi32(part[j][m], w, four_bytes(xq[m] + (c + j) * 4));
+      }
+    if (c < c1) {
+      const __m512i w = int8_chunk(block, c, full_chunks, transpose);
+      for (int m = 0; m < M; ++m) part[0][m] = _mm512_dpbusd_epi32(part[0][m], w, four_bytes(xq[m] + c * 4));
+    }
+    const int64_t g = act_group_index(p, k0);
+    for (int m = 0; m < M; ++m) {
+      const int64_t r = (row0 + m) * acts.G + g;
+      __m512i sum = part[0][m];
+      if constexpr (C == 2) sum = _mm512_add_epi32(sum, part[1][m]);
+      sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * acts.sums[r]));
+      total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(acts.scales[r]), total[m]);
+    }
+  }
+  const __m512 sw = _mm512_loadu_ps(p.scale + b * 16);  // one scale group
+  const int64_t rows = std::min<int64_t>(16, p.N - b * 16);
+  for (int m = 0; m < M; ++m) store16(p, y, m * p.N + b * 16, _mm512_mul_ps(total[m], sw), rows);
+}
+
+template <int64_t Kind, int M>
+AVX512VNNI void blocks_vnni_m(const Problem& p, const Int8Acts& acts, int64_t row0, int64_t b0, int64_t b1, void* y) {
+  for (int64_t b = b0; b < b1; ++b) {
+    if constexpr (Kind == kINT4) block_rows_int4_vnni<M>(p, acts, row0, b, y);
+    else block_rows_int8_vnni<M>(p, acts, row0, b, y);
+  }
+}
+
+template <int64_t Kind>
+AVX512VNNI void blocks_vnni_kind(const Problem& p, const Int8Acts& acts, int64_t row0, int64_t b0, int64_t b1,
                                  void* y) {
   switch (p.M) {
-    case 1: return blocks_int4_vnni_m<1>(p, acts, row0, b0, b1, y);
-    case 2: return blocks_int4_vnni_m<2>(p, acts, row0, b0, b1, y);
-    case 3: return blocks_int4_vnni_m<3>(p, acts, row0, b0, b1, y);
-    case 4: return blocks_int4_vnni_m<4>(p, acts, row0, b0, b1, y);
-    case 5: return blocks_int4_vnni_m<5>(p, acts, row0, b0, b1, y);
-    case 6: return blocks_int4_vnni_m<6>(p, acts, row0, b0, b1, y);
-    case 7: return blocks_int4_vnni_m<7>(p, acts, row0, b0, b1, y);
-    default: return blocks_int4_vnni_m<8>(p, acts, row0, b0, b1, y);
+    case 1: return blocks_vnni_m<Kind, 1>(p, acts, row0, b0, b1, y);
+    case 2: return blocks_vnni_m<Kind, 2>(p, acts, row0, b0, b1, y);
+    case 3: return blocks_vnni_m<Kind, 3>(p, acts, row0, b0, b1, y);
+    case 4: return blocks_vnni_m<Kind, 4>(p, acts, row0, b0, b1, y);
+    case 5: return blocks_vnni_m<Kind, 5>(p, acts, row0, b0, b1, y);
+    case 6: return blocks_vnni_m<Kind, 6>(p, acts, row0, b0, b1, y);
+    case 7: return blocks_vnni_m<Kind, 7>(p, acts, row0, b0, b1, y);
+    default: return blocks_vnni_m<Kind, 8>(p, acts, row0, b0, b1, y);
   }
+}
+
+AVX512VNNI void blocks_vnni(const Problem& p, const Int8Acts& acts, int64_t row0, int64_t b0, int64_t b1, void* y) {
+  if (p.kind == kINT4) blocks_vnni_kind<kINT4>(p, acts, row0, b0, b1, y);
+  else blocks_vnni_kind<kINT8>(p, acts, row0, b0, b1, y);
 }
 
 // Room for `rows` quantized activation rows of p's shape.
@@ -432,8 +529,8 @@ struct Int8ActsStorage {
   int64_t rows = 0, row_bytes = 0, G = 0;
   Int8ActsStorage() = default;
   Int8ActsStorage(const Problem& p, int64_t rows)
-      : bytes(at::empty({rows * (int8_row_bytes(p.K) + 8 * p.G)}, at::kChar)), rows(rows),
-        row_bytes(int8_row_bytes(p.K)), G(p.G) {}
+      : bytes(at::empty({rows * (int8_row_bytes(p.K) + 8 * act_group_count(p))}, at::kChar)), rows(rows),
+        row_bytes(int8_row_bytes(p.K)), G(act_group_count(p)) {}
   Int8Acts acts() const {
     int8_t* base = bytes.data_ptr<int8_t>();
     const auto* sums = reinterpret_cast<const int32_t*>(base + rows * row_bytes);  // row_bytes: a multiple of 16
@@ -443,14 +540,14 @@ struct Int8ActsStorage {
 
 // Blocks [b0, b1) of p (p.M rows of x, x_row bytes apart; bf16 activations and outputs when p.out_bf16,
 // else fp32) into y [p.M, N]: more than 8 rows go 8 at a time, one sweep of the weights each. With acts, the
-// rows are acts' rows row0… (the int4 VNNI path) and x is not read.
+// rows are acts' rows row0… (a VNNI path) and x is not read.
 AVX512BF16 void row_sweeps(const Problem& p, const uint8_t* x, int64_t x_row, int64_t b0, int64_t b1, uint8_t* y,
                            const Int8Acts* acts = nullptr, int64_t row0 = 0) {
   const int64_t item = p.out_bf16 ? 2 : 4;
   for (int64_t m0 = 0; m0 < p.M; m0 += 8) {
     Problem q = p;
     q.M = std::min<int64_t>(8, p.M - m0);
-    if (acts) blocks_int4_vnni(q, *acts, row0 + m0, b0, b1, y + m0 * p.N * item);
+    if (acts) blocks_vnni(q, *acts, row0 + m0, b0, b1, y + m0 * p.N * item);
     else if (p.out_bf16) blocks_any<true>(q, x + m0 * x_row, b0, b1, y + m0 * p.N * item);
     else blocks_any<false>(q, x + m0 * x_row, b0, b1, y + m0 * p.N * item);
   }
@@ -555,7 +652,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   // Enough weight bytes per task that waking a thread pays off.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / p.block_bytes);
 #if DSASERVE_X86
-  const bool vnni = int4_vnni_applies(p);
+  const bool vnni = vnni_applies(p);
   Int8ActsStorage storage;
   Int8Acts acts{};
   if (vnni) {  // every row quantized once, before the weights are swept
@@ -635,8 +732,8 @@ at::Tensor gated_rows(Problem gate_up, Problem down, const std::vector<GatedWeig
     const uint8_t* xb = static_cast<const uint8_t*>(in.data_ptr());
     uint8_t* yb = static_cast<uint8_t*>(result.data_ptr());
     const int64_t x_rows = in.size(2) * item, y_rows = base.N * item;
-    // The int4 VNNI path: each entry's rows quantized once (slot i * 16 + r), before the weights are swept.
-    const bool vnni = int4_vnni_applies(base);
+    // A VNNI path: each entry's rows quantized once (slot i * 16 + r), before the weights are swept.
+    const bool vnni = vnni_applies(base);
     Int8ActsStorage storage;
     Int8Acts acts{};
     if (vnni) {
@@ -835,6 +932,14 @@ std::string int4_bf16_path() {
   return cpu_kernels();
 }
 
+// The same for int8 weights (one scale per row; activations quantized per row and 128 columns).
+std::string int8_bf16_path() {
+#if DSASERVE_X86
+  if (cpu_has_kernels() && int8_vnni_enabled()) return "avx512_vnni";
+#endif
+  return cpu_kernels();
+}
+
 }  // namespace
 
 at::Tensor dsaserve::packed_product(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
@@ -856,6 +961,7 @@ TORCH_LIBRARY(dsaserve, m) {
         "int gate_up_group, int down_group, int down_col_offset) -> Tensor");
   m.def("cpu_kernels() -> str", &cpu_kernels);
   m.def("int4_bf16_path() -> str", &int4_bf16_path);
+  m.def("int8_bf16_path() -> str", &int8_bf16_path);
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
