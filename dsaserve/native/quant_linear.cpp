@@ -712,19 +712,18 @@ GatedWeights stacked(const Problem& gate_up, const at::Tensor& gate_up_q, const 
           down_s.data_ptr<float>() + e * d_blocks * down.G * 16};
 }
 
-// Entry i of xs [A, 16, hidden2] (its first rows[i] rows; columns past hidden zero) through the gated MLP whose
-// weights are sources[i], all of the shapes gate_up [2 * inter, hidden] and down [hidden, inter] describe:
-// y [A, 16, hidden] = down(silu(gate) * up). Each product runs over every entry's blocks in one parallel pass.
+// Entry i of xs [A, S, hidden2] (its first rows[i] <= S rows; columns past hidden zero) through the gated MLP
+// whose weights are sources[i], all of the shapes gate_up [2 * inter, hidden] and down [hidden, inter] describe:
+// y [A, S, hidden] = down(silu(gate) * up). Each product runs over every entry's blocks in one parallel pass.
 // Rounding is torch's on the same tensors: each product in x's dtype, the SiLU, then the gating product.
 at::Tensor gated_rows(Problem gate_up, Problem down, const std::vector<GatedWeights>& sources,
                       const std::vector<int64_t>& rows, const at::Tensor& xs) {
-  const int64_t A = static_cast<int64_t>(sources.size()), inter = gate_up.N / 2, hidden = down.N;
+  const int64_t A = static_cast<int64_t>(sources.size()), inter = gate_up.N / 2, hidden = down.N, S = xs.size(1);
   const bool bf16 = xs.scalar_type() == at::kBFloat16;
   const int64_t item = bf16 ? 2 : 4, inter2 = down.K2 * 2;
-  at::Tensor h = at::empty({A, kMaxRows, 2 * inter}, xs.options());
-  at::Tensor a = inter2 > inter ? at::zeros({A, kMaxRows, inter2}, xs.options())
-                                : at::empty({A, kMaxRows, inter2}, xs.options());
-  at::Tensor y = at::empty({A, kMaxRows, hidden}, xs.options());
+  at::Tensor h = at::empty({A, S, 2 * inter}, xs.options());
+  at::Tensor a = inter2 > inter ? at::zeros({A, S, inter2}, xs.options()) : at::empty({A, S, inter2}, xs.options());
+  at::Tensor y = at::empty({A, S, hidden}, xs.options());
 #if DSASERVE_X86
   auto run = [&](Problem base, bool first, const at::Tensor& in, at::Tensor& result) {
     base.out_bf16 = bf16;
@@ -732,24 +731,23 @@ at::Tensor gated_rows(Problem gate_up, Problem down, const std::vector<GatedWeig
     const uint8_t* xb = static_cast<const uint8_t*>(in.data_ptr());
     uint8_t* yb = static_cast<uint8_t*>(result.data_ptr());
     const int64_t x_rows = in.size(2) * item, y_rows = base.N * item;
-    // A VNNI path: each entry's rows quantized once (slot i * 16 + r), before the weights are swept.
+    // A VNNI path: each entry's rows quantized once (slot i * S + r), before the weights are swept.
     const bool vnni = vnni_applies(base);
     Int8ActsStorage storage;
     Int8Acts acts{};
     if (vnni) {
-      storage = Int8ActsStorage(base, A * kMaxRows);
+      storage = Int8ActsStorage(base, A * S);
       acts = storage.acts();
       for (int64_t i = 0; i < A; ++i)
         for (int64_t r = 0; r < rows[i]; ++r)
-          quantize_row(base, reinterpret_cast<const uint16_t*>(xb + (i * kMaxRows + r) * x_rows), acts, i * kMaxRows + r);
+          quantize_row(base, reinterpret_cast<const uint16_t*>(xb + (i * S + r) * x_rows), acts, i * S + r);
     }
     parallel_over_expert_blocks(A, blocks, base.block_bytes, [&](int64_t i, int64_t b0, int64_t b1) {
       Problem p = base;
       p.M = rows[i];
       p.w = first ? sources[i].gate_up_w : sources[i].down_w;
       p.scale = first ? sources[i].gate_up_s : sources[i].down_s;
-      row_sweeps(p, xb + i * kMaxRows * x_rows, x_rows, b0, b1, yb + i * kMaxRows * y_rows, vnni ? &acts : nullptr,
-                 i * kMaxRows);
+      row_sweeps(p, xb + i * S * x_rows, x_rows, b0, b1, yb + i * S * y_rows, vnni ? &acts : nullptr, i * S);
     });
   };
   run(gate_up, true, xs, h);
@@ -762,16 +760,19 @@ at::Tensor gated_rows(Problem gate_up, Problem down, const std::vector<GatedWeig
   return y;
 }
 
-// What gated_rows reads: rows of contiguous x [T, hidden] gathered into xs [entries, 16, hidden2], entry i
-// holding rows tokens[i] in order, padded to hidden2 >= hidden columns with zeros (pairs of columns are the
-// kernel's unit).
+// What gated_rows reads: rows of contiguous x [T, hidden] gathered into xs [entries, S, hidden2], S the most rows
+// an entry holds, entry i holding rows tokens[i] in order, padded to hidden2 >= hidden columns with zeros (pairs
+// of columns are the kernel's unit). (S, not 16: a decode step's entries hold a row or two each.)
 at::Tensor entry_rows(const at::Tensor& x, int64_t hidden2, const std::vector<std::vector<int64_t>>& tokens) {
   const int64_t hidden = x.size(1), item = x.element_size(), entries = static_cast<int64_t>(tokens.size());
-  at::Tensor xs = hidden2 > hidden ? at::zeros({entries, kMaxRows, hidden2}, x.options())
-                                   : at::empty({entries, kMaxRows, hidden2}, x.options());
+  size_t most = 1;
+  for (const auto& t : tokens) most = std::max(most, t.size());
+  const int64_t S = static_cast<int64_t>(most);
+  at::Tensor xs = hidden2 > hidden ? at::zeros({entries, S, hidden2}, x.options())
+                                   : at::empty({entries, S, hidden2}, x.options());
   const uint8_t* src = static_cast<const uint8_t*>(x.data_ptr());
   for (int64_t i = 0; i < entries; ++i) {
-    uint8_t* dst = static_cast<uint8_t*>(xs.data_ptr()) + i * kMaxRows * hidden2 * item;
+    uint8_t* dst = static_cast<uint8_t*>(xs.data_ptr()) + i * S * hidden2 * item;
     for (size_t r = 0; r < tokens[i].size(); ++r)
       std::memcpy(dst + r * hidden2 * item, src + tokens[i][r] * hidden * item, hidden * item);
   }
@@ -864,7 +865,7 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
   };
   void* o = out.data_ptr();
   for (int64_t i = 0; i < A; ++i) {
-    const uint8_t* ye = static_cast<const uint8_t*>(y.data_ptr()) + i * kMaxRows * hidden * item;
+    const uint8_t* ye = static_cast<const uint8_t*>(y.data_ptr()) + i * y.size(1) * hidden * item;
     for (size_t r = 0; r < pairs[active[i]].size(); ++r) {
       const auto [t, j] = pairs[active[i]][r];
       const float weight = w[t * top + j];
