@@ -181,6 +181,27 @@ def test_fp8_as_shipped_dequantizes_bit_for_bit_like_the_loader():
         assert torch.equal(weight.matrix().dequantize(), loader)
 
 
+@needs_kernels
+def test_fp8_kernel_decodes_every_finite_e4m3_byte():
+    """Every finite e4m3 byte (both zeros and the subnormals included, which the kernel decodes apart from the
+    normal numbers) gives the loader's value: in the transposed dequantization, and in the product, where one-hot
+    activation rows pick the weight's columns out exactly."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F, 0xFF: NaN
+    q = torch.stack([codes.roll(3 * r) for r in range(16)])  # each byte in every row lane
+    n, k = q.shape
+    scale = torch.full((n, formats.scale_columns("fp8", k)), 0.75)
+    packed_q, packed_s = formats.pack("fp8", q, scale)
+    weight = formats.dequantize_reference("fp8", q, scale, 0)
+    args = (formats.KINDS["fp8"], formats.group_of("fp8", k), 0, n, k)
+    assert torch.equal(torch.ops.dsaserve.dequantize_t(packed_q, packed_s, *args, torch.float32), weight.T)
+    for first in range(0, k, 16):
+        columns = torch.arange(first, min(first + 16, k))
+        one_hot = torch.zeros(len(columns), k)
+        one_hot[torch.arange(len(columns)), columns] = 1
+        y = torch.ops.dsaserve.quant_linear(one_hot, packed_q, packed_s, *args)
+        assert torch.equal(y, weight[:, columns].T)
+
+
 @pytest.mark.parametrize("kind", ("int8", "int4"))
 def test_quantization_error_is_within_the_rounding_bound(kind):
     """Symmetric rounding: each weight is off by at most half a step of its row's (group's) scale."""
