@@ -68,6 +68,30 @@ def test_selected_rows_equal_fp32_attention_within_bf16_rounding():
 
 
 @needs_bf16_kernel
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_a_query_alone_is_split_over_the_threads_and_merged_correctly(threads):
+    """Fewer queries than threads: each query's rows go in parts to the threads and the parts are merged. The
+    dominant rows sit in the last part, one part holds no valid row, and the rows are ragged."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, width in ((1, 150), (1, 1000), (2, 333)):
+            query, rows, slots = random_case(width, n, 16, 72, width, 2 * width)
+            rows[slots[:, -5:].flatten()] = (query[0, 0].float() * 2).bfloat16()  # dominant rows, last part
+            slots[-1, width // 4: 3 * width // 4] = -1  # empty entries: a whole part of them at 3 or 4 threads
+            out = torch.empty(n, 16, 64, dtype=torch.bfloat16)
+            assert attend_selected_rows(query, rows, slots, 0.2, out)
+            expected = reference(query, rows, slots, 0.2, 64)
+            assert (out.float() - expected).abs().max() <= 0.02 * expected.abs().max(), (n, width)
+        query, rows, slots = random_case(0, 1, 16, 72, 300, 400)
+        out = torch.empty(1, 16, 64, dtype=torch.bfloat16)
+        assert attend_selected_rows(query, rows, torch.full_like(slots, -1), 0.2, out)
+        assert not out.any()  # no row at all: zeros, as in one pass, not NaN
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16_kernel
 def test_a_query_whose_best_rows_come_late_is_rescaled_correctly():
     """The running maximum grows in a later block: earlier blocks' sums must be scaled down."""
     query, rows, slots = random_case(1, 2, 16, 72, 200, 300)

@@ -6,7 +6,10 @@
  * taken BLOCK at a time: scored, folded into an online softmax (running maximum and sum per head,
  * accumulator rescaled when the maximum grows) and multiplied into the values while they are still
  * in cache, so each selected row is read from memory once and never copied. Queries are shared out
- * over torch's intra-op threads (at::parallel_for), each pulling queries from one counter.
+ * over torch's intra-op threads (at::parallel_for), each pulling work from one counter. With fewer
+ * queries than threads (batch-1 decode), each query's rows are split into parts, one work item
+ * each; a part's running maximum, sum and accumulator are kept, and the parts are merged
+ * (each rescaled to the largest maximum) before the output is written.
  *
  * The products use AVX-512 BF16 (vdpbf16ps, 32 multiply-adds per instruction): the score pass holds
  * 16 heads in one register (pairs of q columns against a broadcast pair of row columns), the value
@@ -19,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -43,7 +47,10 @@ typedef struct {
     uint16_t *out;         /* out[i * out_q_stride + h * out_h_stride + d], d < value_dim */
     int64_t n, heads, dim, width, value_dim, q_stride, rows_stride, out_q_stride, out_h_stride;
     float scale;
-    int64_t next; /* next query to take, shared by the workers */
+    int64_t parts;      /* work items per query: its rows split in `parts` ranges of part_rows */
+    int64_t part_rows;  /* a multiple of 16 */
+    float *partial;     /* parts > 1: per item, [heads * value_dim] accumulator, [heads] maximum, [heads] sum */
+    int64_t next;       /* next work item to take, shared by the workers */
 } Job;
 
 #if DSASERVE_X86
@@ -190,8 +197,9 @@ void finish_bf16(const Job *job, int64_t i, const Scratch *s) {
     }
 }
 
-void attend_bf16(const Job *job, int64_t i, Scratch *s) {
-    const int64_t H = job->heads, D = job->dim, K = job->width, V = job->value_dim, pairs = D / 2;
+/* Query i over its selected rows [k_begin, k_end): running maximum, sum and accumulator in s. */
+void attend_range(const Job *job, int64_t i, int64_t k_begin, int64_t k_end, Scratch *s) {
+    const int64_t H = job->heads, D = job->dim, K = k_end, V = job->value_dim, pairs = D / 2;
     const uint16_t *q = job->q + i * job->q_stride;
     for (int64_t h = 0; h < H; h++)
         for (int64_t p = 0; p < pairs; p++)
@@ -203,7 +211,7 @@ void attend_bf16(const Job *job, int64_t i, Scratch *s) {
     memset(s->acc, 0, H * V * sizeof(float));
     const uint16_t *rows[BLOCK];
     int valid[BLOCK];
-    for (int64_t k0 = 0; k0 < K; k0 += BLOCK) {
+    for (int64_t k0 = k_begin; k0 < K; k0 += BLOCK) {
         int64_t count = K - k0 < BLOCK ? K - k0 : BLOCK;
         for (int64_t r = 0; r < count; r++) {
             rows[r] = row_of(job, i, k0 + r);
@@ -227,7 +235,53 @@ void attend_bf16(const Job *job, int64_t i, Scratch *s) {
             value_block(rows, padded, s->pairs, g * 16 + 8, s->rescale, s->acc, V);
         }
     }
-    finish_bf16(job, i, s);
+}
+
+int64_t partial_floats(const Job *job) { return job->heads * (job->value_dim + 2); }
+
+/* Work item `item`: a whole query written out, or one part of a query kept in job->partial. */
+void attend_item(const Job *job, int64_t item, Scratch *s) {
+    const int64_t i = item / job->parts, part = item % job->parts;
+    const int64_t k_begin = part * job->part_rows;
+    const int64_t k_end = job->parts == 1 ? job->width : std::min(job->width, k_begin + job->part_rows);
+    attend_range(job, i, k_begin, k_end, s);
+    if (job->parts == 1) {
+        finish_bf16(job, i, s);
+        return;
+    }
+    const int64_t H = job->heads, HV = H * job->value_dim;
+    float *dst = job->partial + item * partial_floats(job);
+    memcpy(dst, s->acc, HV * sizeof(float));
+    memcpy(dst + HV, s->maximum, H * sizeof(float));
+    memcpy(dst + HV + H, s->total, H * sizeof(float));
+}
+
+/* Query i's parts merged into part 0's slot (each part's sum and accumulator times e^(its maximum - the
+ * largest)), then written out. A part without a valid row (maximum -inf) adds nothing. */
+void merge_parts(const Job *job, int64_t i) {
+    const int64_t H = job->heads, V = job->value_dim, HV = H * V, stride = partial_floats(job);
+    float *first = job->partial + i * job->parts * stride;
+    for (int64_t h = 0; h < H; h++) {
+        float largest = -INFINITY;
+        for (int64_t j = 0; j < job->parts; j++) largest = std::max(largest, first[j * stride + HV + h]);
+        float total = 0.f;
+        float *acc = first + h * V;
+        for (int64_t j = 0; j < job->parts; j++) {
+            const float *part = first + j * stride;
+            const float m = part[HV + h];
+            const float alpha = m == -INFINITY ? 0.f : std::exp(m - largest);
+            total += part[HV + H + h] * alpha;
+            if (j == 0)
+                for (int64_t d = 0; d < V; d++) acc[d] *= alpha;
+            else
+                for (int64_t d = 0; d < V; d++) acc[d] += part[h * V + d] * alpha;
+        }
+        first[HV + H + h] = total;
+    }
+    Scratch merged = {};
+    merged.acc = first;
+    merged.total = first + HV + H;
+    finish_bf16(job, i, &merged);
 }
 
 bool worker(Job *job) {
@@ -245,7 +299,8 @@ bool worker(Job *job) {
         s.maximum = static_cast<float *>(mem[2]), s.total = static_cast<float *>(mem[3]);
         s.scores = static_cast<float *>(mem[4]), s.pairs = static_cast<uint32_t *>(mem[5]);
         s.rescale = static_cast<float *>(mem[6]);
-        for (int64_t i; (i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n;) attend_bf16(job, i, &s);
+        const int64_t items = job->n * job->parts;
+        for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;) attend_item(job, item, &s);
     }
     for (int k = 0; k < 7; k++) free(mem[k]);
     return ok;
@@ -273,16 +328,26 @@ void attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at:
     TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.size(0) == n && out.size(1) == heads && out.stride(2) == 1,
                 "attend_selected_rows: out must be bf16 [n, heads, V] with unit column stride");
 #if DSASERVE_X86
+    const int64_t width = slots.size(1), threads = at::get_num_threads();
+    // Fewer queries than threads: each query's rows in equal parts (of 16 rows at least), one per thread.
+    const int64_t wanted = n >= threads ? 1 : std::min<int64_t>((threads + n - 1) / n, (width + 15) / 16);
+    const int64_t part_rows = std::max<int64_t>(1, ((width + wanted - 1) / wanted + 15) / 16) * 16;
+    const int64_t parts = std::max<int64_t>(1, (width + part_rows - 1) / part_rows);
+    at::Tensor partial;
+    if (parts > 1) partial = at::empty({n * parts * heads * (value_dim + 2)}, at::kFloat);
     Job job = {static_cast<const uint16_t *>(q.data_ptr()), static_cast<const uint16_t *>(rows.data_ptr()),
-               slots.data_ptr<int64_t>(), static_cast<uint16_t *>(out.data_ptr()), n, heads, dim, slots.size(1),
-               value_dim, heads * dim, dim, out.stride(0), out.stride(1), static_cast<float>(scale), 0};
+               slots.data_ptr<int64_t>(), static_cast<uint16_t *>(out.data_ptr()), n, heads, dim, width,
+               value_dim, heads * dim, dim, out.stride(0), out.stride(1), static_cast<float>(scale), parts,
+               part_rows, parts > 1 ? partial.data_ptr<float>() : nullptr, 0};
     std::atomic<bool> failed{false};
-    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n * parts));
     at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
         for (int64_t w = a; w < b; ++w)
             if (!worker(&job)) failed = true;
     });
     TORCH_CHECK(!failed, "attend_selected_rows: could not allocate scratch memory");
+    if (parts > 1)
+        for (int64_t i = 0; i < n; ++i) merge_parts(&job, i);
 #endif
 }
 
