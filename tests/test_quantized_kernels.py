@@ -457,3 +457,48 @@ def test_one_call_attention_output_gives_the_operators_bits(kind, dtype):
             two_products = attn.o_proj(mla_module.per_head(latent, attn.w_uv).reshape(tokens, -1))
         assert one_call.shape == (tokens, cfg.hidden_size) and one_call.dtype == dtype
         assert torch.equal(one_call, two_products), tokens
+
+
+@needs_kernels
+def test_gathered_operator_arguments_follow_the_modules_tensors():
+    """MLA gathers its native calls' weight arguments once (model/prepared_calls.py); when its tensors are
+    replaced (`_apply`, as .to() and to_empty() do) or a weight is swapped and `forget_prepared` is called, the
+    next call reads the new tensors, and gives what they give."""
+    from dsaserve.attention import SparseAttention
+    from dsaserve.attention.indexer import Selection
+    from dsaserve.config import ModelConfig
+    from dsaserve.demo.checkpoint_builder import small_config
+    from dsaserve.model import mla as mla_module
+    from dsaserve.model.prepared_calls import forget_prepared
+
+    g = torch.Generator().manual_seed(12)
+    cfg = ModelConfig.from_dict(small_config())
+    attn = mla_module.MLAAttention(cfg, 0, SparseAttention(), Selection(cfg.index_topk))
+    heads, rank, v = attn.num_heads, attn.kv_lora_rank, attn.v_dim
+
+    def packed_w_uv(scale: float) -> QuantizedWeight:
+        w_uv = QuantizedWeight("int8", v, rank, experts=heads)
+        for h in range(heads):
+            w_uv.load_rows(0, torch.randn(v, rank, generator=g) * scale, expert=h)
+        return w_uv
+
+    o_proj = QuantizedWeight("int8", cfg.hidden_size, heads * v)
+    o_proj.load_rows(0, torch.randn(cfg.hidden_size, heads * v, generator=g) * 0.2)
+    del attn.w_uv, attn.o_proj.weight
+    attn.w_uv, attn.o_proj.weight = packed_w_uv(0.3), o_proj
+    latent = torch.randn(2, heads, rank, generator=g)
+    with torch.inference_mode():
+        first = attn.attention_output(latent)
+        gathered, _ = attn.prepared("output", lambda: None)
+        assert gathered[0] is attn.w_uv.qweight
+        attn._apply(lambda t: t.clone())  # new tensor objects, same values
+        assert gathered[0] is not attn.w_uv.qweight
+        assert torch.equal(attn.attention_output(latent), first)
+        gathered, _ = attn.prepared("output", lambda: None)
+        assert gathered[0] is attn.w_uv.qweight and gathered[3] is attn.o_proj.weight.qweight
+        del attn.w_uv
+        attn.w_uv = packed_w_uv(0.6)
+        forget_prepared(attn)
+        swapped = attn.attention_output(latent)
+        expected = attn.o_proj(mla_module.per_head(latent, attn.w_uv).reshape(2, -1))
+    assert torch.equal(swapped, expected) and not torch.equal(swapped, first)

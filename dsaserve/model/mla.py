@@ -22,13 +22,14 @@ from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext, check_same_on_ranks
 from dsaserve.model.indexer import Indexer
 from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale, one_operator
-from dsaserve.model.linear import Linear
+from dsaserve.model.linear import Linear, linear
 from dsaserve.model.parallel_layers import RowParallelLinear
+from dsaserve.model.prepared_calls import PreparedCalls
 from dsaserve.native import torch_ops
 from dsaserve.quantization.quantized_weight import KERNEL_ROWS, QuantizedWeight
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(PreparedCalls):
     # W_UK and W_UV may be packed per head; W_UK then as its transpose [H, rank, nope], so that both are
     # products x @ Wᵀ like every other projection.
     QUANTIZABLE = ("w_uk", "w_uv")
@@ -85,24 +86,27 @@ class MLAAttention(nn.Module):
 
     def attention_output(self, out_latent: torch.Tensor) -> torch.Tensor:
         """o_proj of each head's attended latent [T, H, rank] times W_UVᵀ: [T, hidden]."""
-        o_proj = self.o_proj
-        if (0 < out_latent.shape[0] <= KERNEL_ROWS and o_proj.bias is None and isinstance(self.w_uv, QuantizedWeight)
-                and isinstance(o_proj.weight, QuantizedWeight) and torch_ops.cpu_kernels() == "avx512_bf16"):
+        call = self.prepared("output", self._output_call)
+        if call is not None and 0 < out_latent.shape[0] <= KERNEL_ROWS and torch_ops.cpu_kernels() == "avx512_bf16":
             # A few tokens, packed weights: one native call, the same bits as the two products.
-            y = torch.ops.dsaserve.mla_output.default(out_latent, self.w_uv.qweight, self.w_uv.scale, self.w_uv.args,
-                                                      o_proj.weight.qweight, o_proj.weight.scale, o_proj.weight.args)
-            return y if o_proj.comm.size == 1 else o_proj.comm.all_reduce(y)
+            args, comm = call
+            y = torch.ops.dsaserve.mla_output.default(out_latent, *args)
+            return y if comm.size == 1 else comm.all_reduce(y)
         out = per_head(out_latent, self.w_uv)  # [T, H, v]
-        return o_proj(out.reshape(out_latent.shape[0], -1))
+        return self.o_proj(out.reshape(out_latent.shape[0], -1))
+
+    def _output_call(self):
+        """(mla_output's weight arguments, o_proj's communicator), or None where its weights are not packed."""
+        o_proj, w_uv = self.o_proj, self.w_uv
+        if not (o_proj.bias is None and isinstance(w_uv, QuantizedWeight) and isinstance(o_proj.weight, QuantizedWeight)):
+            return None
+        return (w_uv.qweight, w_uv.scale, w_uv.args, o_proj.weight.qweight, o_proj.weight.scale, o_proj.weight.args), o_proj.comm
 
     def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_resid [T, q_lora_rank], query [T, H, rank + rope] = [q_nope · W_UK | rope(q_rope)])."""
         if self._one_call_query(x, cos, sin):  # a few tokens, packed weights: one native call, the same bits
-            query, q_resid = torch.ops.dsaserve.mla_query.default(
-                x, self.q_a_proj.weight.qweight, self.q_a_proj.weight.scale, self.q_a_proj.weight.args,
-                self.q_a_layernorm.weight, self.q_a_layernorm.eps, self.q_b_proj.weight.qweight,
-                self.q_b_proj.weight.scale, self.q_b_proj.weight.args, self.w_uk.qweight, self.w_uk.scale,
-                self.w_uk.args, cos, sin, self.rope_interleave, self.num_heads, self.nope_dim, self.rope_dim)
+            _, weights, shape = self.prepared("query", self._query_call)
+            query, q_resid = torch.ops.dsaserve.mla_query.default(x, *weights, cos, sin, *shape)
             return q_resid, query
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(x.shape[0], self.num_heads, -1)
@@ -111,24 +115,41 @@ class MLAAttention(nn.Module):
         return q_resid, torch.cat([q_latent, apply_rope(q_rope, cos, sin, self.rope_interleave)], dim=-1)
 
     def _one_call_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-        weights = (self.q_a_proj.weight, self.q_b_proj.weight, self.w_uk)
-        return (0 < x.shape[0] <= KERNEL_ROWS and self.q_a_proj.bias is None
-                and all(isinstance(w, QuantizedWeight) for w in weights) and torch_ops.cpu_kernels() == "avx512_bf16"
-                and one_operator(x, self.q_a_layernorm.weight, cos, sin))
+        call = self.prepared("query", self._query_call)
+        return (call is not None and 0 < x.shape[0] <= KERNEL_ROWS and torch_ops.cpu_kernels() == "avx512_bf16"
+                and one_operator(x, call[0], cos, sin))
+
+    def _query_call(self):
+        """(q_a_layernorm's weight, mla_query's weight arguments, its shape arguments), or None where the
+        query's weights are not all packed."""
+        qa, qb, uk = self.q_a_proj.weight, self.q_b_proj.weight, self.w_uk
+        if not (self.q_a_proj.bias is None and all(isinstance(w, QuantizedWeight) for w in (qa, qb, uk))):
+            return None
+        norm = self.q_a_layernorm
+        weights = (qa.qweight, qa.scale, qa.args, norm.weight, norm.eps, qb.qweight, qb.scale, qb.args, uk.qweight,
+                   uk.scale, uk.args)
+        return norm.weight, weights, (self.rope_interleave, self.num_heads, self.nope_dim, self.rope_dim)
 
     def write_latents(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
                       kv_cache: torch.Tensor) -> None:
         """The cache rows of these tokens, `[kv_a_layernorm(latent) | rope(k_rope)]`, at their slots."""
-        kv = self.kv_a_proj_with_mqa(x)
-        norm = self.kv_a_layernorm
-        if meta.write_rows is None and kv.dtype == kv_cache.dtype and one_operator(kv, norm.weight, cos, sin):
+        weight, bias, norm_weight, eps = self.prepared("latents", self._latents_call)
+        kv = linear(x, weight, bias)
+        if meta.write_rows is None and kv.dtype == kv_cache.dtype and one_operator(kv, norm_weight, cos, sin):
             # One native call: the same bits as the operators below.
-            torch.ops.dsaserve.write_latent_rows.default(kv, norm.weight, norm.eps, cos, sin, self.rope_interleave,
+            torch.ops.dsaserve.write_latent_rows.default(kv, norm_weight, eps, cos, sin, self.rope_interleave,
                                                          kv_cache.view(-1, kv.shape[-1]), meta.slot_mapping)
             return
         latent, k_rope = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         row = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rope, cos, sin, self.rope_interleave)], dim=-1)
         kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, meta.rows_to_write(row).to(kv_cache.dtype))
+
+    def _latents_call(self):
+        """(kv_a_proj_with_mqa's weight (its packed matrix where packed) and bias, kv_a_layernorm's weight and eps)."""
+        weight = self.kv_a_proj_with_mqa.weight
+        norm = self.kv_a_layernorm
+        return (weight.matrix() if isinstance(weight, QuantizedWeight) else weight, self.kv_a_proj_with_mqa.bias,
+                norm.weight, norm.eps)
 
     def write_caches(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
                      kv_cache: torch.Tensor, indexer_cache) -> None:

@@ -10,11 +10,12 @@ from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.layers import GatedMLP, one_operator
 from dsaserve.model.linear import expert_weight, linear
+from dsaserve.model.prepared_calls import PreparedCalls
 from dsaserve.quantization.packed_experts import add_routed_experts, fused_applies
 from dsaserve.quantization.quantized_weight import KERNEL_ROWS
 
 
-class Router(nn.Module):
+class Router(PreparedCalls):
     """Chooses experts with `sigmoid(x·Wᵀ) + e_score_correction_bias`; weights are the plain sigmoid scores."""
 
     def __init__(self, cfg: ModelConfig):
@@ -29,12 +30,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → (weights fp32 [T, top_k], expert ids int64 [T, top_k])."""
-        if (x.shape[0] <= KERNEL_ROWS and one_operator(x)  # a few tokens (prefill: torch's GEMM)
-                and self.weight.dtype == self.e_score_correction_bias.dtype == torch.float32):
-            return torch.ops.dsaserve.moe_route.default(x, self.weight, self.e_score_correction_bias, self.top_k,
-                                                        self.n_group, self.topk_group, self.norm_topk_prob,
-                                                        self.scaling)
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        native = self.prepared("route", self._route_call)
+        if native is not None and x.shape[0] <= KERNEL_ROWS and one_operator(x):  # a few tokens (prefill: the GEMM)
+            return torch.ops.dsaserve.moe_route.default(x, *native)
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (a GEMM: many tokens, or no operators)
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
             grouped = choice.view(x.shape[0], self.n_group, -1)
@@ -48,8 +47,15 @@ class Router(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * self.scaling, ids
 
+    def _route_call(self):
+        """moe_route's arguments after x, or None unless the router's tensors are fp32 as the operator takes them."""
+        if not self.weight.dtype == self.e_score_correction_bias.dtype == torch.float32:
+            return None
+        return (self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                self.norm_topk_prob, self.scaling)
 
-class MoE(nn.Module):
+
+class MoE(PreparedCalls):
     QUANTIZABLE = ("experts_gate_up", "experts_down")
 
     """Routed experts plus shared experts. With tensor parallelism each rank holds its share of every
@@ -78,17 +84,16 @@ class MoE(nn.Module):
         self.column_offsets = {"experts_down": 0 if parallel.expert_parallel else plan.rank * inter}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        shared = self.shared_experts
-        if fused_applies(x, self.experts_gate_up, self.experts_down):  # a few tokens: one native call
-            if self.first_expert or self.experts_gate_up.shape[0] < self.gate.weight.shape[0]:  # experts elsewhere
+        gate, gate_up, down, shared, shared_weights, elsewhere = self.prepared("parts", self._parts)
+        weights, ids = gate(x)
+        if fused_applies(x, gate_up, down):  # a few tokens: one native call
+            if elsewhere:
                 local = ids - self.first_expert
-                mine = (local >= 0) & (local < self.experts_gate_up.shape[0])
-                ids = torch.where(mine, local, -1)
-            in_call = (shared is not None and fused_applies(x, shared.gate_up_proj, shared.down_proj.weight)
-                       and shared.gate_up_proj.kind == self.experts_gate_up.kind)
+                ids = torch.where((local >= 0) & (local < gate_up.shape[0]), local, -1)
+            in_call = (shared is not None and fused_applies(x, *shared_weights)
+                       and shared_weights[0].kind == gate_up.kind)
             out = torch.empty_like(x) if in_call else self._shared_output(x)  # in_call: written first, in the call
-            add_routed_experts(x, self.experts_gate_up, self.experts_down, ids, weights, out, shared if in_call else None)
+            add_routed_experts(x, gate_up, down, ids, weights, out, shared if in_call else None)
             return self.comm.all_reduce(out)
         out = self._shared_output(x)
         flat_ids = ids.flatten()
@@ -106,6 +111,14 @@ class MoE(nn.Module):
             out.index_add_(0, tokens, (y * weight_of[start : start + count, None]).to(out.dtype))
             start += count
         return self.comm.all_reduce(out)
+
+    def _parts(self):
+        """(router, experts' gate|up and down, shared experts and their two weights (or None), whether some
+        experts are held elsewhere): what forward reads on every call."""
+        shared = self.shared_experts
+        shared_weights = (shared.gate_up_proj, shared.down_proj.weight) if shared is not None else None
+        elsewhere = bool(self.first_expert) or self.experts_gate_up.shape[0] < self.gate.weight.shape[0]
+        return self.gate, self.experts_gate_up, self.experts_down, shared, shared_weights, elsewhere
 
     def _shared_output(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts' output, or zeros without any: what the routed experts add into."""

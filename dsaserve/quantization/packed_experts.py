@@ -36,6 +36,18 @@ def add_routed_experts(x: torch.Tensor, gate_up: QuantizedWeight, down: Quantize
     """out [T, hidden] += Σ_j weights[t, j] · expert ids[t, j] applied to x[t]; ids are this rank's expert
     indices (-1: an expert held elsewhere), weights fp32 [T, top_k]. Only where fused_applies. With `shared` (a
     GatedMLP whose packed weights are of the experts' kind), out is first set to its output in the same call."""
+    tensors, tail = routed_expert_args(gate_up, down, shared)
+    torch.ops.dsaserve.moe_experts.default(x.contiguous(), *tensors, ids.contiguous(), weights.float().contiguous(),
+                                           out, *tail)
+
+
+def routed_expert_args(gate_up: QuantizedWeight, down: QuantizedWeight, shared=None) -> tuple[tuple, tuple]:
+    """moe_experts' weight arguments before the token ones, and after them: gathered once per (down, shared)
+    pair and kept with gate_up (prepared_calls.py)."""
+    known = gate_up.prepared("routed experts", dict)
+    entry = known.get((id(down), id(shared)))
+    if entry is not None and entry[0] is down and entry[1] is shared:
+        return entry[2]
     extra = ()
     if shared is not None:
         s_gate_up, s_down = shared.gate_up_proj, shared.down_proj.weight
@@ -44,7 +56,7 @@ def add_routed_experts(x: torch.Tensor, gate_up: QuantizedWeight, down: Quantize
                              "takes one kind")
         extra = (s_gate_up.qweight, s_gate_up.scale, s_down.qweight, s_down.scale, shared.intermediate_size,
                  s_gate_up.args[1], s_down.args[1], s_down.col_offset)
-    torch.ops.dsaserve.moe_experts.default(
-        x.contiguous(), gate_up.qweight, gate_up.scale, down.qweight, down.scale, ids.contiguous(),
-        weights.float().contiguous(), out, gate_up.args[0], down.in_features, gate_up.args[1], down.args[1],
-        down.col_offset, *extra)
+    args = ((gate_up.qweight, gate_up.scale, down.qweight, down.scale),
+            (gate_up.args[0], down.in_features, gate_up.args[1], down.args[1], down.col_offset, *extra))
+    known[(id(down), id(shared))] = (down, shared, args)
+    return args

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.model.prepared_calls import PreparedCalls
 from dsaserve.native import torch_ops
 from dsaserve.quantization import formats
 from dsaserve.model.fp8_blocks import Fp8Slice, as_float
@@ -53,7 +54,7 @@ class PackedMatrix:
         return w.to(device=self.qweight.device, dtype=dtype)
 
 
-class QuantizedWeight(nn.Module):
+class QuantizedWeight(PreparedCalls):
     def __init__(self, kind: str, out_features: int, in_features: int, experts: int | None = None, col_offset: int = 0):
         super().__init__()
         self.kind, self.out_features, self.in_features, self.col_offset = kind, out_features, in_features, col_offset
