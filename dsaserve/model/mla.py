@@ -98,9 +98,10 @@ class MLAAttention(PreparedCalls):
     def _output_call(self):
         """(mla_output's weight arguments, o_proj's communicator), or None where its weights are not packed."""
         o_proj, w_uv = self.o_proj, self.w_uv
-        if not (o_proj.bias is None and isinstance(w_uv, QuantizedWeight) and isinstance(o_proj.weight, QuantizedWeight)):
+        o = o_proj.weight
+        if not (o_proj.bias is None and isinstance(w_uv, QuantizedWeight) and isinstance(o, QuantizedWeight)):
             return None
-        return (w_uv.qweight, w_uv.scale, w_uv.args, o_proj.weight.qweight, o_proj.weight.scale, o_proj.weight.args), o_proj.comm
+        return (w_uv.qweight, w_uv.scale, w_uv.args, o.qweight, o.scale, o.args), o_proj.comm
 
     def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_resid [T, q_lora_rank], query [T, H, rank + rope] = [q_nope · W_UK | rope(q_rope)])."""

@@ -300,7 +300,8 @@ bool worker(Job *job) {
         s.scores = static_cast<float *>(mem[4]), s.pairs = static_cast<uint32_t *>(mem[5]);
         s.rescale = static_cast<float *>(mem[6]);
         const int64_t items = job->n * job->parts;
-        for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;) attend_item(job, item, &s);
+        for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
+            attend_item(job, item, &s);
     }
     for (int k = 0; k < 7; k++) free(mem[k]);
     return ok;
