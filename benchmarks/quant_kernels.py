@@ -3,14 +3,18 @@
     python benchmarks/quant_kernels.py
 
 Against torch's bf16 F.linear on the same weight and this machine's copy bandwidth (bytes copied per
-second, 1 GiB buffers). 64 MiB of bf16 weights (32, 16 MiB packed in 8, 4 bits) is past the caches here.
+second, 1 GiB buffers). The weight is 64 MiB in bf16 (32, 16 MiB packed in 8, 4 bits); each measurement
+cycles through copies of it, 256 MiB in all, so that every product reads its weight from memory as decode
+does, not from a 32 MiB L3 that still holds it from the previous call.
 int4 runs on the path this CPU takes for bf16 activations (printed); `DSASERVE_INT4_VNNI=0 python
 benchmarks/quant_kernels.py` measures the bf16 one where the VNNI path is the default.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from typing import Callable
 
 import torch
 
@@ -19,6 +23,14 @@ from dsaserve.native import torch_ops
 from dsaserve.quantization import formats
 
 N, K = 8192, 4096
+COLD_BYTES = 256 << 20  # weight copies cycled through per measurement
+
+
+def cold(tensors: tuple, size: int) -> Callable[[], tuple]:
+    """The next of enough copies of `tensors` (`size` bytes) that cycling through them reads from memory."""
+    copies = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(-(-COLD_BYTES // size) - 1)]
+    turn = itertools.cycle(copies)
+    return lambda: next(turn)
 
 
 def per_call(fn, n: int = 20) -> float:
@@ -40,9 +52,10 @@ def main() -> None:
           f"{torch.ops.dsaserve.int4_bf16_path()}")
     w = torch.randn(N, K)
     wb = w.bfloat16()
+    next_wb = cold((wb,), N * K * 2)
     for m in (1, 4, 16):
         x = torch.randn(m, K).bfloat16()
-        t = per_call(lambda: torch.nn.functional.linear(x, wb))
+        t = per_call(lambda: torch.nn.functional.linear(x, *next_wb()))
         print(f"torch bf16 F.linear, {m:2d} rows: {N * K * 2 / t / 1e9:5.1f} GB/s ({t * 1e3:.2f} ms)")
     for kind in ("bf16", "fp8", "int8", "int4"):
         if kind == "bf16":
@@ -55,9 +68,10 @@ def main() -> None:
         packed, scales = formats.pack(kind, q, scale)
         size = packed.numel() * packed.element_size() + scales.numel() * 4
         args = (formats.KINDS[kind], formats.group_of(kind, K), 0, N, K)
+        next_weight = cold((packed, scales), size)
         for m in (1, 4, 16):
             x = torch.randn(m, K).bfloat16()
-            t = per_call(lambda: torch.ops.dsaserve.quant_linear(x, packed, scales, *args))
+            t = per_call(lambda: torch.ops.dsaserve.quant_linear(x, *next_weight(), *args))
             print(f"{kind:>4} kernel, {m:2d} rows: {size / t / 1e9:5.1f} GB/s ({t * 1e3:.2f} ms, "
                   f"{size / t / copy:.0%} of copy)")
 
