@@ -70,13 +70,12 @@ class QuantizedWeight(PreparedCalls):
 
     def matrix(self, expert: int | None = None) -> PackedMatrix:
         if expert is None:  # made once (after loading, on the weight's device), then reused by every product
-            cached = getattr(self, "_matrix", None)
-            if cached is None or cached.qweight is not self.qweight:
-                cached = self._matrix = PackedMatrix(self.kind, self.qweight, self.scale, self.out_features,
-                                                     self.in_features, self.col_offset)
-            return cached
+            return self.prepared("matrix", self._whole_matrix)
         return PackedMatrix(self.kind, self.qweight[expert], self.scale[expert], self.out_features, self.in_features,
                             self.col_offset)
+
+    def _whole_matrix(self) -> PackedMatrix:
+        return PackedMatrix(self.kind, self.qweight, self.scale, self.out_features, self.in_features, self.col_offset)
 
     def batched_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, M, K] by each of the B stacked weights: [B, M, N] (one attention head each)."""
