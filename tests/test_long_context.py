@@ -257,3 +257,32 @@ def test_page_backend_with_every_page_reproduces_dense(make_checkpoint):
         assert abs(a[t].logprob - b[t].logprob) < 1e-4
     assert few.token_ids != dense.token_ids or any(
         abs(a[t].logprob - b[t].logprob) > 1e-3 for a, b, t in zip(few.logprobs, dense.logprobs, dense.token_ids))
+
+
+@pytest.mark.skipif(not native_scores.fits(8, 32), reason="no native index-score kernel here (needs the operators "
+                    "built and AVX-512 BF16): indexer key caches stay unpacked")
+def test_a_bf16_engine_keeps_indexer_keys_packed_and_generates_what_unpacked_keys_give(make_checkpoint, monkeypatch):
+    """bf16 on a CPU with the scoring kernel: the key caches are in its layout and scored in place. Prompts
+    past index_topk (16) make every full layer score and select in prefill and decode; tokens and logprobs
+    are those of the same engine with plain key rows, gathered and packed per chunk."""
+    import dsaserve.engine.kv_cache as kv_cache
+
+    path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
+    prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 41)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def run():
+        llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, progress=False)
+        packed = {cache.packed for cache in llm.engine.kv_cache.indexer.values()}
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return packed, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    packed, with_packed = run()
+    assert packed == {True}
+    scored = []
+    real = native_scores.index_scores
+    monkeypatch.setattr(native_scores, "index_scores", lambda *a: scored.append(1) or real(*a))
+    monkeypatch.setattr(kv_cache, "packs_indexer_keys", lambda *a: False)
+    packed, with_rows = run()
+    assert packed == {False} and scored  # the other layout, through the gather-and-pack kernel
+    assert with_packed == with_rows

@@ -10,6 +10,7 @@ from dsaserve import native
 from dsaserve.native import torch_ops
 from dsaserve.attention import SparseAttention, sparse
 from dsaserve.attention.indexer import ScoreScratch, Selection
+from dsaserve.attention.indexer_cache import IndexerKeyCache
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.native import index_scores as native_scores
 from dsaserve.native.selected_rows import attend_selected_rows, fits, has_bf16_kernel
@@ -227,6 +228,48 @@ def test_index_scores_equal_relu_weighted_head_sum_in_fp32():
         expected = ((q.float() @ key_rows.float().T).relu() * weights[:, :, None]).sum(1)
         assert torch.allclose(out[:, :keys], expected, atol=1e-4, rtol=1e-4)
         assert (out[:, keys:] == 7.0).all()  # nothing written past the keys
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_index_scores_read_in_place_from_a_packed_key_cache_equal_the_gathered_keys_scores(block_size):
+    """A packed key cache scored in place along a block list gives the bits of the same keys gathered,
+    packed per chunk and scored: any block order, a block count whose 16-key groups do not fill the
+    kernel's 64-key items, and keys ending inside a block."""
+    g = torch.Generator().manual_seed(block_size)
+    heads, dim, num_blocks = 8, 128, 11
+    cache = IndexerKeyCache(num_blocks, block_size, dim, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
+    cache.write(torch.arange(num_blocks * block_size), torch.randn(num_blocks * block_size, dim, generator=g))
+    blocks = torch.tensor([7, 2, 9, 0, 5])
+    keys = len(blocks) * block_size - 5
+    q = torch.randn(3, heads, dim, generator=g).bfloat16()
+    weights = torch.rand(3, heads, generator=g)
+    in_place = torch.full((3, keys + 4), 7.0)
+    native_scores.index_scores_blocks(q, weights, cache.groups, blocks, keys, in_place)
+    gathered = cache.read_blocks(blocks, torch.bfloat16)[:keys]
+    packed = native_scores.pack_keys(gathered, torch.empty(native_scores.packed_size(keys, dim), dtype=torch.int32))
+    expected = torch.empty(3, keys)
+    native_scores.index_scores(q, weights, packed, keys, expected)
+    assert torch.equal(in_place[:, :keys], expected)
+    assert (in_place[:, keys:] == 7.0).all()  # nothing written past the keys
+    with pytest.raises(RuntimeError, match="block id 11"):
+        native_scores.index_scores_blocks(q, weights, cache.groups, torch.tensor([3, 11]), block_size, in_place)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_a_packed_key_cache_gives_back_the_keys_written_at_their_slots(block_size):
+    g = torch.Generator().manual_seed(3)
+    plain = IndexerKeyCache(6, block_size, 32, "auto", torch.bfloat16, torch.device("cpu"))
+    packed = IndexerKeyCache(6, block_size, 32, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
+    slots = torch.randperm(6 * block_size, generator=g)[: 3 * block_size]  # scattered over every block
+    keys = torch.randn(len(slots), 32, generator=g)
+    for cache in (plain, packed):
+        cache.write(slots, keys)
+    blocks = torch.tensor([4, 0, 5, 1])
+    assert torch.equal(packed.read_blocks(blocks, torch.float32), plain.read_blocks(blocks, torch.float32))
+    assert not torch.equal(packed.data, plain.data)  # the same keys, laid out for the kernel
+    with pytest.raises(ValueError, match="packed indexer key cache"):
+        IndexerKeyCache(6, block_size, 32, "int8", torch.bfloat16, torch.device("cpu"), packed=True)
 
 
 def test_indexer_scratch_takes_the_kernel_for_bf16_on_this_cpu():

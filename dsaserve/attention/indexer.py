@@ -156,8 +156,8 @@ class ScoreScratch:
         # The native kernel (bf16 on CPUs with AVX-512 BF16) sums heads in registers and needs only the
         # keys repacked; the torch path materializes the per-head scores.
         self.native = score_dtype == torch.bfloat16 and device.type == "cpu" and native_scores.fits(heads, head_dim)
-        if self.native:
-            self.packed_keys = torch.empty(native_scores.packed_size(chunk, head_dim), dtype=torch.int32)
+        if self.native:  # (a key cache kept packed is scored in place: no buffer)
+            self.chunk_keys, self.head_dim, self._packed_keys = chunk, head_dim, None
         else:
             self.per_head = torch.empty(tile * heads * chunk, device=device)  # fp32: the head sum's input
             self.per_head_low = (torch.empty(tile * heads * chunk, dtype=score_dtype, device=device)
@@ -165,6 +165,12 @@ class ScoreScratch:
         # Columns [0, keep) hold the running best; a window's candidates are appended after them.
         candidates = self.window_blocks * (1 if selection.pages else block_size)
         self.merged = torch.empty(tile * (self.keep + candidates), device=device)
+
+    def packed_keys(self) -> torch.Tensor:
+        """The buffer a chunk's keys are packed into for the native kernel (made on first use)."""
+        if self._packed_keys is None:
+            self._packed_keys = torch.empty(native_scores.packed_size(self.chunk_keys, self.head_dim), dtype=torch.int32)
+        return self._packed_keys
 
 
 def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata, i: int,
@@ -263,11 +269,16 @@ def score_chunk(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCac
     """Unmasked scores [t, c] of a query tile (q flattened to [t * heads, D]) against whole blocks."""
     b0, b1 = blocks
     t, heads = weights.shape
+    if scratch.native and key_cache.packed:  # scored where they are
+        c = (b1 - b0) * block_size
+        scores = scratch.scores[: t * c].view(t, c)
+        native_scores.index_scores_blocks(q.view(t, heads, -1), weights, key_cache.groups, table[b0:b1], c, scores)
+        return scores
     keys = key_cache.read_blocks(table[b0:b1], scratch.score_dtype)  # [(b1-b0) * block_size, D]
     c = keys.shape[0]
     if scratch.native:
         scores = scratch.scores[: t * c].view(t, c)
-        native_scores.index_scores(q.view(t, heads, -1), weights, native_scores.pack_keys(keys, scratch.packed_keys),
+        native_scores.index_scores(q.view(t, heads, -1), weights, native_scores.pack_keys(keys, scratch.packed_keys()),
                                    c, scores)
         return scores
     per_head = scratch.per_head[: t * heads * c].view(t * heads, c)

@@ -4,6 +4,11 @@
 fp32 scale per token (amax / 448). Scoring (attention/indexer.py) reads whole blocks and dequantizes
 only those, tile by tile. The engine allocates one per full layer (engine/kv_cache.py); the model only
 hands it through to the scoring.
+
+`packed` (bf16 keys where the native scoring kernel runs): each block holds its keys in the layout that
+kernel reads, 16 keys at a time as pairs of columns (`groups[block][g][p][lane]` is key 16g + lane's
+columns 2p, 2p + 1, as int32), so a decode step scores them in place instead of gathering and repacking
+every visible key in every full layer (native/index_scores.cpp). Same bytes per token, same values.
 """
 
 from __future__ import annotations
@@ -16,14 +21,22 @@ _FP8_MAX = 448.0
 
 class IndexerKeyCache:
     def __init__(self, num_blocks: int, block_size: int, dim: int, kind: str, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, packed: bool = False):
         if kind not in INDEXER_CACHE_DTYPES:
             raise ValueError(f"indexer_cache_dtype={kind!r} is not supported; use one of {', '.join(INDEXER_CACHE_DTYPES)}")
+        if packed and not can_pack(kind, dtype, block_size, dim):
+            raise ValueError(f"a packed indexer key cache holds bf16 keys (indexer_cache_dtype 'auto' in a bf16 model) "
+                             f"with an even dim in blocks of a multiple of 16 tokens; got {kind!r}, {dtype}, "
+                             f"block_size {block_size}, dim {dim}")
         self.kind = kind
         self.dim = dim
+        self.block_size = block_size
         self.compute_dtype = dtype
         storage = {"auto": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
         self.data = torch.zeros(num_blocks, block_size, dim, dtype=storage, device=device)
+        self.packed = packed
+        # The same bytes as [num_blocks, groups of 16 keys, column pairs, 16 keys] (int32: a pair of bf16 columns).
+        self.groups = self.data.view(torch.int32).view(num_blocks, block_size // 16, dim // 2, 16) if packed else None
         self.scale = None
         if kind != "auto":
             scale_dtype = torch.float16 if kind == "int8" else torch.float32
@@ -42,6 +55,11 @@ class IndexerKeyCache:
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """keys [n, dim] at physical slots [n]: only those rows are touched."""
+        if self.packed:
+            offsets = slots % self.block_size
+            pairs = keys.to(self.data.dtype).contiguous().view(torch.int32)  # [n, dim / 2]
+            self.groups[slots // self.block_size, offsets // 16, :, offsets % 16] = pairs
+            return
         rows = self.data.view(-1, self.dim)
         if self.kind == "auto":
             rows.index_copy_(0, slots, keys.to(self.data.dtype))
@@ -58,6 +76,9 @@ class IndexerKeyCache:
 
     def read_blocks(self, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys of whole blocks [len(blocks) * block_size, dim], dequantized, in `dtype`."""
+        if self.packed:  # back to one key per row
+            groups = torch.index_select(self.groups, 0, blocks)  # [n, block_size / 16, dim / 2, 16]
+            return groups.transpose(2, 3).contiguous().view(self.data.dtype).reshape(-1, self.dim).to(dtype)
         if self.kind == "auto":
             return torch.index_select(self.data, 0, blocks).reshape(-1, self.dim).to(dtype)
         if self.kind == "fp8":  # CPU has no fp8 index_select: move the bytes
@@ -66,3 +87,8 @@ class IndexerKeyCache:
             data = torch.index_select(self.data, 0, blocks)
         scale = torch.index_select(self.scale, 0, blocks).reshape(-1, 1).to(torch.float32)
         return (data.reshape(-1, self.dim).to(torch.float32) * scale).to(dtype)
+
+
+def can_pack(kind: str, dtype: torch.dtype, block_size: int, dim: int) -> bool:
+    """Whether a key cache of this kind can be kept packed for the native scoring kernel."""
+    return kind == "auto" and dtype == torch.bfloat16 and block_size % 16 == 0 and dim % 2 == 0

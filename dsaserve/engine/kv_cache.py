@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaserve.attention.context_shard import ContextShard
-from dsaserve.attention.indexer_cache import IndexerKeyCache
+from dsaserve.attention.indexer_cache import IndexerKeyCache, can_pack
 from dsaserve.config import ModelConfig
 
 
@@ -55,8 +55,9 @@ class KVCache:
             torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device)
             for _ in cache_layers(cfg, with_mtp)
         ]
+        packed = packs_indexer_keys(cfg, block_size, dtype, device, indexer_dtype)
         self.indexer = {
-            layer: IndexerKeyCache(num_blocks, block_size, cfg.index_head_dim, indexer_dtype, dtype, device)
+            layer: IndexerKeyCache(num_blocks, block_size, cfg.index_head_dim, indexer_dtype, dtype, device, packed)
             for layer in (indexer_layers(cfg, with_mtp) if with_indexer else ())
         }
 
@@ -65,6 +66,16 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+
+def packs_indexer_keys(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                       indexer_dtype: str) -> bool:
+    """Whether the indexer key caches are kept in the native scoring kernel's layout: where that kernel
+    scores this model's indexer (bf16 on a CPU with AVX-512 BF16) and the cache holds plain bf16 keys."""
+    from dsaserve.native import index_scores
+
+    return (device.type == "cpu" and can_pack(indexer_dtype, dtype, block_size, cfg.index_head_dim)
+            and index_scores.fits(cfg.index_n_heads, cfg.index_head_dim))
 
 
 def cache_layers(cfg: ModelConfig, with_mtp: bool) -> range:

@@ -9,8 +9,12 @@
  * no horizontal sum is needed. Work items are 64 keys (4 registers) × 4 heads at a time, shared
  * out over torch's intra-op threads (at::parallel_for), each pulling items from one counter.
  *
- * Registered as torch.ops.dsaserve.index_scores; the AVX-512 BF16 body is compiled for that ISA alone
- * (a target pragma) and runs only where the CPU has it (the caller checks index_scores_fits).
+ * index_scores_blocks reads the same layout in place from a paged key cache kept in it
+ * (`cache[block][g][p][lane] = key[block_size·block + 16g + lane][2p .. 2p+1]`, attention/indexer_cache.py),
+ * following a request's block table: no gathered copy of the keys and no repacking per step.
+ *
+ * Registered as torch.ops.dsaserve.index_scores(_blocks); the AVX-512 BF16 body is compiled for that ISA
+ * alone (a target pragma) and runs only where the CPU has it (the caller checks index_scores_fits).
  */
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,18 +35,31 @@ namespace {
 typedef struct {
     const uint16_t *q;      /* [n, heads, dim] */
     const float *weights;   /* [n, heads] */
-    const uint32_t *packed; /* [keys_padded / 16][dim / 2][16] */
+    const uint32_t *packed; /* groups of 16 keys, [dim / 2][16] each: one run of them, or a block cache */
+    const int64_t *blocks;  /* NULL: group j is packed's j-th; else the j-th of the listed blocks' groups */
+    int64_t groups_per_block;
+    int64_t groups;         /* groups that exist; items reaching past them read `zero` */
+    const uint32_t *zero;   /* one group of zero keys */
     float *out;             /* [n, out_stride], columns < keys written */
     int64_t n, heads, dim, keys, out_stride;
     int64_t next; /* next work item, shared by the workers */
 } Job;
 
+const uint32_t *group_of(const Job *job, int64_t j) {
+    const int64_t size = job->dim / 2 * 16;
+    if (j >= job->groups) return job->zero;
+    if (!job->blocks) return job->packed + j * size;
+    const int64_t per = job->groups_per_block;
+    return job->packed + (job->blocks[j / per] * per + j % per) * size;
+}
+
 #if DSASERVE_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
 void score_item(const Job *job, int64_t item) {
-    const int64_t pairs = job->dim / 2, g0 = item * 4, k0 = item * KEYS_PER_ITEM;
-    const __m512i *keys = (const __m512i *)job->packed + g0 * pairs;
+    const int64_t pairs = job->dim / 2, k0 = item * KEYS_PER_ITEM;
+    const __m512i *groups[4];
+    for (int g = 0; g < 4; g++) groups[g] = (const __m512i *)group_of(job, item * 4 + g);
     const __m512 zero = _mm512_setzero_ps();
     __m512 score[4]; /* in memory between head groups: all 32 registers go to the products */
     for (int64_t i = 0; i < job->n; i++) {
@@ -53,7 +70,7 @@ void score_item(const Job *job, int64_t item) {
             for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = a[j][2] = a[j][3] = zero;
             for (int64_t p = 0; p < pairs; p++) {
                 __m512bh k[4];
-                for (int g = 0; g < 4; g++) k[g] = (__m512bh)_mm512_load_si512(keys + g * pairs + p);
+                for (int g = 0; g < 4; g++) k[g] = (__m512bh)_mm512_load_si512(groups[g] + p);
                 for (int j = 0; j < 4; j++) {
                     __m512bh b = (__m512bh)_mm512_set1_epi32(q[j * pairs + p]);
                     for (int g = 0; g < 4; g++) a[j][g] = _mm512_dpbf16_ps(a[j][g], k[g], b);
@@ -84,24 +101,20 @@ void worker(Job *job) {
 
 bool fits(int64_t heads, int64_t dim) { return dsaserve::cpu_has_avx512_bf16() && heads % 4 == 0 && dim % 2 == 0; }
 
-void index_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& packed, int64_t keys,
-                  at::Tensor& out) {
+void check_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& out, int64_t keys) {
     TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "index_scores: q must be "
                 "contiguous bf16 [t, heads, dim]");
     const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
     TORCH_CHECK(fits(heads, dim), "index_scores: this shape or CPU is not the kernel's (see index_scores_fits)");
     TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.size(0) == n &&
                 weights.size(1) == heads, "index_scores: weights must be contiguous fp32 [t, heads]");
-    TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() &&
-                packed.numel() >= (keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM * KEYS_PER_ITEM * dim / 2,
-                "index_scores: packed keys too short");
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == n && out.size(1) >= keys &&
                 out.stride(1) == 1, "index_scores: out must be fp32 [t, >= keys] with unit column stride");
+}
+
+void run(Job& job) {
 #if DSASERVE_X86
-    Job job = {static_cast<const uint16_t *>(q.data_ptr()), weights.data_ptr<float>(),
-               static_cast<const uint32_t *>(packed.data_ptr()), out.data_ptr<float>(), n, heads, dim, keys,
-               out.stride(0), 0};
-    const int64_t items = (keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
+    const int64_t items = (job.keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
     at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
         for (int64_t w = a; w < b; ++w) worker(&job);
@@ -109,11 +122,56 @@ void index_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tens
 #endif
 }
 
+Job job_of(const at::Tensor& q, const at::Tensor& weights, const uint32_t* packed, int64_t keys, at::Tensor& out) {
+    return Job{static_cast<const uint16_t *>(q.data_ptr()), weights.data_ptr<float>(), packed, nullptr, 1, 0, nullptr,
+               out.data_ptr<float>(), q.size(0), q.size(1), q.size(2), keys, out.stride(0), 0};
+}
+
+void index_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& packed, int64_t keys,
+                  at::Tensor& out) {
+    check_scores(q, weights, out, keys);
+    const int64_t padded = (keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM * KEYS_PER_ITEM;
+    TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.numel() >= padded * q.size(2) / 2,
+                "index_scores: packed keys too short");
+    Job job = job_of(q, weights, static_cast<const uint32_t *>(packed.data_ptr()), keys, out);
+    job.groups = padded / 16;
+    run(job);
+}
+
+// The keys of `blocks` (ids into cache [num_blocks, block_size / 16, dim / 2, 16]), in that order.
+void index_scores_blocks(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                         const at::Tensor& blocks, int64_t keys, at::Tensor& out) {
+    check_scores(q, weights, out, keys);
+    TORCH_CHECK(cache.scalar_type() == at::kInt && cache.is_contiguous() && cache.dim() == 4 &&
+                cache.size(2) == q.size(2) / 2 && cache.size(3) == 16,
+                "index_scores_blocks: the cache must be contiguous int32 [num_blocks, block_size / 16, dim / 2, 16]");
+    TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 1 && blocks.is_contiguous(),
+                "index_scores_blocks: blocks must be a contiguous int64 vector");
+    const int64_t per = cache.size(1), count = blocks.numel();
+    TORCH_CHECK(keys >= 0 && keys <= count * per * 16, "index_scores_blocks: ", keys, " keys, the ", count,
+                " blocks hold ", count * per * 16);
+    const int64_t* ids = blocks.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i)
+        TORCH_CHECK(ids[i] >= 0 && ids[i] < cache.size(0), "index_scores_blocks: block id ", ids[i],
+                    " is not in the cache's ", cache.size(0), " blocks");
+    const at::Tensor zero = at::zeros({q.size(2) / 2 * 16}, cache.options());
+    Job job = job_of(q, weights, static_cast<const uint32_t *>(cache.data_ptr()), keys, out);
+    job.blocks = ids;
+    job.groups_per_block = per;
+    job.groups = count * per;
+    job.zero = static_cast<const uint32_t *>(zero.data_ptr());
+    run(job);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
     m.def("index_scores_fits(int heads, int dim) -> bool", &fits);
     m.def("index_scores(Tensor q, Tensor weights, Tensor packed, int keys, Tensor(a!) out) -> ()");
+    m.def("index_scores_blocks(Tensor q, Tensor weights, Tensor cache, Tensor blocks, int keys, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("index_scores", &index_scores); }
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
+    m.impl("index_scores", &index_scores);
+    m.impl("index_scores_blocks", &index_scores_blocks);
+}

@@ -1,4 +1,5 @@
-"""Python side of index_scores.cpp: the indexer's fused q·k, relu and weighted head sum."""
+"""Python side of index_scores.cpp: the indexer's fused q·k, relu and weighted head sum, over keys packed
+for it per chunk (`pack_keys`) or read in place from a key cache kept packed (`index_scores_blocks`)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,15 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor, k
     if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
         raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
     torch.ops.dsaserve.index_scores(q.contiguous(), weights.to(torch.float32).contiguous(), packed, keys, out)
+
+
+def index_scores_blocks(q: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor, blocks: torch.Tensor, keys: int,
+                        out: torch.Tensor) -> None:
+    """index_scores over the first `keys` keys of `blocks` (int64 block ids, in order) of a key cache kept
+    packed: `groups` int32 [num_blocks, block_size / 16, dim / 2, 16] (IndexerKeyCache.groups). The same
+    values as pack_keys of the gathered keys would give, without the gather and the repacking."""
+    t, heads, _ = q.shape
+    if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
+        raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
+    torch.ops.dsaserve.index_scores_blocks(q.contiguous(), weights.to(torch.float32).contiguous(), groups,
+                                           blocks.to(torch.int64).contiguous(), keys, out)

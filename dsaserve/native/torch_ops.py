@@ -90,6 +90,10 @@ def _register_fakes() -> None:
     def _(q, weights, packed, keys, out):
         return None
 
+    @torch.library.register_fake("dsaserve::index_scores_blocks")
+    def _(q, weights, cache, blocks, keys, out):
+        return None
+
     @torch.library.register_fake("dsaserve::attend_selected_rows")
     def _(q, rows, slots, scale, out):
         return None
