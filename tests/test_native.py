@@ -272,6 +272,21 @@ def test_a_packed_key_cache_gives_back_the_keys_written_at_their_slots(block_siz
         IndexerKeyCache(6, block_size, 32, "int8", torch.bfloat16, torch.device("cpu"), packed=True)
 
 
+@needs_bf16_kernel
+def test_packed_keys_written_in_one_call_equal_the_torch_indexing(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    slots, keys = torch.randperm(4 * 32, generator=g)[:40], torch.randn(40, 24, generator=g)
+    native, python = (IndexerKeyCache(4, 32, 24, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
+                      for _ in range(2))
+    native.write(slots, keys)
+    monkeypatch.setattr(torch_ops, "load", lambda: False)
+    python.write(slots, keys)
+    assert torch.equal(native.data, python.data) and native.data.abs().sum() > 0
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="slot 128 is not in the cache"):
+        native.write(torch.tensor([128]), keys[:1])
+
+
 def test_indexer_scratch_takes_the_kernel_for_bf16_on_this_cpu():
     scratch = ScoreScratch(64, 32, 128, 64, Selection(2048), torch.bfloat16, torch.device("cpu"))
     assert scratch.native == native_scores.fits(32, 128)
@@ -324,6 +339,25 @@ def test_rope_operator_gives_the_torch_operators_bits(monkeypatch, dtype):
         for interleaved in (False, True):
             assert torch.equal(apply_rope(x, cos, sin, interleaved), torch_path(monkeypatch, apply_rope, x, cos, sin,
                                                                                 interleaved))
+
+
+@needs_operators
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_indexer_rope_of_the_leading_dims_in_one_call_gives_the_torch_operators_bits(monkeypatch, dtype):
+    """The indexer rotates the first rope dims of its 2-D keys and 3-D queries and keeps the rest: the rope
+    operator does both in one call, with the bits of slicing, rotating and concatenating in torch."""
+    from types import SimpleNamespace
+
+    from dsaserve.model.indexer import Indexer
+
+    g = torch.Generator().manual_seed(5)
+    cos, sin = torch.randn(5, 8, generator=g).to(dtype), torch.randn(5, 8, generator=g).to(dtype)
+    for x in (torch.randn(5, 40, generator=g).to(dtype), torch.randn(5, 3, 40, generator=g).to(dtype)):
+        for interleaved in (False, True):
+            indexer = SimpleNamespace(rope_dim=16, rope_interleave=interleaved)
+            fused = Indexer.rope(indexer, x, cos, sin)
+            assert torch.equal(fused[..., 16:], x[..., 16:])
+            assert torch.equal(fused, torch_path(monkeypatch, Indexer.rope, indexer, x, cos, sin))
 
 
 @needs_operators

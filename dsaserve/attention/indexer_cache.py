@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from dsaserve.native import torch_ops
+
 INDEXER_CACHE_DTYPES = ("auto", "int8", "fp8")
 _FP8_MAX = 448.0
 
@@ -56,9 +58,12 @@ class IndexerKeyCache:
     def write(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """keys [n, dim] at physical slots [n]: only those rows are touched."""
         if self.packed:
+            keys = keys.to(self.data.dtype).contiguous()
+            if keys.is_cpu and torch_ops.load():  # one call (the indexing below is a handful of operators)
+                torch.ops.dsaserve.write_packed_keys.default(self.groups, slots.to(torch.int64).contiguous(), keys)
+                return
             offsets = slots % self.block_size
-            pairs = keys.to(self.data.dtype).contiguous().view(torch.int32)  # [n, dim / 2]
-            self.groups[slots // self.block_size, offsets // 16, :, offsets % 16] = pairs
+            self.groups[slots // self.block_size, offsets // 16, :, offsets % 16] = keys.view(torch.int32)
             return
         rows = self.data.view(-1, self.dim)
         if self.kind == "auto":

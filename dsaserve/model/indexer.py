@@ -16,7 +16,7 @@ from torch import nn
 from dsaserve.attention.indexer import Selection, select_topk
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
-from dsaserve.model.layers import apply_rope
+from dsaserve.model.layers import apply_rope, one_operator
 from dsaserve.model.linear import Linear
 
 
@@ -53,5 +53,7 @@ class Indexer(nn.Module):
 
     def rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first rope_dim dims, the rest unchanged."""
+        if t.shape[0] and cos.shape[1] * 2 == self.rope_dim and one_operator(t, cos, sin):
+            return torch.ops.dsaserve.apply_rope.default(t, cos, sin, self.rope_interleave)  # rotates the first dims
         rotated = apply_rope(t[..., : self.rope_dim], cos, sin, self.rope_interleave)
         return torch.cat([rotated, t[..., self.rope_dim :]], -1)

@@ -163,15 +163,39 @@ void index_scores_blocks(const at::Tensor& q, const at::Tensor& weights, const a
     run(job);
 }
 
+// keys bf16 [n, dim] into a packed key cache int32 [num_blocks, block_size / 16, dim / 2, 16] at slots [n].
+void write_packed_keys(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& keys) {
+    TORCH_CHECK(cache.scalar_type() == at::kInt && cache.is_contiguous() && cache.dim() == 4 && cache.size(3) == 16,
+                "write_packed_keys: the cache must be contiguous int32 [num_blocks, block_size / 16, dim / 2, 16]");
+    TORCH_CHECK(keys.scalar_type() == at::kBFloat16 && keys.dim() == 2 && keys.is_contiguous() &&
+                keys.size(1) == 2 * cache.size(2), "write_packed_keys: keys must be contiguous bf16 [n, ",
+                2 * cache.size(2), "]");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+                slots.size(0) == keys.size(0), "write_packed_keys: slots must be int64 [n], one per key");
+    const int64_t pairs = cache.size(2), block_size = cache.size(1) * 16, capacity = cache.size(0) * block_size;
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const auto* source = static_cast<const uint32_t *>(keys.data_ptr());
+    auto* groups = static_cast<uint32_t *>(cache.data_ptr());
+    for (int64_t i = 0; i < keys.size(0); ++i) {
+        TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "write_packed_keys: slot ", slot[i], " is not in the cache's ",
+                    capacity);
+        const int64_t token = slot[i] % block_size;
+        uint32_t *group = groups + ((slot[i] / block_size) * (block_size / 16) + token / 16) * pairs * 16 + token % 16;
+        for (int64_t p = 0; p < pairs; ++p) group[p * 16] = source[i * pairs + p];
+    }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
     m.def("index_scores_fits(int heads, int dim) -> bool", &fits);
     m.def("index_scores(Tensor q, Tensor weights, Tensor packed, int keys, Tensor(a!) out) -> ()");
     m.def("index_scores_blocks(Tensor q, Tensor weights, Tensor cache, Tensor blocks, int keys, Tensor(a!) out) -> ()");
+    m.def("write_packed_keys(Tensor(a!) cache, Tensor slots, Tensor keys) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
     m.impl("index_scores", &index_scores);
     m.impl("index_scores_blocks", &index_scores_blocks);
+    m.impl("write_packed_keys", &write_packed_keys);
 }

@@ -94,6 +94,10 @@ def _register_fakes() -> None:
     def _(q, weights, cache, blocks, keys, out):
         return None
 
+    @torch.library.register_fake("dsaserve::write_packed_keys")
+    def _(cache, slots, keys):
+        return None
+
     @torch.library.register_fake("dsaserve::attend_selected_rows")
     def _(q, rows, slots, scale, out):
         return None
