@@ -125,3 +125,13 @@ def test_n_samples_count_against_max_num_seqs(path):
     assert most == 4
     assert outputs.finished and sorted(c.index for c in outputs.outputs) == list(range(16))
     assert all(len(c.token_ids) == 3 for c in outputs.outputs)
+
+
+def test_rows_with_a_non_finite_logit_are_found_and_an_overflowing_sum_is_not_one():
+    logits = torch.randn(5, 300)
+    logits[1, 7] = float("nan")
+    logits[2, 0] = float("-inf")
+    logits[3, :2] = 3e38  # finite entries whose sum overflows: the row is usable
+    logits[4, 5], logits[4, 9] = float("inf"), float("-inf")
+    assert isolated_sampling.rows_finite(logits) == [True, False, False, True, False]
+    assert isolated_sampling.rows_finite(logits[:0]) == []

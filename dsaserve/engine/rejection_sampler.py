@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from dsaserve.engine.isolated_sampling import rows_finite
 from dsaserve.engine.logits_processors import process_logits
 from dsaserve.engine.runner_state import RunnerRequest
 from dsaserve.engine.sampler import apply_filters
@@ -21,7 +22,7 @@ from dsaserve.engine.sampler import apply_filters
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], state: RunnerRequest, rng: torch.Generator) -> list[int]:
     """logits [k + 1, V] fp32 → the committed tokens: the accepted drafts, then one token of the target's."""
-    if not torch.isfinite(logits).all():
+    if not all(rows_finite(logits)):
         raise ValueError("the model produced non-finite logits for this request")
     generator = state.generator or rng
     committed: list[int] = []
