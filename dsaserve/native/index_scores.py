@@ -48,6 +48,8 @@ def index_scores_blocks(q: torch.Tensor, weights: torch.Tensor, groups: torch.Te
     """index_scores over the first `keys` keys of `blocks` (int64 block ids, in order) of a key cache kept
     packed: `groups` int32 [num_blocks, block_size / 16, dim / 2, 16] (IndexerKeyCache.groups). The same
     values as pack_keys of the gathered keys would give, without the gather and the repacking."""
+    if not torch_ops.load():
+        raise RuntimeError("index scores: the native operators are not built here; check fits() first")
     t, heads, _ = q.shape
     if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
         raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
