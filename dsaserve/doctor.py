@@ -130,7 +130,8 @@ def _index_scores_path(cfg: ModelConfig) -> str:
     from dsaserve.native import torch_ops
     from dsaserve.native.index_scores import fits
 
-    scores = "native AVX-512 BF16 kernel (bf16 models)" if fits(cfg.index_n_heads, cfg.index_head_dim) else "torch"
+    scores = ("native AVX-512 BF16 kernel (bf16 models; their key caches kept in its layout, scored in place)"
+              if fits(cfg.index_n_heads, cfg.index_head_dim) else "torch")
     return f"scores: {scores}; top-k: {'native radix select' if torch_ops.load() else 'torch'}"
 
 
