@@ -5,7 +5,8 @@
 1. The kernel alone, one decode query (32 heads × 128, GLM-5.2's indexer) against a request's blocks of
    64 keys: `index_scores_blocks` on a packed cache against `read_blocks` + `pack_keys` + `index_scores`
    on a plain one. Cold: every call reads another request's blocks (140 MB of caches, past the L3).
-2. Decode steps on the benchmark model (benchmarks/model_core.py, bf16) with the cache synthetically
+2. Writing keys at scattered slots (a decode token, a 2,048-token prefill chunk) into either cache.
+3. Decode steps on the benchmark model (benchmarks/model_core.py, bf16) with the cache synthetically
    filled to each context: sparse with packed keys, sparse with key rows, and dense, the three engines in
    one process taking turns step by step. Engines loaded into one process are not equal (the same engine
    built twice differed by up to 10% here, with no order that always won), so the engines are loaded in
@@ -56,6 +57,42 @@ def kernel_alone(rounds: int = 4) -> dict:
     return {name: [round(t) for t in times] for name, times in result.items()}
 
 
+def write_alone(repeats: int = 200) -> dict:
+    """µs to write n keys (a decode token, a prefill chunk) at scattered slots: packed cache (one native call),
+    packed cache by torch indexing (the operators off), plain cache (index_copy_)."""
+    from dsaserve.attention.indexer_cache import IndexerKeyCache
+    from dsaserve.native import torch_ops
+
+    blocks, block_size, dim = 9000, 64, 128
+    packed = IndexerKeyCache(blocks, block_size, dim, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
+    plain = IndexerKeyCache(blocks, block_size, dim, "auto", torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    result = {}
+    for n in (1, 2048):
+        slots = torch.randperm(blocks * block_size, generator=g)[:n]
+        keys = torch.randn(n, dim, generator=g).bfloat16()
+        ways = {"packed, one call": packed.write, "plain": plain.write}
+        for name, write in ways.items():
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                write(slots, keys)
+                times.append(time.perf_counter() - start)
+            result[f"{n} keys, {name}"] = round(statistics.median(times) * 1e6, 1)
+        load = torch_ops.load
+        torch_ops.load = lambda: False
+        try:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                packed.write(slots, keys)
+                times.append(time.perf_counter() - start)
+            result[f"{n} keys, packed, torch indexing"] = round(statistics.median(times) * 1e6, 1)
+        finally:
+            torch_ops.load = load
+    return result
+
+
 def engine(backend: str, packed: bool, context: int):
     import dsaserve.engine.kv_cache as kv_cache
     from dsaserve.bench.longctx import fill_synthetic_prefix
@@ -102,6 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     print("kernel alone, one query, 8,192 keys, µs (median per round):", kernel_alone(), flush=True)
+    print("writing keys, µs:", write_alone(), flush=True)
     names = ["sparse, packed keys", "sparse, key rows", "dense"]
     for context in (int(c) for c in args.contexts.split(",")):
         for first in range(len(names)):  # each engine loaded first once

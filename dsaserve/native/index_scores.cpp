@@ -176,13 +176,17 @@ void write_packed_keys(at::Tensor& cache, const at::Tensor& slots, const at::Ten
     const int64_t* slot = slots.data_ptr<int64_t>();
     const auto* source = static_cast<const uint32_t *>(keys.data_ptr());
     auto* groups = static_cast<uint32_t *>(cache.data_ptr());
-    for (int64_t i = 0; i < keys.size(0); ++i) {
+    for (int64_t i = 0; i < keys.size(0); ++i)
         TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "write_packed_keys: slot ", slot[i], " is not in the cache's ",
                     capacity);
-        const int64_t token = slot[i] % block_size;
-        uint32_t *group = groups + ((slot[i] / block_size) * (block_size / 16) + token / 16) * pairs * 16 + token % 16;
-        for (int64_t p = 0; p < pairs; ++p) group[p * 16] = source[i * pairs + p];
-    }
+    // A prefill chunk's keys over the threads (a decode token's alone): a column-pair store each, 64 bytes apart.
+    at::parallel_for(0, keys.size(0), 256, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t token = slot[i] % block_size;
+            uint32_t *group = groups + ((slot[i] / block_size) * (block_size / 16) + token / 16) * pairs * 16 + token % 16;
+            for (int64_t p = 0; p < pairs; ++p) group[p * 16] = source[i * pairs + p];
+        }
+    });
 }
 
 }  // namespace
