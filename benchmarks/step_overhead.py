@@ -1,0 +1,121 @@
+"""What a batch-1 decode step costs besides streaming weights: the benchmark model's structure at tiny widths.
+
+    python benchmarks/step_overhead.py [--quantization int4]
+
+Builds (once) a checkpoint with benchmarks/model_core.py's layers, heads, indexer and experts but hidden 256
+and every projection a few hundred KB, so a step's time is nearly all fixed costs: Python, operator
+dispatch, the threads' fork and join. Reports the median decode step (128-token prompt), and one shared
+MoE layer through its modules against the same native operators called directly with their gathered
+arguments (checked to give the same bits), the two taking turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+TINY_WIDTHS = dict(vocab_size=2048, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                   q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
+
+
+def checkpoint() -> str:
+    from dsaserve.demo.checkpoint_builder import build_checkpoint
+    from model_core import BENCH_CONFIG
+
+    path = os.path.join(os.environ.get("DSASERVE_BENCH_DIR", "/tmp/dsaserve-bench"), "glm52-structure-tiny")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        build_checkpoint(path, seed=0, dtype=torch.bfloat16, **dict(BENCH_CONFIG, **TINY_WIDTHS))
+    return path
+
+
+def direct_layer(model, layer: int, x, cos, sin, meta, cache):
+    """Layer `layer` (shared attention, MoE) as its native operators called one after another."""
+    from dsaserve.quantization.packed_experts import routed_expert_args
+
+    block = model.model.layers[layer]
+    attn = block.self_attn
+    ops = torch.ops.dsaserve
+    norm, post = block.input_layernorm, block.post_attention_layernorm
+    _, query_weights, query_shape = attn.prepared("query", attn._query_call)
+    kv_weight, _, latent_norm, latent_eps = attn.prepared("latents", attn._latents_call)
+    output_weights, _ = attn.prepared("output", attn._output_call)
+    gate, gate_up, down, shared, _, _ = block.mlp.prepared("parts", block.mlp._parts)
+    route = gate.prepared("route", gate._route_call)
+    experts, expert_tail = routed_expert_args(gate_up, down, shared)
+    rows = cache.view(-1, cache.shape[-1])
+    slots = next(v for k, v in meta.derived.items() if k[0] == "causal rows").slots.contiguous()
+    kv_args = (kv_weight.qweight, kv_weight.scale, *kv_weight.args)
+
+    def run():
+        h = ops.rms_norm.default(x, norm.weight, norm.eps)
+        query, _ = ops.mla_query.default(h, *query_weights, cos, sin, *query_shape)
+        kv = ops.quant_linear.default(h, *kv_args)
+        ops.write_latent_rows.default(kv, latent_norm, latent_eps, cos, sin, attn.rope_interleave, rows,
+                                      meta.slot_mapping)
+        wide = query.new_empty(query.shape[0], query.shape[1], rows.shape[1])
+        out = wide[..., : attn.kv_lora_rank]
+        ops.attend_selected_rows.default(query, rows, slots, attn.scale, out)
+        y = ops.mla_output.default(out, *output_weights)
+        h2, x2 = ops.add_rms_norm.default(y, x, post.weight, post.eps)
+        weights, ids = ops.moe_route.default(h2, *route)
+        moe = torch.empty_like(h2)
+        ops.moe_experts.default(h2, *experts, ids, weights, moe, *expert_tail)
+        return x2 + moe
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quantization", default="int4")
+    args = parser.parse_args()
+    from dsaserve.engine.engine import LLMEngine
+    from dsaserve.engine_args import EngineArgs
+    from dsaserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineArgs(model=checkpoint(), kv_cache_memory="64MiB", max_model_len=4096, progress=False,
+                                  quantization=args.quantization))
+    model = engine.executor.driver.runner.model
+    seen = {}
+    forward_hidden = model.forward_hidden
+    model.forward_hidden = lambda meta, kv, ic: seen.update(args=(meta, kv, ic)) or forward_hidden(meta, kv, ic)
+    prompt = torch.randint(10, 2000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.add_request("decode", prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    steps = []
+    for _ in range(200):
+        start = time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - start) * 1e3)
+    print(f"decode step, batch 1: median {statistics.median(steps):.2f} ms (quartiles {statistics.quantiles(steps)[0]:.2f}"
+          f"–{statistics.quantiles(steps)[2]:.2f})")
+    meta, kv, ic = seen["args"]
+    layer = next(i for i, t in enumerate(model.config.indexer_types) if t == "shared")
+    with torch.inference_mode():
+        x = model.model.embed_tokens(meta.input_ids, model.model.norm.weight.dtype)
+        cos, sin = model.rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
+        _, topk = model.model.layers[layer - 1](x, cos, sin, meta, kv[layer - 1], ic.get(layer - 1), None)
+        block = model.model.layers[layer]
+        ways = {"through the modules": lambda: block(x, cos, sin, meta, kv[layer], None, topk)[0],
+                "operators called directly": direct_layer(model, layer, x, cos, sin, meta, kv[layer])}
+        assert torch.equal(ways["through the modules"](), ways["operators called directly"]())
+        times = {name: [] for name in ways}
+        for _ in range(500):
+            for name, way in ways.items():
+                start = time.perf_counter()
+                way()
+                times[name].append((time.perf_counter() - start) * 1e6)
+    for name, t in times.items():
+        print(f"layer {layer} (shared attention, MoE) {name}: median {statistics.median(t):.1f} µs")
+
+
+if __name__ == "__main__":
+    main()
