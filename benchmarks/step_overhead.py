@@ -1,12 +1,14 @@
-"""What a batch-1 decode step costs besides streaming weights: the benchmark model's structure at tiny widths.
+"""What a batch-1 decode step costs besides streaming weights, and what gathering a layer's calls saves.
 
-    python benchmarks/step_overhead.py [--quantization int4]
+    python benchmarks/step_overhead.py [--quantization int4] [--checkpoint DIR]
 
-Builds (once) a checkpoint with benchmarks/model_core.py's layers, heads, indexer and experts but hidden 256
-and every projection a few hundred KB, so a step's time is nearly all fixed costs: Python, operator
-dispatch, the threads' fork and join. Reports the median decode step (128-token prompt), and one shared
-MoE layer through its modules against the same native operators called directly with their gathered
-arguments (checked to give the same bits), the two taking turns.
+By default builds (once) a checkpoint with benchmarks/model_core.py's layers, heads, indexer and experts but
+hidden 256 and every projection a few hundred KB, so a step's time is nearly all fixed costs: Python,
+operator dispatch, the threads' fork and join (--checkpoint takes another, e.g. the benchmark model).
+Reports the median decode step (128-token prompt) with the layers' gathered native calls
+(model/decode_calls.py) and through their modules, the same engine alternating step by step; then one
+shared MoE layer three ways, taking turns: through its modules, through its gathered calls, and as its
+native operators called directly with slots made beforehand (all three checked to give the same bits).
 """
 
 from __future__ import annotations
@@ -72,16 +74,28 @@ def direct_layer(model, layer: int, x, cos, sin, meta, cache):
     return run
 
 
+def through_modules(layers, on: bool) -> None:
+    """Whether the layers take their modules' path (their gathered calls set aside) or their gathered calls."""
+    for layer in layers:
+        cache = layer.__dict__["_prepared_calls"]
+        if on:
+            cache.setdefault("set aside", cache["decode calls"])
+            cache["decode calls"] = None
+        elif "set aside" in cache:
+            cache["decode calls"] = cache.pop("set aside")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quantization", default="int4")
+    parser.add_argument("--checkpoint", default=None)
     args = parser.parse_args()
     from dsaserve.engine.engine import LLMEngine
     from dsaserve.engine_args import EngineArgs
     from dsaserve.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineArgs(model=checkpoint(), kv_cache_memory="64MiB", max_model_len=4096, progress=False,
-                                  quantization=args.quantization))
+    engine = LLMEngine(EngineArgs(model=args.checkpoint or checkpoint(), kv_cache_memory="256MiB", max_model_len=4096,
+                                  progress=False, quantization=args.quantization))
     model = engine.executor.driver.runner.model
     seen = {}
     forward_hidden = model.forward_hidden
@@ -90,13 +104,20 @@ def main() -> None:
     engine.add_request("decode", prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
     for _ in range(10):
         engine.step()
-    steps = []
-    for _ in range(200):
-        start = time.perf_counter()
-        engine.step()
-        steps.append((time.perf_counter() - start) * 1e3)
-    print(f"decode step, batch 1: median {statistics.median(steps):.2f} ms (quartiles {statistics.quantiles(steps)[0]:.2f}"
-          f"–{statistics.quantiles(steps)[2]:.2f})")
+    layers = model.model.layers
+    assert all(layer.__dict__["_prepared_calls"]["decode calls"] is not None for layer in layers), "not packed here"
+    steps = {"gathered calls": [], "modules": []}
+    for _ in range(150):
+        for name in steps:
+            through_modules(layers, name == "modules")
+            start = time.perf_counter()
+            engine.step()
+            steps[name].append((time.perf_counter() - start) * 1e3)
+    through_modules(layers, False)
+    for name, t in steps.items():
+        quartiles = statistics.quantiles(t)
+        print(f"decode step, batch 1, {name}: median {statistics.median(t):.2f} ms (quartiles {quartiles[0]:.2f}–"
+              f"{quartiles[2]:.2f})")
     meta, kv, ic = seen["args"]
     layer = next(i for i, t in enumerate(model.config.indexer_types) if t == "shared")
     with torch.inference_mode():
@@ -104,9 +125,18 @@ def main() -> None:
         cos, sin = model.rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
         _, topk = model.model.layers[layer - 1](x, cos, sin, meta, kv[layer - 1], ic.get(layer - 1), None)
         block = model.model.layers[layer]
-        ways = {"through the modules": lambda: block(x, cos, sin, meta, kv[layer], None, topk)[0],
+        def modules():
+            through_modules([block], True)
+            try:
+                return block(x, cos, sin, meta, kv[layer], None, topk)[0]
+            finally:
+                through_modules([block], False)
+
+        ways = {"through the modules": modules,
+                "gathered calls": lambda: block(x, cos, sin, meta, kv[layer], None, topk)[0],
                 "operators called directly": direct_layer(model, layer, x, cos, sin, meta, kv[layer])}
-        assert torch.equal(ways["through the modules"](), ways["operators called directly"]())
+        first = modules()
+        assert all(torch.equal(first, way()) for way in ways.values())
         times = {name: [] for name in ways}
         for _ in range(500):
             for name, way in ways.items():

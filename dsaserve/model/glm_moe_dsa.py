@@ -17,14 +17,18 @@ from dsaserve.attention.indexer import Selection
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import FULL, ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
+from dsaserve.model import decode_calls
 from dsaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from dsaserve.model.mla import MLAAttention
 from dsaserve.model.moe import MoE
 from dsaserve.model.mtp import MTPLayer, mtp_param_name
 from dsaserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+from dsaserve.model.prepared_calls import PreparedCalls
 from dsaserve.model.fp8_blocks import as_float
 from dsaserve.quantization.packed import is_packed
 from dsaserve.quantization.quantized_weight import QuantizedWeight
+
+DECODE_CALLS = True  # off: every step through the modules (tests compare the two)
 
 # Parameters computed in fp32 whatever the model dtype (as in the reference implementation).
 FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -36,9 +40,10 @@ _KV_B = re.compile(r"^(.*\.self_attn)\.kv_b_proj\.weight$")
 _VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight", "mtp.head.weight", "mtp.embed.weight")
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreparedCalls):
     """One decoder layer; `full` and `moe` default to the config's schedule for layer_idx (the MTP layer,
-    past the schedule, is always both)."""
+    past the schedule, is always both). A few tokens with packed weights run as the layer's native calls,
+    gathered once (model/decode_calls.py: the same calls, the same bits)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection, full: bool | None = None,
                  moe: bool | None = None, parallel: ParallelContext | None = None):
@@ -53,10 +58,17 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, parallel.plan.local(cfg.intermediate_size), parallel.tp)
 
     def forward(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk, run_indexer: bool = True):
+        calls = self.prepared("decode calls", self._decode_calls)
+        if calls is not None and decode_calls.applies(calls, x, cos, meta, kv_cache):
+            return decode_calls.run_layer(self, calls, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk,
+                                          run_indexer)
         attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, indexer_cache, prev_topk,
                                     run_indexer)
         h, x = self.post_attention_layernorm.add_and_norm(x, attn)
         return x + self.mlp(h), topk
+
+    def _decode_calls(self):
+        return decode_calls.decode_calls(self) if DECODE_CALLS else None
 
 
 class GlmMoeDsaModel(nn.Module):
