@@ -1,6 +1,6 @@
 """What a batch-1 decode step costs besides streaming weights, and what gathering a layer's calls saves.
 
-    python benchmarks/step_overhead.py [--quantization int4] [--checkpoint DIR]
+    python benchmarks/step_overhead.py [--quantization int4|int8|fp8|none] [--checkpoint DIR]
 
 By default builds (once) a checkpoint with benchmarks/model_core.py's layers, heads, indexer and experts but
 hidden 256 and every projection a few hundred KB, so a step's time is nearly all fixed costs: Python,
@@ -94,8 +94,9 @@ def main() -> None:
     from dsaserve.engine_args import EngineArgs
     from dsaserve.sampling_params import SamplingParams
 
+    quantization = None if args.quantization == "none" else args.quantization
     engine = LLMEngine(EngineArgs(model=args.checkpoint or checkpoint(), kv_cache_memory="256MiB", max_model_len=4096,
-                                  progress=False, quantization=args.quantization))
+                                  progress=False, quantization=quantization))
     model = engine.executor.driver.runner.model
     seen = {}
     forward_hidden = model.forward_hidden

@@ -169,7 +169,8 @@ class ScoreScratch:
     def packed_keys(self) -> torch.Tensor:
         """The buffer a chunk's keys are packed into for the native kernel (made on first use)."""
         if self._packed_keys is None:
-            self._packed_keys = torch.empty(native_scores.packed_size(self.chunk_keys, self.head_dim), dtype=torch.int32)
+            size = native_scores.packed_size(self.chunk_keys, self.head_dim)
+            self._packed_keys = torch.empty(size, dtype=torch.int32)
         return self._packed_keys
 
 
