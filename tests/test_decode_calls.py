@@ -1,41 +1,77 @@
 """A decoder layer's few-token step through its gathered native calls (model/decode_calls.py) gives what its
 modules give: the same calls with the same arguments, so the same tokens and log-probabilities, bit for bit."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 import dsaserve.model.decode_calls as decode_calls
 import dsaserve.model.glm_moe_dsa as glm_moe_dsa
 from dsaserve import LLM, SamplingParams
+from dsaserve.attention.dense import DenseAttention
+from dsaserve.attention.sparse import SparseAttention
+from dsaserve.model.indexer import Indexer
 from dsaserve.native import torch_ops
 
 needs_kernels = pytest.mark.skipif(torch_ops.cpu_kernels() != "avx512_bf16", reason="the packed-weight kernels need "
                                    "AVX-512 BF16 and the operators built: layers run through their modules here")
 
 
-def generate(path, quantization, prompts):
-    llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, progress=False, quantization=quantization)
+def generate(path, quantization, prompts, attention_backend="sparse"):
+    llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, progress=False, quantization=quantization,
+              attention_backend=attention_backend)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
             for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
 
 
+PROMPTS = {"past index_topk": (70, 41), "within index_topk": (4, 3), "one past, one within": (70, 3)}
+
+
 @needs_kernels
 @pytest.mark.parametrize("quantization", [None, "int4", "int8", "fp8"])
-def test_gathered_calls_give_the_modules_tokens_and_logprobs(make_checkpoint, monkeypatch, quantization):
+@pytest.mark.parametrize("lengths", PROMPTS)
+def test_gathered_calls_give_the_modules_tokens_and_logprobs(make_checkpoint, monkeypatch, quantization, lengths):
     """A dense first layer, MoE layers with a shared expert, full and shared attention layers; two requests
-    decoding together past index_topk (16), so full layers score and select."""
+    decoding together: both past index_topk (16, so full layers score and select), both within it (every
+    position attended), or one of each (the backend's own calls attend, as no single kernel call does)."""
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
-    prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 41)]
-    ran = []
+    layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+    prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in PROMPTS[lengths]]
+    ran, one_call, keys_in_call = [], [], []
     real = decode_calls.run_layer
     monkeypatch.setattr(decode_calls, "run_layer", lambda layer, *a: ran.append(layer.mlp.__class__.__name__)
                         or real(layer, *a))
+    decode_slots = SparseAttention.decode_slots
+    monkeypatch.setattr(SparseAttention, "decode_slots", lambda self, meta, topk: one_call.append(
+        (slots := decode_slots(self, meta, topk)) is not None) or slots)
+    select = Indexer.select
+    monkeypatch.setattr(Indexer, "select", lambda self, *a: keys_in_call.append(1) or select(self, *a))
     gathered = generate(path, quantization, prompts)
     assert {"GatedMLP", "MoE"} <= set(ran)  # both kinds of layer took their gathered calls
+    assert keys_in_call  # full layers wrote their indexer keys in decode_layer_in
+    # Decode steps attend in decode_layer_out (prompt rows never), but where the two requests need different rows.
+    assert not any(one_call) if lengths == "one past, one within" else sum(one_call) >= 9 * layers
     monkeypatch.setattr(glm_moe_dsa, "DECODE_CALLS", False)
     ran.clear()
     assert generate(path, quantization, prompts) == gathered and not ran
+
+
+@needs_kernels
+def test_dense_attention_decodes_in_one_call_with_the_modules_bits(make_checkpoint, monkeypatch):
+    path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
+    prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 3)]
+    one_call = []
+    decode_slots = DenseAttention.decode_slots
+    monkeypatch.setattr(DenseAttention, "decode_slots", lambda self, meta, topk: one_call.append(
+        (slots := decode_slots(self, meta, topk)) is not None) or slots)
+    gathered = generate(path, "int4", prompts, "dense")
+    assert sum(one_call) >= 9  # (two requests of any lengths: every row over its whole context)
+    monkeypatch.setattr(glm_moe_dsa, "DECODE_CALLS", False)
+    assert generate(path, "int4", prompts, "dense") == gathered
 
 
 @needs_kernels

@@ -133,15 +133,29 @@ def decode_causal(
     """Batched causal attention for single-query requests: each sees its whole context."""
     if not reqs:
         return
+    attend_decode_rows(query, cache, causal_rows(meta, reqs), scale, value_dim, out)
 
-    def causal_rows() -> DecodeRows:
+
+def causal_rows(meta: BatchMetadata, reqs: list[int]) -> DecodeRows:
+    """Single-query requests `reqs` over their whole contexts (derived once per step)."""
+    def derive() -> DecodeRows:
         host_lens = [meta.seq_lens_host[i] for i in reqs]
-        lens = torch.tensor(host_lens, device=query.device)
-        width = torch.arange(max(host_lens), device=query.device)[None, :]
+        lens = torch.tensor(host_lens, device=meta.positions.device)
+        width = torch.arange(max(host_lens), device=meta.positions.device)[None, :]
         positions = torch.minimum(width, lens[:, None] - 1)  # padding points at a written row
         return DecodeRows.of(meta, reqs, positions, width >= lens[:, None])
 
-    attend_decode_rows(query, cache, meta.once(("causal rows", tuple(reqs)), causal_rows), scale, value_dim, out)
+    return meta.once(("causal rows", tuple(reqs)), derive)
+
+
+def every_row_slots(meta: BatchMetadata, rows_of) -> torch.Tensor | None:
+    """The slots of `rows_of(every request)` where every request of the batch is single-query (the backends'
+    decode_slots), else None."""
+    reqs = meta.decode_requests()
+    if len(reqs) != meta.num_reqs:
+        return None
+    rows = rows_of(reqs)
+    return rows.slots if rows is not None and rows.every_row else None
 
 
 def gather_context(cache: torch.Tensor, meta: BatchMetadata, i: int, length: int) -> torch.Tensor:
@@ -185,3 +199,8 @@ class DenseAttention:
         for i in sorted(set(range(meta.num_reqs)) - set(decode) - set(few)):
             dense_rows(query, cache, meta, i, meta.query_range(i), scale, value_dim, out)
         return out
+
+    def decode_slots(self, meta: BatchMetadata, topk: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Where every request of the batch is single-query: slots [T, W] such that one attend_selected_rows call
+        over them is `forward` (native/decode_layer.cpp makes that call); None otherwise."""
+        return every_row_slots(meta, lambda reqs: causal_rows(meta, reqs))

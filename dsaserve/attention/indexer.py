@@ -52,6 +52,12 @@ def select_topk(keys: torch.Tensor, queries: Callable[[], tuple[torch.Tensor, to
     int32 [T, width] (-1 = empty). `queries()` gives (q [T, H, D], weights [T, H] fp32) and is called
     only when some request sees more than `width` tokens."""
     key_cache.write(meta.slot_mapping, meta.rows_to_write(keys))
+    return select_written(queries, key_cache, meta, selection)
+
+
+def select_written(queries: Callable[[], tuple[torch.Tensor, torch.Tensor]], key_cache: IndexerKeyCache,
+                   meta: BatchMetadata, selection: Selection) -> torch.Tensor:
+    """`select_topk` once this step's keys are in `key_cache`."""
     width = selection.width(meta.block_size)
     if max(meta.seq_lens_host) <= width:
         # Every request sees at most `width` tokens, so all of them are selected: no scoring (the same

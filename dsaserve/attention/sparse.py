@@ -20,8 +20,10 @@ from dsaserve.attention.dense import (
     attend_decode_rows,
     attend_latent_online,
     attend_own_keys,
+    causal_rows,
     decode_causal,
     dense_rows,
+    every_row_slots,
 )
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.native.selected_rows import attend_selected_rows
@@ -91,16 +93,34 @@ class SparseAttention:
     @staticmethod
     def _decode_selected(query, cache, meta, reqs, topk, scale, value_dim, out) -> None:
         """Batched attention of single-query requests over their own top-k positions."""
-        if not reqs:
-            return
-        def selected_rows():
-            selected = topk[meta.query_start_loc[torch.tensor(reqs, device=topk.device)]].long()  # [R, K]
-            return topk, DecodeRows.of(meta, reqs, selected.clamp(min=0), selected < 0)
+        if reqs:
+            attend_decode_rows(query, cache, selected_rows(meta, reqs, topk), scale, value_dim, out)
 
-        # Shared layers attend with their full layer's top-k tensor itself: its rows are derived once. The
-        # entry holds the tensor, so no other tensor can take its id while the batch runs.
-        _, rows_of = meta.once(("selected rows", id(topk), tuple(reqs)), selected_rows)
-        attend_decode_rows(query, cache, rows_of, scale, value_dim, out)
+    def decode_slots(self, meta: BatchMetadata, topk: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Where every request of the batch is single-query and all of them see at most the selection's width
+        (whole contexts) or all more (their top-k): slots [T, W] such that one attend_selected_rows call over
+        them is `forward` (native/decode_layer.cpp makes that call); None otherwise."""
+        if topk is None:
+            return None
+
+        def rows_of(reqs):
+            short = [meta.seq_lens_host[i] <= topk.shape[1] for i in reqs]
+            if all(short):
+                return causal_rows(meta, reqs)
+            return None if any(short) else selected_rows(meta, reqs, topk)
+
+        return every_row_slots(meta, rows_of)
+
+
+def selected_rows(meta: BatchMetadata, reqs: list[int], topk: torch.Tensor) -> DecodeRows:
+    """Single-query requests `reqs` over their selected positions (derived once per step and top-k tensor)."""
+    def derive():
+        selected = topk[meta.query_start_loc[torch.tensor(reqs, device=topk.device)]].long()  # [R, K]
+        return topk, DecodeRows.of(meta, reqs, selected.clamp(min=0), selected < 0)
+
+    # Shared layers attend with their full layer's top-k tensor itself: its rows are derived once. The
+    # entry holds the tensor, so no other tensor can take its id while the batch runs.
+    return meta.once(("selected rows", id(topk), tuple(reqs)), derive)[1]
 
 
 OWN_ROWS_STEP = 2  # queries per gather in the per-query path (more only adds cache misses)

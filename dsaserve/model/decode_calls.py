@@ -1,14 +1,17 @@
-"""A decoder layer's few-token step as its native operators, called one after another.
+"""A decoder layer's few-token step as two native operators, with its selection between them.
 
-For a few tokens with packed weights, every piece of a layer already runs as one native call (norms, MLA's
-query, latent rows and output, the router, the experts); what remains around them is Python deciding, per
-piece and per step, that it may make that call, and gathering its arguments. Timed on the benchmark model's
-structure at tiny widths (benchmarks/step_overhead.py), that Python was over a third of a layer's time.
-Here a layer gathers its calls once (`decode_calls`), checks per step only what depends on the tokens
-(`applies`), and makes the same calls with the same arguments in the same order: the same bits as its
-modules. The indexer and the attention backend are called as they are (their paths depend on the batch).
-Where any piece would take another path (weights not packed, a bias, tensor or context parallelism, no
-kernels), `decode_calls` is None and the layer runs through its modules.
+For a few tokens with packed weights, every piece of a layer runs as one native call (norms, MLA's query,
+latent rows and output, the attention kernel, the router, the experts); what remained around them was
+Python deciding, per piece and per step, that it may make that call, gathering its arguments, and one
+argument conversion and dispatch per call. Here a layer gathers its arguments once (`decode_calls`), checks
+per step only what depends on the tokens (`applies`), and runs as `decode_layer_in` (norm, query, latent
+rows) and `decode_layer_out` (attention over the slots its backend chose for the step, output projection,
+norm, MLP), which chain the same pieces in C++ (native/decode_layer.cpp): the same bits as its modules.
+The indexer runs between the two as it is. Where the step's rows are not one kernel call's (prompt rows, a
+batch whose requests split between whole-context and selected rows, fp32 activations, a shape the kernel
+refuses), the attention backend and the later pieces are called one by one instead. Where any piece would
+take another path (weights not packed, a bias, tensor or context parallelism, no kernels), `decode_calls`
+is None and the layer runs through its modules.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaserve.native import torch_ops
+from dsaserve.native.selected_rows import FEW_HEADS_PADDED, fits as attention_fits
 from dsaserve.quantization.quantized_weight import KERNEL_ROWS, PackedMatrix, QuantizedWeight
 
 
@@ -32,6 +36,9 @@ class DecodeCalls:
     route: tuple | None  # moe_route's arguments after x (MoE layers)
     experts: tuple | None  # moe_experts' (tensors, tail) with the shared experts in the call (MoE layers)
     dense_mlp: tuple | None  # gated_mlp's arguments after x (dense layers)
+    layer_in: tuple  # decode_layer_in's arguments after x up to cos, sin; then those after them up to the cache
+    layer_out: tuple | None  # decode_layer_out's mlp arguments (tensors, ints, scaling); None: not for this layer
+    index_keys: tuple | None  # decode_layer_in's indexer-key arguments before the packed key cache (full layers)
 
 
 def decode_calls(layer) -> DecodeCalls | None:
@@ -69,10 +76,46 @@ def decode_calls(layer) -> DecodeCalls | None:
                  gate_up.args[1], down.args[1], down.col_offset)
     else:
         return None
+    weights, shape = query[1:]
+    layer_in = ((norm.weight, norm.eps, *weights),
+                (*shape, kv_weight.qweight, kv_weight.scale, list(kv_weight.args), latent_norm, latent_eps,
+                 attn.rope_interleave))
+    heads = attn.num_heads
+    out_fits = dtype == torch.bfloat16 and attention_fits(max(heads, FEW_HEADS_PADDED), attn.kv_lora_rank
+                                                          + attn.rope_dim, attn.kv_lora_rank)
     return DecodeCalls(dtype, (norm.weight, norm.eps), query[1:],
                        ((kv_weight.qweight, kv_weight.scale, *kv_weight.args), (latent_norm, latent_eps,
                                                                                 attn.rope_interleave)),
-                       output[0], (post.weight, post.eps), route, experts, dense)
+                       output[0], (post.weight, post.eps), route, experts, dense, layer_in,
+                       _mlp_arguments(route, experts, dense) if out_fits else None, _index_key_arguments(attn, dtype))
+
+
+def _index_key_arguments(attn, dtype: torch.dtype) -> tuple | None:
+    """decode_layer_in's (wk_q, wk_s, wk_args, k_norm_weight, k_norm_bias, k_norm_eps, index_interleaved): the
+    indexer's keys as model/indexer.py computes them, where its wk is packed and its norm in the layer's dtype."""
+    indexer = attn.indexer
+    if indexer is None or not attn.backend.uses_indexer:
+        return None
+    wk, norm = indexer.wk.weight, indexer.k_norm
+    if not (isinstance(wk, QuantizedWeight) and indexer.wk.bias is None
+            and norm.weight is not None and norm.bias is not None and norm.weight.dtype == norm.bias.dtype == dtype
+            and indexer.rope_dim == attn.rope_dim):
+        return None
+    return wk.qweight, wk.scale, list(wk.args), norm.weight, norm.bias, norm.eps, indexer.rope_interleave
+
+
+def _mlp_arguments(route, experts, dense) -> tuple[list, list, float]:
+    """decode_layer_out's (mlp, mlp_args, routed_scaling): the router's and the experts' (routed, then shared)
+    tensors and integers, or the dense MLP's (native/decode_layer.cpp lays them out)."""
+    if dense is not None:
+        return list(dense[:4]), list(dense[4:]), 0.0
+    weight, bias, top_k, n_group, topk_group, normalize, scaling = route
+    tensors, tail = experts
+    kind, inter, gate_up_group, down_group, down_col_offset, *shared = tail
+    shared_tensors, shared_ints = shared[:4], shared[4:]
+    return ([weight, bias, *tensors, *shared_tensors],
+            [top_k, n_group, topk_group, int(normalize), kind, inter, gate_up_group, down_group, down_col_offset,
+             *shared_ints], float(scaling))
 
 
 def _packed(weight, kind: str) -> bool:
@@ -92,16 +135,22 @@ def run_layer(layer, calls: DecodeCalls, x, cos, sin, meta, kv_cache, indexer_ca
     """DecoderLayer.forward's result, through the gathered calls (only where `applies`)."""
     ops = torch.ops.dsaserve
     attn = layer.self_attn
-    h = ops.rms_norm.default(x, *calls.input_norm)
-    weights, shape = calls.query
-    query, q_resid = ops.mla_query.default(h, *weights, cos, sin, *shape)
-    kv_args, (latent_norm, latent_eps, interleaved) = calls.latents
-    kv = ops.quant_linear.default(h, *kv_args)
-    ops.write_latent_rows.default(kv, latent_norm, latent_eps, cos, sin, interleaved, kv_cache.view(-1, kv.shape[-1]),
-                                  meta.slot_mapping)
+    rows = kv_cache.view(-1, kv_cache.shape[-1])
+    head, tail = calls.layer_in
     topk = prev_topk
-    if attn.backend.uses_indexer and attn.indexer is not None and run_indexer:
+    if not (attn.backend.uses_indexer and attn.indexer is not None and run_indexer):
+        h, query, q_resid = ops.decode_layer_in.default(x, *head, cos, sin, *tail, rows, meta.slot_mapping)
+    elif calls.index_keys is not None and indexer_cache.packed:  # the keys written in the same call
+        h, query, q_resid = ops.decode_layer_in.default(x, *head, cos, sin, *tail, rows, meta.slot_mapping,
+                                                        *calls.index_keys, indexer_cache.groups)
+        topk = attn.indexer.select(h, q_resid, cos, sin, meta, indexer_cache)
+    else:
+        h, query, q_resid = ops.decode_layer_in.default(x, *head, cos, sin, *tail, rows, meta.slot_mapping)
         topk = attn.indexer(h, q_resid, cos, sin, meta, indexer_cache)
+    slots = attn.backend.decode_slots(meta, topk) if calls.layer_out is not None else None
+    if slots is not None:
+        return ops.decode_layer_out.default(query, rows, slots, attn.scale, attn.kv_lora_rank, x, *calls.output,
+                                            *calls.post_norm, *calls.layer_out), topk
     latent = attn.backend.forward(query, kv_cache, meta, attn.scale, attn.kv_lora_rank, topk)
     attended = ops.mla_output.default(latent, *calls.output)
     h, x = ops.add_rms_norm.default(x, attended, *calls.post_norm)

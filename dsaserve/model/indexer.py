@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsaserve.attention.indexer import Selection, select_topk
+from dsaserve.attention.indexer import Selection, select_topk, select_written
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.model.layers import apply_rope, one_operator
@@ -40,6 +40,11 @@ class Indexer(nn.Module):
         The queries are projected only when the selection needs scores."""
         return select_topk(self.keys(x, cos, sin), lambda: self.queries(x, q_resid, cos, sin), key_cache, meta,
                            self.selection)
+
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               meta: BatchMetadata, key_cache) -> torch.Tensor:
+        """`forward` once this step's keys are in `key_cache` (native/decode_layer.cpp writes them)."""
+        return select_written(lambda: self.queries(x, q_resid, cos, sin), key_cache, meta, self.selection)
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.rope(self.k_norm(self.wk(x)), cos, sin)

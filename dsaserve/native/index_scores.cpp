@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "cpu_features.h"
+#include "layer_pieces.h"
 
 #if DSASERVE_X86
 #include <immintrin.h>
@@ -190,6 +191,11 @@ void write_packed_keys(at::Tensor& cache, const at::Tensor& slots, const at::Ten
 }
 
 }  // namespace
+
+// For decode_layer.cpp (layer_pieces.h).
+void dsaserve::write_packed_keys(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& keys) {
+    ::write_packed_keys(cache, slots, keys);
+}
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
     m.def("index_scores_fits(int heads, int dim) -> bool", &fits);

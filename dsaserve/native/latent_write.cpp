@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "row_math.h"
+#include "layer_pieces.h"
 
 namespace {
 
@@ -51,6 +52,12 @@ void write_latent_rows(const at::Tensor& kv, const at::Tensor& weight, double ep
 }
 
 }  // namespace
+
+// For decode_layer.cpp (layer_pieces.h).
+void dsaserve::write_latent_rows(const at::Tensor& kv, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                                 const at::Tensor& sin, bool interleaved, at::Tensor rows, const at::Tensor& slots) {
+  ::write_latent_rows(kv, weight, eps, cos, sin, interleaved, rows, slots);
+}
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("write_latent_rows(Tensor kv, Tensor weight, float eps, Tensor cos, Tensor sin, bool interleaved, "

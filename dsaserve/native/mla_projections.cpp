@@ -16,6 +16,7 @@
 
 #include "packed_product.h"
 #include "row_math.h"
+#include "layer_pieces.h"
 
 namespace {
 
@@ -89,6 +90,21 @@ at::Tensor mla_output(const at::Tensor& latent, const at::Tensor& w_uv_q, const 
 }
 
 }  // namespace
+
+// For decode_layer.cpp (layer_pieces.h).
+std::tuple<at::Tensor, at::Tensor> dsaserve::mla_query(
+    const at::Tensor& x, const at::Tensor& q_a_q, const at::Tensor& q_a_s, at::IntArrayRef q_a_args,
+    const at::Tensor& norm_weight, double eps, const at::Tensor& q_b_q, const at::Tensor& q_b_s,
+    at::IntArrayRef q_b_args, const at::Tensor& w_uk_q, const at::Tensor& w_uk_s, at::IntArrayRef w_uk_args,
+    const at::Tensor& cos, const at::Tensor& sin, bool interleaved, int64_t heads, int64_t nope, int64_t rope) {
+  return ::mla_query(x, q_a_q, q_a_s, q_a_args, norm_weight, eps, q_b_q, q_b_s, q_b_args, w_uk_q, w_uk_s, w_uk_args,
+                     cos, sin, interleaved, heads, nope, rope);
+}
+at::Tensor dsaserve::mla_output(const at::Tensor& latent, const at::Tensor& w_uv_q, const at::Tensor& w_uv_s,
+                                at::IntArrayRef w_uv_args, const at::Tensor& o_q, const at::Tensor& o_s,
+                                at::IntArrayRef o_args) {
+  return ::mla_output(latent, w_uv_q, w_uv_s, w_uv_args, o_q, o_s, o_args);
+}
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("mla_query(Tensor x, Tensor q_a_q, Tensor q_a_s, int[] q_a_args, Tensor norm_weight, float eps, "

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "layer_pieces.h"
 
 #if DSASERVE_X86
 #include <immintrin.h>
@@ -142,6 +143,13 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
 }
 
 }  // namespace
+
+// For decode_layer.cpp (layer_pieces.h).
+std::tuple<at::Tensor, at::Tensor> dsaserve::moe_route(const at::Tensor& x, const at::Tensor& weight,
+                                                       const at::Tensor& bias, int64_t top_k, int64_t n_group,
+                                                       int64_t topk_group, bool normalize, double scaling) {
+  return ::moe_route(x, weight, bias, top_k, n_group, topk_group, normalize, scaling);
+}
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("moe_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool normalize, "

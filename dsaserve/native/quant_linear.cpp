@@ -44,6 +44,7 @@
 
 #include "cpu_features.h"
 #include "packed_product.h"
+#include "layer_pieces.h"
 
 #if DSASERVE_X86
 #include <immintrin.h>
@@ -948,6 +949,27 @@ std::string int8_bf16_path() {
 }
 
 }  // namespace
+
+// For decode_layer.cpp (layer_pieces.h).
+void dsaserve::moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
+                           const at::Tensor& down_q, const at::Tensor& down_s, const at::Tensor& ids,
+                           const at::Tensor& weights, at::Tensor out, int64_t kind, int64_t inter,
+                           int64_t gate_up_group, int64_t down_group, int64_t down_col_offset,
+                           const std::optional<at::Tensor>& shared_gate_up_q,
+                           const std::optional<at::Tensor>& shared_gate_up_s,
+                           const std::optional<at::Tensor>& shared_down_q,
+                           const std::optional<at::Tensor>& shared_down_s, int64_t shared_inter,
+                           int64_t shared_gate_up_group, int64_t shared_down_group, int64_t shared_down_col_offset) {
+  ::moe_experts(x, gate_up_q, gate_up_s, down_q, down_s, ids, weights, out, kind, inter, gate_up_group, down_group,
+                down_col_offset, shared_gate_up_q, shared_gate_up_s, shared_down_q, shared_down_s, shared_inter,
+                shared_gate_up_group, shared_down_group, shared_down_col_offset);
+}
+at::Tensor dsaserve::gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
+                               const at::Tensor& down_q, const at::Tensor& down_s, int64_t kind, int64_t inter,
+                               int64_t gate_up_group, int64_t down_group, int64_t down_col_offset) {
+  return ::gated_mlp(x, gate_up_q, gate_up_s, down_q, down_s, kind, inter, gate_up_group, down_group,
+                     down_col_offset);
+}
 
 at::Tensor dsaserve::packed_product(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                                     int64_t kind, int64_t group, int64_t col_offset, int64_t N, int64_t K) {

@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "row_math.h"
+#include "layer_pieces.h"
 
 namespace {
 
@@ -51,6 +52,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 }  // namespace
+
+// For decode_layer.cpp (layer_pieces.h).
+at::Tensor dsaserve::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return ::rms_norm(x, weight, eps);
+}
+std::tuple<at::Tensor, at::Tensor> dsaserve::add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                          const at::Tensor& weight, double eps) {
+  return ::add_rms_norm(x, residual, weight, eps);
+}
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "row_math.h"
+#include "layer_pieces.h"
 
 namespace {
 
@@ -52,6 +53,11 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 }
 
 }  // namespace
+
+// For decode_layer.cpp (layer_pieces.h).
+at::Tensor dsaserve::apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
+  return ::apply_rope(x, cos, sin, interleaved);
+}
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("apply_rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");

@@ -30,6 +30,7 @@
 #include <cstring>
 
 #include "cpu_features.h"
+#include "layer_pieces.h"
 
 #if DSASERVE_X86
 #include <immintrin.h>
@@ -353,6 +354,13 @@ void attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at:
 }
 
 }  // namespace
+
+// For decode_layer.cpp (layer_pieces.h).
+void dsaserve::attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots,
+                                    double scale, at::Tensor& out) {
+    ::attend_selected_rows(q, rows, slots, scale, out);
+}
+bool dsaserve::selected_rows_fits(int64_t heads, int64_t dim, int64_t value_dim) { return fits(heads, dim, value_dim); }
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
     m.def("selected_rows_fits(int heads, int dim, int value_dim) -> bool", &fits);

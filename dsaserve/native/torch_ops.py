@@ -5,7 +5,8 @@ about a minute on 2 cores), into the dsaserve cache, keyed by the sources, the t
 the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query attention
 (selected_rows.cpp), the indexer's scores (index_scores.cpp) and its top-k (topk.cpp), and the
 small per-token operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp, latent_write.cpp,
-moe_route.cpp, mla_projections.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
+moe_route.cpp, mla_projections.cpp), and a decoder layer's decode step chained from those in two calls
+(decode_layer.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
 have portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False
 and callers keep their torch path.
 """
@@ -144,6 +145,19 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dsaserve::apply_rope")
     def _(x, cos, sin, interleaved):
         return x.new_empty(x.shape)
+
+    @torch.library.register_fake("dsaserve::decode_layer_in")
+    def _(x, norm_weight, norm_eps, q_a_q, q_a_s, q_a_args, q_norm_weight, q_norm_eps, q_b_q, q_b_s, q_b_args, w_uk_q,
+          w_uk_s, w_uk_args, cos, sin, interleaved, heads, nope, rope, kv_q, kv_s, kv_args, latent_norm_weight,
+          latent_eps, latent_interleaved, rows, slot_mapping, wk_q=None, wk_s=None, wk_args=(), k_norm_weight=None,
+          k_norm_bias=None, k_norm_eps=0.0, index_interleaved=False, key_groups=None):
+        return (torch.empty_like(x), x.new_empty(x.shape[0], heads, w_uk_args[3] + rope),
+                x.new_empty(x.shape[0], q_a_args[3]))
+
+    @torch.library.register_fake("dsaserve::decode_layer_out")
+    def _(query, rows, slots, scale, value_dim, x, w_uv_q, w_uv_s, w_uv_args, o_q, o_s, o_args, post_weight, post_eps,
+          mlp, mlp_args, routed_scaling):
+        return torch.empty_like(x)
 
     @torch.library.register_fake("dsaserve::dequantize_t")
     def _(qweight, scale, kind, group, col_offset, N, K, dtype):

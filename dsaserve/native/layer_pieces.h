@@ -1,0 +1,47 @@
+// The operators' functions that decode_layer.cpp chains into a decoder layer's few-token step, called without
+// the dispatcher (each is the registered operator's own function: the same checks, the same bits).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "packed_product.h"
+
+namespace dsaserve {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> mla_query(const at::Tensor& x, const at::Tensor& q_a_q, const at::Tensor& q_a_s,
+                                             at::IntArrayRef q_a_args, const at::Tensor& norm_weight, double eps,
+                                             const at::Tensor& q_b_q, const at::Tensor& q_b_s, at::IntArrayRef q_b_args,
+                                             const at::Tensor& w_uk_q, const at::Tensor& w_uk_s,
+                                             at::IntArrayRef w_uk_args, const at::Tensor& cos, const at::Tensor& sin,
+                                             bool interleaved, int64_t heads, int64_t nope, int64_t rope);
+at::Tensor mla_output(const at::Tensor& latent, const at::Tensor& w_uv_q, const at::Tensor& w_uv_s,
+                      at::IntArrayRef w_uv_args, const at::Tensor& o_q, const at::Tensor& o_s, at::IntArrayRef o_args);
+void write_latent_rows(const at::Tensor& kv, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                       const at::Tensor& sin, bool interleaved, at::Tensor rows, const at::Tensor& slots);
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
+void write_packed_keys(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& keys);
+void attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots, double scale,
+                          at::Tensor& out);
+bool selected_rows_fits(int64_t heads, int64_t dim, int64_t value_dim);
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                             int64_t top_k, int64_t n_group, int64_t topk_group, bool normalize,
+                                             double scaling);
+void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
+                 const at::Tensor& down_q, const at::Tensor& down_s, const at::Tensor& ids, const at::Tensor& weights,
+                 at::Tensor out, int64_t kind, int64_t inter, int64_t gate_up_group, int64_t down_group,
+                 int64_t down_col_offset, const std::optional<at::Tensor>& shared_gate_up_q,
+                 const std::optional<at::Tensor>& shared_gate_up_s, const std::optional<at::Tensor>& shared_down_q,
+                 const std::optional<at::Tensor>& shared_down_s, int64_t shared_inter, int64_t shared_gate_up_group,
+                 int64_t shared_down_group, int64_t shared_down_col_offset);
+at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
+                     const at::Tensor& down_q, const at::Tensor& down_s, int64_t kind, int64_t inter,
+                     int64_t gate_up_group, int64_t down_group, int64_t down_col_offset);
+
+}  // namespace dsaserve
