@@ -458,3 +458,24 @@ def test_a_build_killed_halfway_does_not_block_the_next_start(monkeypatch, tmp_p
     library = final / f"dsaserve_{final.name}.so"
     torch_ops._build(f"dsaserve_{final.name}", library)
     assert used and used[0] != str(final) and library.exists() and not os.path.exists(used[0])
+
+
+@pytest.mark.skipif(not torch_ops.load(), reason="the native operators are not built here (no compiler, or "
+                    "DSASERVE_NATIVE=0)")
+@pytest.mark.parametrize("reqs", [[0, 1, 2], [2, 1]])
+def test_whole_context_slots_in_one_call_equal_the_torch_derivation(monkeypatch, reqs):
+    """Each request's positions through its own (shuffled) block table, -1 past its length; every request of
+    a decode batch (no gather of rows) or some of them in another order."""
+    from dsaserve.attention import dense
+
+    block_size = 4
+    tables = [torch.randperm(12)[:n].tolist() for n in (3, 1, 5)]
+    lens = [10, 2, 17]
+    meta = BatchMetadata.build([[5]] * 3, [n - 1 for n in lens], tables, block_size, [0, 1, 2])
+    native_rows = dense.DecodeRows.whole_contexts(meta, reqs)
+    monkeypatch.setattr(dense.torch_ops, "load", lambda: False)
+    torch_rows = dense.DecodeRows.whole_contexts(meta, reqs)
+    assert torch.equal(native_rows.slots, torch_rows.slots) and native_rows.slots.dtype == torch.int64
+    assert torch.equal(native_rows.query_rows, torch_rows.query_rows)
+    assert native_rows.every_row == torch_rows.every_row == (reqs == [0, 1, 2])
+    assert native_rows.slots[reqs.index(1), 2:].eq(-1).all()  # request 1 holds 2 positions

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.native import torch_ops
 from dsaserve.native.selected_rows import attend_selected_rows
 
 # Upper bound on score elements materialized at once ([query tile, heads, keys]).
@@ -101,6 +102,21 @@ class DecodeRows:
         return cls(meta.query_start_loc[req_index], meta.slots_of(req_index, positions).masked_fill_(invalid, -1),
                    every_row)
 
+    @classmethod
+    def whole_contexts(cls, meta: BatchMetadata, reqs: list[int]) -> "DecodeRows":
+        """Requests reqs over every position of their contexts."""
+        host_lens = [meta.seq_lens_host[i] for i in reqs]
+        device = meta.block_tables.device
+        if device.type == "cpu" and torch_ops.load():  # one native call for the operators below
+            every_row = meta.num_tokens == len(reqs) and list(reqs) == list(range(meta.num_reqs))
+            rows = meta.query_start_loc[:-1] if every_row else meta.query_start_loc[torch.tensor(reqs, device=device)]
+            tables = meta.block_tables if every_row else meta.block_tables[torch.tensor(reqs, device=device)]
+            return cls(rows, torch.ops.dsaserve.context_slots.default(tables, host_lens, meta.block_size), every_row)
+        lens = torch.tensor(host_lens, device=device)
+        width = torch.arange(max(host_lens), device=device)[None, :]
+        positions = torch.minimum(width, lens[:, None] - 1)  # padding points at a written row
+        return cls.of(meta, reqs, positions, width >= lens[:, None])
+
 
 def attend_decode_rows(query: torch.Tensor, cache: torch.Tensor, rows_of: DecodeRows, scale: float, value_dim: int,
                        out: torch.Tensor) -> None:
@@ -138,14 +154,7 @@ def decode_causal(
 
 def causal_rows(meta: BatchMetadata, reqs: list[int]) -> DecodeRows:
     """Single-query requests `reqs` over their whole contexts (derived once per step)."""
-    def derive() -> DecodeRows:
-        host_lens = [meta.seq_lens_host[i] for i in reqs]
-        lens = torch.tensor(host_lens, device=meta.positions.device)
-        width = torch.arange(max(host_lens), device=meta.positions.device)[None, :]
-        positions = torch.minimum(width, lens[:, None] - 1)  # padding points at a written row
-        return DecodeRows.of(meta, reqs, positions, width >= lens[:, None])
-
-    return meta.once(("causal rows", tuple(reqs)), derive)
+    return meta.once(("causal rows", tuple(reqs)), lambda: DecodeRows.whole_contexts(meta, reqs))
 
 
 def every_row_slots(meta: BatchMetadata, rows_of) -> torch.Tensor | None:

@@ -5,7 +5,7 @@ about a minute on 2 cores), into the dsaserve cache, keyed by the sources, the t
 the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query attention
 (selected_rows.cpp), the indexer's scores (index_scores.cpp) and its top-k (topk.cpp), and the
 small per-token operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp, latent_write.cpp,
-moe_route.cpp, mla_projections.cpp), and a decoder layer's decode step chained from those in two calls
+moe_route.cpp, mla_projections.cpp, context_slots.cpp), and a decoder layer's decode step chained from those in two calls
 (decode_layer.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and
 have portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False
 and callers keep their torch path.
@@ -158,6 +158,10 @@ def _register_fakes() -> None:
     def _(query, rows, slots, scale, value_dim, x, w_uv_q, w_uv_s, w_uv_args, o_q, o_s, o_args, post_weight, post_eps,
           mlp, mlp_args, routed_scaling):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("dsaserve::context_slots")
+    def _(block_tables, lens, block_size):
+        return block_tables.new_empty(len(lens), max(lens))
 
     @torch.library.register_fake("dsaserve::dequantize_t")
     def _(qweight, scale, kind, group, col_offset, N, K, dtype):
