@@ -6,7 +6,7 @@ By default builds (once) a checkpoint with benchmarks/model_core.py's layers, he
 hidden 256 and every projection a few hundred KB, so a step's time is nearly all fixed costs: Python,
 operator dispatch, the threads' fork and join (--checkpoint takes another, e.g. the benchmark model).
 Reports the median decode step (128-token prompt) with the layers' gathered native calls
-(model/decode_calls.py) and through their modules, the same engine alternating step by step; then one
+(model/decode_calls.py: two native calls per layer) and through their modules, the same engine alternating step by step; then one
 shared MoE layer three ways, taking turns: through its modules, through its gathered calls, and as its
 native operators called directly with slots made beforehand (all three checked to give the same bits).
 """
