@@ -148,7 +148,7 @@ def _weight_kernel_path() -> str:
             else:
                 paths.append(f"{kind} in bf16 (no AVX-512 VNNI and VBMI, or {switch}=0)")
         return (f"native AVX-512 BF16 kernels for up to 16 rows (bf16 models and --quantization; {'; '.join(paths)}), "
-                "torch GEMM beyond")
+                "torch GEMM beyond; a decode step runs each layer as two native calls (native/decode_layer.cpp)")
     return "torch (the packed-weight kernels need a C++ compiler and AVX-512 BF16; quantized weights dequantize)"
 
 

@@ -28,17 +28,14 @@ from dsaserve.quantization.quantized_weight import KERNEL_ROWS, PackedMatrix, Qu
 @dataclass(frozen=True)
 class DecodeCalls:
     dtype: torch.dtype  # of the norms' weights: the activations must be in it
-    input_norm: tuple  # (weight, eps)
-    query: tuple  # mla_query's weight arguments and its shape arguments
-    latents: tuple  # quant_linear's arguments for kv_a_proj_with_mqa, then (norm weight, eps, interleaved)
+    layer_in: tuple  # decode_layer_in's arguments after x up to cos, sin; then those after them up to the cache
+    index_keys: tuple | None  # decode_layer_in's indexer-key arguments before the packed key cache (full layers)
     output: tuple  # mla_output's weight arguments
     post_norm: tuple  # (weight, eps)
     route: tuple | None  # moe_route's arguments after x (MoE layers)
     experts: tuple | None  # moe_experts' (tensors, tail) with the shared experts in the call (MoE layers)
     dense_mlp: tuple | None  # gated_mlp's arguments after x (dense layers)
-    layer_in: tuple  # decode_layer_in's arguments after x up to cos, sin; then those after them up to the cache
     layer_out: tuple | None  # decode_layer_out's mlp arguments (tensors, ints, scaling); None: not for this layer
-    index_keys: tuple | None  # decode_layer_in's indexer-key arguments before the packed key cache (full layers)
 
 
 def decode_calls(layer) -> DecodeCalls | None:
@@ -80,14 +77,10 @@ def decode_calls(layer) -> DecodeCalls | None:
     layer_in = ((norm.weight, norm.eps, *weights),
                 (*shape, kv_weight.qweight, kv_weight.scale, list(kv_weight.args), latent_norm, latent_eps,
                  attn.rope_interleave))
-    heads = attn.num_heads
-    out_fits = dtype == torch.bfloat16 and attention_fits(max(heads, FEW_HEADS_PADDED), attn.kv_lora_rank
-                                                          + attn.rope_dim, attn.kv_lora_rank)
-    return DecodeCalls(dtype, (norm.weight, norm.eps), query[1:],
-                       ((kv_weight.qweight, kv_weight.scale, *kv_weight.args), (latent_norm, latent_eps,
-                                                                                attn.rope_interleave)),
-                       output[0], (post.weight, post.eps), route, experts, dense, layer_in,
-                       _mlp_arguments(route, experts, dense) if out_fits else None, _index_key_arguments(attn, dtype))
+    out_fits = dtype == torch.bfloat16 and attention_fits(max(attn.num_heads, FEW_HEADS_PADDED),
+                                                          attn.kv_lora_rank + attn.rope_dim, attn.kv_lora_rank)
+    return DecodeCalls(dtype, layer_in, _index_key_arguments(attn, dtype), output[0], (post.weight, post.eps), route,
+                       experts, dense, _mlp_arguments(route, experts, dense) if out_fits else None)
 
 
 def _index_key_arguments(attn, dtype: torch.dtype) -> tuple | None:
