@@ -1,6 +1,6 @@
 // A decoder layer's few-token step in two operators, each the chain of the layer's own operators (layer_pieces.h)
-// called in C++: the same functions in the same order as model/decode_calls.py called them one by one from
-// Python, so the same bits, without a Python call, an argument conversion and a dispatch per piece.
+// called in C++: the functions the layer's modules call, in their order, so the same bits, without a Python
+// call, an argument conversion and a dispatch per piece (model/decode_calls.py decides when a layer may).
 //   decode_layer_in:  h = rms_norm(x); (query, q_resid) = mla_query(h); the step's latent rows written to the
 //                     cache from kv_a_proj_with_mqa(h); in a full layer whose key cache is kept packed, the
 //                     indexer's keys rope(LayerNorm(wk(h))) written to it too. Returns (h, query, q_resid): the
