@@ -98,9 +98,13 @@ class DecodeRows:
     def of(cls, meta: BatchMetadata, reqs: list[int], positions: torch.Tensor, invalid: torch.Tensor) -> "DecodeRows":
         """positions [R, W] of requests reqs; entries under `invalid` are padding (but valid positions)."""
         req_index = torch.tensor(reqs, device=positions.device)
-        every_row = meta.num_tokens == len(reqs) and list(reqs) == list(range(meta.num_reqs))
         return cls(meta.query_start_loc[req_index], meta.slots_of(req_index, positions).masked_fill_(invalid, -1),
-                   every_row)
+                   cls.are_every_row(meta, reqs))
+
+    @staticmethod
+    def are_every_row(meta: BatchMetadata, reqs: list[int]) -> bool:
+        """Whether reqs are every request of the batch, in order, each a single row."""
+        return meta.num_tokens == len(reqs) and list(reqs) == list(range(meta.num_reqs))
 
     @classmethod
     def whole_contexts(cls, meta: BatchMetadata, reqs: list[int]) -> "DecodeRows":
@@ -108,10 +112,13 @@ class DecodeRows:
         host_lens = [meta.seq_lens_host[i] for i in reqs]
         device = meta.block_tables.device
         if device.type == "cpu" and torch_ops.load():  # one native call for the operators below
-            every_row = meta.num_tokens == len(reqs) and list(reqs) == list(range(meta.num_reqs))
-            rows = meta.query_start_loc[:-1] if every_row else meta.query_start_loc[torch.tensor(reqs, device=device)]
-            tables = meta.block_tables if every_row else meta.block_tables[torch.tensor(reqs, device=device)]
-            return cls(rows, torch.ops.dsaserve.context_slots.default(tables, host_lens, meta.block_size), every_row)
+            if cls.are_every_row(meta, reqs):
+                rows, tables = meta.query_start_loc[:-1], meta.block_tables
+            else:
+                req_index = torch.tensor(reqs, device=device)
+                rows, tables = meta.query_start_loc[req_index], meta.block_tables[req_index]
+            slots = torch.ops.dsaserve.context_slots.default(tables, host_lens, meta.block_size)
+            return cls(rows, slots, cls.are_every_row(meta, reqs))
         lens = torch.tensor(host_lens, device=device)
         width = torch.arange(max(host_lens), device=device)[None, :]
         positions = torch.minimum(width, lens[:, None] - 1)  # padding points at a written row

@@ -130,15 +130,14 @@ def run_layer(layer, calls: DecodeCalls, x, cos, sin, meta, kv_cache, indexer_ca
     attn = layer.self_attn
     rows = kv_cache.view(-1, kv_cache.shape[-1])
     head, tail = calls.layer_in
+    selects = attn.backend.uses_indexer and attn.indexer is not None and run_indexer
+    keys_in_call = selects and calls.index_keys is not None and indexer_cache.packed
+    keys = (*calls.index_keys, indexer_cache.groups) if keys_in_call else ()
+    h, query, q_resid = ops.decode_layer_in.default(x, *head, cos, sin, *tail, rows, meta.slot_mapping, *keys)
     topk = prev_topk
-    if not (attn.backend.uses_indexer and attn.indexer is not None and run_indexer):
-        h, query, q_resid = ops.decode_layer_in.default(x, *head, cos, sin, *tail, rows, meta.slot_mapping)
-    elif calls.index_keys is not None and indexer_cache.packed:  # the keys written in the same call
-        h, query, q_resid = ops.decode_layer_in.default(x, *head, cos, sin, *tail, rows, meta.slot_mapping,
-                                                        *calls.index_keys, indexer_cache.groups)
+    if keys_in_call:
         topk = attn.indexer.select(h, q_resid, cos, sin, meta, indexer_cache)
-    else:
-        h, query, q_resid = ops.decode_layer_in.default(x, *head, cos, sin, *tail, rows, meta.slot_mapping)
+    elif selects:
         topk = attn.indexer(h, q_resid, cos, sin, meta, indexer_cache)
     slots = attn.backend.decode_slots(meta, topk) if calls.layer_out is not None else None
     if slots is not None:
