@@ -7,7 +7,8 @@ each weight form in its own process, the forms taking turns for three rounds (me
 the bandwidth kernel (the default on a CPU with AVX-512 BF16), and --quantization fp8, int8, int4; int8 and int4
 twice where the CPU has AVX-512 VNNI: as served (activations rounded to int8 per row and 128-column group, integer
 dot products) and `int8-bf16act`, `int4-bf16act` (DSASERVE_INT8_VNNI=0, DSASERVE_INT4_VNNI=0: the products in
-bf16, exact in the activations).
+bf16, exact in the activations); fp8 twice where the CPU has AVX-512 VBMI: as served (its bytes decoded by table
+lookups) and `fp8-shifts` (DSASERVE_FP8_VBMI=0: by shifts and masks).
 For each: batch-1 decode (median step, 128-token prompts), batch-16 output tokens/s, a 2,048-token
 prefill, the weight bytes one decode token reads (every projection once, the shared expert, and 4 of
 the 8 routed experts per MoE layer), and the resident bytes. The bound is those bytes ÷ this machine's
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-FORMS = ["torch-bf16", "bf16", "fp8", "int8", "int8-bf16act", "int4", "int4-bf16act"]
+FORMS = ["torch-bf16", "bf16", "fp8", "fp8-shifts", "int8", "int8-bf16act", "int4", "int4-bf16act"]
 
 
 def copy_bandwidth() -> float:
@@ -85,7 +86,9 @@ def measure(form: str) -> dict:
         apply.kernels_here = lambda device: False
     if form.endswith("-bf16act"):  # read by the kernels once, at their first product of that kind
         os.environ[f"DSASERVE_{form.split('-')[0].upper()}_VNNI"] = "0"
-    quantization = {"fp8": "fp8", "int8": "int8", "int8-bf16act": "int8", "int4": "int4",
+    if form == "fp8-shifts":  # fp8 decoded by shifts and masks where the CPU would look it up (VBMI)
+        os.environ["DSASERVE_FP8_VBMI"] = "0"
+    quantization = {"fp8": "fp8", "fp8-shifts": "fp8", "int8": "int8", "int8-bf16act": "int8", "int4": "int4",
                     "int4-bf16act": "int4"}.get(form)
     engine = LLMEngine(EngineArgs(model=checkpoint_dir(), kv_cache_memory="512MiB", max_model_len=4096,
                                   progress=False, quantization=quantization))

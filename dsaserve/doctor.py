@@ -147,6 +147,10 @@ def _weight_kernel_path() -> str:
                 paths.append(f"{kind} by int8-rounded activations on AVX-512 VNNI ({switch}=0: in bf16)")
             else:
                 paths.append(f"{kind} in bf16 (no AVX-512 VNNI and VBMI, or {switch}=0)")
+        if torch.ops.dsaserve.fp8_bf16_path() == "avx512_vbmi":
+            paths.append("fp8 decoded by AVX-512 VBMI table lookups (DSASERVE_FP8_VBMI=0: by shifts and masks)")
+        else:
+            paths.append("fp8 decoded by shifts and masks (no AVX-512 VBMI, or DSASERVE_FP8_VBMI=0)")
         return (f"native AVX-512 BF16 kernels for up to 16 rows (bf16 models and --quantization; {'; '.join(paths)}), "
                 "torch GEMM beyond; a decode step runs each layer as two native calls (native/decode_layer.cpp)")
     return "torch (the packed-weight kernels need a C++ compiler and AVX-512 BF16; quantized weights dequantize)"

@@ -298,11 +298,16 @@ AVX512BF16 void blocks(const Problem& p, const void* x, int64_t b0, int64_t b1, 
   }
 }
 
+bool fp8_table_enabled();
+void blocks_fp8_table(const Problem& p, const void* x, int64_t b0, int64_t b1, void* y);
+
 template <bool Bf16Act>
 AVX512BF16 void blocks_any(const Problem& p, const void* x, int64_t b0, int64_t b1, void* y) {
   switch (p.kind) {
     case kBF16: return blocks<kBF16, Bf16Act>(p, x, b0, b1, y);
-    case kFP8: return blocks<kFP8, Bf16Act>(p, x, b0, b1, y);
+    case kFP8:
+      if (Bf16Act && fp8_table_enabled()) return blocks_fp8_table(p, x, b0, b1, y);
+      return blocks<kFP8, Bf16Act>(p, x, b0, b1, y);
     case kINT8: return blocks<kINT8, Bf16Act>(p, x, b0, b1, y);
     default: return blocks<kINT4, Bf16Act>(p, x, b0, b1, y);
   }
@@ -323,6 +328,11 @@ bool int4_vnni_enabled() {
 
 bool int8_vnni_enabled() {
   static const bool on = vnni_allowed("DSASERVE_INT8_VNNI");
+  return on;
+}
+
+bool fp8_table_enabled() {
+  static const bool on = vnni_allowed("DSASERVE_FP8_VBMI");
   return on;
 }
 
@@ -528,6 +538,166 @@ AVX512VNNI void blocks_vnni_kind(const Problem& p, const Int8Acts& acts, int64_t
 AVX512VNNI void blocks_vnni(const Problem& p, const Int8Acts& acts, int64_t row0, int64_t b0, int64_t b1, void* y) {
   if (p.kind == kINT4) blocks_vnni_kind<kINT4>(p, acts, row0, b0, b1, y);
   else blocks_vnni_kind<kINT8>(p, acts, row0, b0, b1, y);
+}
+
+// fp8 weights by bf16 activations where the CPU has VBMI: each e4m3 byte's bf16 bits (times 2^-8, as decode32
+// gives them) looked up in two 128-byte tables, one for the low bytes and one for the high bytes (vpermi2b reads
+// an index's low 7 bits: sign-free), the sign or-ed into the high bytes, and the two byte planes interleaved into
+// bf16 lanes by vpermt2b: five instructions decode two column pairs (64 weights), where decode32's shifts, masks
+// and subnormal test take eight for one. Subnormals and zeros come out of the table like every other byte.
+struct Fp8Tables {
+  alignas(64) uint8_t low[128];
+  alignas(64) uint8_t high[128];
+  alignas(64) uint8_t first_pair[64];   // bytes of the first column pair's lanes: low j, high j
+  alignas(64) uint8_t second_pair[64];  // the second pair's: low 32 + j, high 32 + j
+};
+
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables = [] {
+    Fp8Tables t{};
+    for (int b = 0; b < 128; ++b) {
+      const float v = fp8_e4m3_to_float(static_cast<uint8_t>(b)) / 256.f;  // exact: 4 significant bits
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      t.low[b] = static_cast<uint8_t>(bits >> 16);
+      t.high[b] = static_cast<uint8_t>(bits >> 24);
+    }
+    for (int j = 0; j < 32; ++j) {  // vpermt2b's index: bit 6 picks the high-byte plane
+      t.first_pair[2 * j] = static_cast<uint8_t>(j);
+      t.first_pair[2 * j + 1] = static_cast<uint8_t>(64 + j);
+      t.second_pair[2 * j] = static_cast<uint8_t>(32 + j);
+      t.second_pair[2 * j + 1] = static_cast<uint8_t>(96 + j);
+    }
+    return t;
+  }();
+  return tables;
+}
+
+struct Fp8Decoder {
+  __m512i low0, low1, high0, high1, first_pair, second_pair, sign;
+
+  AVX512VNNI explicit Fp8Decoder(const Fp8Tables& t)
+      : low0(_mm512_load_si512(t.low)), low1(_mm512_load_si512(t.low + 64)), high0(_mm512_load_si512(t.high)),
+        high1(_mm512_load_si512(t.high + 64)), first_pair(_mm512_load_si512(t.first_pair)),
+        second_pair(_mm512_load_si512(t.second_pair)), sign(_mm512_set1_epi8(static_cast<char>(0x80))) {}
+
+  // The 64 bytes of column pairs kp and kp + 1 (a vector whose upper half is unused when only kp is there) as
+  // the two pairs' bf16 lanes.
+  AVX512VNNI void decode(__m512i raw, __m512i& w0, __m512i& w1) const {
+    const __m512i low = _mm512_permutex2var_epi8(low0, raw, low1);
+    // high | (raw & 0x80): ternary logic A | (B & C) on (high, raw, sign)
+    const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, raw, high1), raw, sign, 0xF8);
+    w0 = _mm512_permutex2var_epi8(low, first_pair, high);
+    w1 = _mm512_permutex2var_epi8(low, second_pair, high);
+  }
+};
+
+// One 16-row fp8 block against M bf16 activation rows (block_rows' sums, with the table decode).
+template <int M>
+AVX512VNNI void block_rows_fp8_table(const Problem& p, const Fp8Decoder& decoder, const uint32_t* xp, int64_t b,
+                                     void* y) {
+  const uint8_t* block = p.w + b * p.block_bytes;
+  __m512 total[M];
+  for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = group_end(p, k0);
+    __m512 even[M], odd[M];
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    const int64_t p1 = (k1 + 1) / 2;
+    int64_t kp = k0 / 2;
+    __m512i w0, w1;
+    for (; kp + 2 <= p1; kp += 2) {
+      decoder.decode(_mm512_loadu_si512(block + kp * 32), w0, w1);
+      for (int m = 0; m < M; ++m) {
+        even[m] = _mm512_dpbf16_ps(even[m], (__m512bh)w0, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * p.K2 + kp])));
+        odd[m] = _mm512_dpbf16_ps(odd[m], (__m512bh)w1, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * p.K2 + kp + 1])));
+      }
+    }
+    if (kp < p1) {  // a group's odd last column pair: its 32 bytes alone (the next ones may be past the block)
+      decoder.decode(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kp * 32))),
+                     w0, w1);
+      for (int m = 0; m < M; ++m)
+        even[m] = _mm512_dpbf16_ps(even[m], (__m512bh)w0, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * p.K2 + kp])));
+    }
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(p.scale + (b * p.G + scale_column(p, k0)) * 16), _mm512_set1_ps(256.f));
+    for (int m = 0; m < M; ++m) total[m] = _mm512_fmadd_ps(_mm512_add_ps(even[m], odd[m]), s, total[m]);
+    k0 = k1;
+  }
+  const int64_t rows = std::min<int64_t>(16, p.N - b * 16);
+  for (int m = 0; m < M; ++m) store16(p, y, m * p.N + b * 16, total[m], rows);
+}
+
+// Two full 16-row fp8 blocks against M >= 3 bf16 activation rows: each activation broadcast feeds both blocks
+// (block_pair_rows' reason).
+template <int M>
+AVX512VNNI void block_pair_rows_fp8_table(const Problem& p, const Fp8Decoder& decoder, const uint32_t* xp, int64_t b,
+                                          void* y) {
+  const uint8_t* blocks[2] = {p.w + b * p.block_bytes, p.w + (b + 1) * p.block_bytes};
+  __m512 total[2][M];
+  for (int r = 0; r < 2; ++r)
+    for (int m = 0; m < M; ++m) total[r][m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = group_end(p, k0);
+    __m512 part[2][M];
+    for (int r = 0; r < 2; ++r)
+      for (int m = 0; m < M; ++m) part[r][m] = _mm512_setzero_ps();
+    const int64_t p1 = (k1 + 1) / 2;
+    int64_t kp = k0 / 2;
+    __m512i w[2][2];
+    for (; kp + 2 <= p1; kp += 2) {
+      for (int r = 0; r < 2; ++r) decoder.decode(_mm512_loadu_si512(blocks[r] + kp * 32), w[r][0], w[r][1]);
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < 2; ++j) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * p.K2 + kp + j]));
+          part[0][m] = _mm512_dpbf16_ps(part[0][m], (__m512bh)w[0][j], xv);
+          part[1][m] = _mm512_dpbf16_ps(part[1][m], (__m512bh)w[1][j], xv);
+        }
+    }
+    if (kp < p1) {
+      for (int r = 0; r < 2; ++r)
+        decoder.decode(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks[r] + kp * 32))),
+                       w[r][0], w[r][1]);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * p.K2 + kp]));
+        part[0][m] = _mm512_dpbf16_ps(part[0][m], (__m512bh)w[0][0], xv);
+        part[1][m] = _mm512_dpbf16_ps(part[1][m], (__m512bh)w[1][0], xv);
+      }
+    }
+    const int64_t column = scale_column(p, k0);
+    for (int r = 0; r < 2; ++r) {
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(p.scale + ((b + r) * p.G + column) * 16), _mm512_set1_ps(256.f));
+      for (int m = 0; m < M; ++m) total[r][m] = _mm512_fmadd_ps(part[r][m], s, total[r][m]);
+    }
+    k0 = k1;
+  }
+  for (int r = 0; r < 2; ++r)
+    for (int m = 0; m < M; ++m) store16(p, y, m * p.N + (b + r) * 16, total[r][m], 16);
+}
+
+template <int M>
+AVX512VNNI void blocks_fp8_table_m(const Problem& p, const void* x, int64_t b0, int64_t b1, void* y) {
+  const Fp8Decoder decoder(fp8_tables());
+  const uint32_t* xp = static_cast<const uint32_t*>(x);
+  int64_t b = b0;
+  if constexpr (M >= 3) {
+    const int64_t full = p.N / 16;  // blocks with 16 real rows
+    for (; b + 2 <= std::min(b1, full); b += 2) block_pair_rows_fp8_table<M>(p, decoder, xp, b, y);
+  }
+  for (; b < b1; ++b) block_rows_fp8_table<M>(p, decoder, xp, b, y);
+}
+
+// Blocks [b0, b1) of an fp8 weight against p.M <= 8 bf16 activation rows.
+AVX512VNNI void blocks_fp8_table(const Problem& p, const void* x, int64_t b0, int64_t b1, void* y) {
+  switch (p.M) {
+    case 1: return blocks_fp8_table_m<1>(p, x, b0, b1, y);
+    case 2: return blocks_fp8_table_m<2>(p, x, b0, b1, y);
+    case 3: return blocks_fp8_table_m<3>(p, x, b0, b1, y);
+    case 4: return blocks_fp8_table_m<4>(p, x, b0, b1, y);
+    case 5: return blocks_fp8_table_m<5>(p, x, b0, b1, y);
+    case 6: return blocks_fp8_table_m<6>(p, x, b0, b1, y);
+    case 7: return blocks_fp8_table_m<7>(p, x, b0, b1, y);
+    default: return blocks_fp8_table_m<8>(p, x, b0, b1, y);
+  }
 }
 
 // Room for `rows` quantized activation rows of p's shape.
@@ -940,6 +1110,15 @@ std::string int4_bf16_path() {
   return cpu_kernels();
 }
 
+// How fp8 weights meet bf16 activations here: "avx512_vbmi" (decoded by table lookups), "avx512_bf16" (by
+// shifts and masks), or "none".
+std::string fp8_bf16_path() {
+#if DSASERVE_X86
+  if (cpu_has_kernels() && fp8_table_enabled()) return "avx512_vbmi";
+#endif
+  return cpu_kernels();
+}
+
 // The same for int8 weights (one scale per row; activations quantized per row and 128 columns).
 std::string int8_bf16_path() {
 #if DSASERVE_X86
@@ -991,6 +1170,7 @@ TORCH_LIBRARY(dsaserve, m) {
   m.def("cpu_kernels() -> str", &cpu_kernels);
   m.def("int4_bf16_path() -> str", &int4_bf16_path);
   m.def("int8_bf16_path() -> str", &int8_bf16_path);
+  m.def("fp8_bf16_path() -> str", &fp8_bf16_path);
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
