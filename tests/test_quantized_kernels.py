@@ -506,3 +506,47 @@ def test_gathered_operator_arguments_follow_the_modules_tensors():
         swapped = attn.attention_output(latent)
         expected = attn.o_proj(mla_module.per_head(latent, attn.w_uv).reshape(2, -1))
     assert torch.equal(swapped, expected) and not torch.equal(swapped, first)
+
+
+FP8_PRODUCTS = """
+import sys, torch
+from dsaserve.native import torch_ops
+from dsaserve.quantization import formats
+torch_ops.load()
+q, scale, x = torch.load(sys.argv[1])
+n, k = q.shape
+packed = formats.pack("fp8", q, scale)
+args = (formats.KINDS["fp8"], formats.group_of("fp8", k), 0, n, k)
+out = [torch.ops.dsaserve.quant_linear(x[:m], *packed, *args) for m in range(1, 17)]
+torch.save((torch.ops.dsaserve.fp8_bf16_path(), out), sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not (torch_ops.cpu_kernels() == "avx512_bf16"
+                         and torch.ops.dsaserve.fp8_bf16_path() == "avx512_vbmi"),
+                    reason="the fp8 table decode needs AVX-512 VBMI besides the kernels' AVX-512 BF16 (this CPU's "
+                           f"kernels: {torch_ops.cpu_kernels()}), and DSASERVE_FP8_VBMI unset or not 0")
+def test_fp8_table_decode_gives_the_bits_of_the_shift_decode(tmp_path):
+    """fp8 by bf16 activations, 1 to 16 rows (single blocks, block pairs, a partial last block, an odd column pair):
+    the VBMI table lookups and the shifts and masks (DSASERVE_FP8_VBMI=0, another process: the switch is read
+    once) give the same bf16 bits."""
+    import os
+    import subprocess
+    import sys
+
+    q, scale_inv = quantize_fp8(torch.randn(70, 390))
+    q = q.view(torch.uint8)
+    q[3, :40] = torch.arange(40, dtype=torch.uint8)  # zero and the subnormals among the bytes
+    scale = fp8_row_scales(scale_inv, (0, 70), (0, 390), (70, 390), (128, 128))
+    x = torch.randn(16, 390).bfloat16()
+    torch.save((q, scale, x), tmp_path / "in.pt")
+    script = tmp_path / "products.py"
+    script.write_text(FP8_PRODUCTS)
+    results = {}
+    for switch in ("1", "0"):
+        subprocess.run([sys.executable, str(script), str(tmp_path / "in.pt"), str(tmp_path / f"out{switch}.pt")],
+                       env=dict(os.environ, DSASERVE_FP8_VBMI=switch), check=True)
+        results[switch] = torch.load(tmp_path / f"out{switch}.pt")
+    assert results["1"][0] == "avx512_vbmi" and results["0"][0] == "avx512_bf16"
+    for table, shifts in zip(results["1"][1], results["0"][1]):
+        assert torch.equal(table.view(torch.int16), shifts.view(torch.int16))
