@@ -1,6 +1,6 @@
 """The packed-weight kernels alone: GB/s of weights read by one [8192, 4096] product, per form and row count.
 
-    python benchmarks/quant_kernels.py
+    python benchmarks/quant_kernels.py [--warm]
 
 Against torch's bf16 F.linear on the same weight and this machine's copy bandwidth (bytes copied per
 second, 1 GiB buffers). The weight is 64 MiB in bf16 (32, 16 MiB packed in 8, 4 bits); each measurement
@@ -8,11 +8,14 @@ cycles through copies of it, 256 MiB in all, so that every product reads its wei
 does, not from a 32 MiB L3 that still holds it from the previous call.
 int4 runs on the path this CPU takes for bf16 activations (printed); `DSASERVE_INT4_VNNI=0 python
 benchmarks/quant_kernels.py` measures the bf16 one where the VNNI path is the default.
+`--warm`: each kernel's own pace instead (one thread, a 2-4 MiB weight kept in cache, 1-8 rows), where the
+decoding of the weights, not memory, sets the speed; DSASERVE_FP8_VBMI=0 puts fp8 on its shift decode.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from typing import Callable
 
@@ -42,9 +45,43 @@ def per_call(fn, n: int = 20) -> float:
     return (time.perf_counter() - start) / n
 
 
+def packed_weight(kind: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, tuple]:
+    """(packed weight, scales, their bytes, quant_linear's trailing arguments) of fp32 w in `kind`."""
+    n, k = w.shape
+    if kind == "bf16":
+        q, scale = w.bfloat16(), torch.ones(n, 1)
+    elif kind == "fp8":
+        q8, scale_inv = quantize_fp8(w)
+        q, scale = q8.view(torch.uint8), fp8_row_scales(scale_inv, (0, n), (0, k), (n, k), (128, 128))
+    else:
+        q, scale = formats.quantize_int8(w) if kind == "int8" else formats.quantize_int4(w)
+    packed, scales = formats.pack(kind, q, scale)
+    size = packed.numel() * packed.element_size() + scales.numel() * 4
+    return packed, scales, size, (formats.KINDS[kind], formats.group_of(kind, k), 0, n, k)
+
+
+def warm() -> None:
+    """The kernels' own pace, memory aside: one thread, a [2048, 1024] weight that stays in cache, best of many."""
+    torch.set_num_threads(1)
+    print(f"one thread, [2048, 1024] weights in cache; fp8 decoded by {torch.ops.dsaserve.fp8_bf16_path()}, "
+          f"int8 and int4 by {torch.ops.dsaserve.int8_bf16_path()}, {torch.ops.dsaserve.int4_bf16_path()}")
+    w = torch.randn(2048, 1024)
+    for kind in ("bf16", "fp8", "int8", "int4"):
+        packed, scales, size, args = packed_weight(kind, w)
+        line = []
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, 1024).bfloat16()
+            t = min(per_call(lambda: torch.ops.dsaserve.quant_linear(x, packed, scales, *args), 200) for _ in range(5))
+            line.append(f"{m} rows {size / t / 1e9:5.1f} GB/s")
+        print(f"{kind:>4} kernel: " + ", ".join(line))
+
+
 def main() -> None:
     if torch_ops.cpu_kernels() != "avx512_bf16":
         raise SystemExit(f"the kernels do not run here ({torch_ops.cpu_kernels()})")
+    if "--warm" in sys.argv[1:]:
+        warm()
+        return
     a = torch.ones(1 << 30, dtype=torch.uint8)
     b = torch.empty_like(a)
     copy = a.numel() / min(per_call(lambda: b.copy_(a), 3) for _ in range(2))
@@ -58,16 +95,7 @@ def main() -> None:
         t = per_call(lambda: torch.nn.functional.linear(x, *next_wb()))
         print(f"torch bf16 F.linear, {m:2d} rows: {N * K * 2 / t / 1e9:5.1f} GB/s ({t * 1e3:.2f} ms)")
     for kind in ("bf16", "fp8", "int8", "int4"):
-        if kind == "bf16":
-            q, scale = wb, torch.ones(N, 1)
-        elif kind == "fp8":
-            q8, scale_inv = quantize_fp8(w)
-            q, scale = q8.view(torch.uint8), fp8_row_scales(scale_inv, (0, N), (0, K), (N, K), (128, 128))
-        else:
-            q, scale = formats.quantize_int8(w) if kind == "int8" else formats.quantize_int4(w)
-        packed, scales = formats.pack(kind, q, scale)
-        size = packed.numel() * packed.element_size() + scales.numel() * 4
-        args = (formats.KINDS[kind], formats.group_of(kind, K), 0, N, K)
+        packed, scales, size, args = packed_weight(kind, w)
         next_weight = cold((packed, scales), size)
         for m in (1, 4, 16):
             x = torch.randn(m, K).bfloat16()
