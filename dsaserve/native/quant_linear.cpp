@@ -544,7 +544,9 @@ AVX512VNNI void blocks_vnni(const Problem& p, const Int8Acts& acts, int64_t row0
 // gives them) looked up in two 128-byte tables, one for the low bytes and one for the high bytes (vpermi2b reads
 // an index's low 7 bits: sign-free), the sign or-ed into the high bytes, and the two byte planes interleaved into
 // bf16 lanes by vpermt2b: five instructions decode two column pairs (64 weights), where decode32's shifts, masks
-// and subnormal test take eight for one. Subnormals and zeros come out of the table like every other byte.
+// and subnormal test take eight for one pair. Subnormals and zeros come out of the table like every other byte.
+// (The loops below repeat block_rows' and block_pair_rows': this decode needs a VBMI target, which the bf16 body,
+// run on CPUs without VBMI, must not be compiled for.)
 struct Fp8Tables {
   alignas(64) uint8_t low[128];
   alignas(64) uint8_t high[128];
