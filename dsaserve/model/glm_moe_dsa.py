@@ -71,7 +71,7 @@ class DecoderLayer(PreparedCalls):
         return decode_calls.decode_calls(self) if DECODE_CALLS else None
 
 
-class GlmMoeDsaModel(nn.Module):
+class GlmMoeDsaModel(PreparedCalls):
     def __init__(self, cfg: ModelConfig, backend, selection: Selection, parallel: ParallelContext):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel.plan, parallel.tp)
@@ -116,6 +116,9 @@ class GlmMoeDsaForCausalLM(nn.Module):
         """Hidden states of every row [T, hidden], before the final norm."""
         x = self.model.embed_tokens(meta.input_ids, self.model.norm.weight.dtype)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
+        out = decode_calls.run_layers(self.model, x, cos, sin, meta, kv_caches, indexer_caches)
+        if out is not None:
+            return out
         topk = None
         for i, layer in enumerate(self.model.layers):
             x, topk = layer(x, cos, sin, meta, kv_caches[i], indexer_caches.get(i), topk)
