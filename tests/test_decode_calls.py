@@ -40,26 +40,41 @@ def test_gathered_calls_give_the_modules_tokens_and_logprobs(make_checkpoint, mo
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
     prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in PROMPTS[lengths]]
-    ran, one_call, keys_in_call = [], [], []
-    real = decode_calls.run_layer
-    monkeypatch.setattr(decode_calls, "run_layer", lambda layer, *a: ran.append(layer.mlp.__class__.__name__)
-                        or real(layer, *a))
+    config = json.loads((Path(path) / "config.json").read_text())
+    steps, one_call, keys_in_call = [], [], []  # steps: per run_layers call, its decode_layers calls
+    real_run_layers, real_op = decode_calls.run_layers, torch.ops.dsaserve.decode_layers
+
+    def run_layers(*a):
+        steps.append(0)
+        return real_run_layers(*a)
+
+    class CountedOp:
+        def default(self, *a):
+            steps[-1] += 1
+            return real_op.default(*a)
+
+    monkeypatch.setattr(decode_calls, "run_layers", run_layers)
+    monkeypatch.setattr(torch.ops.dsaserve, "decode_layers", CountedOp())
     decode_slots = SparseAttention.decode_slots
     monkeypatch.setattr(SparseAttention, "decode_slots", lambda self, meta, topk: one_call.append(
         (slots := decode_slots(self, meta, topk)) is not None) or slots)
-    select = Indexer.select
-    monkeypatch.setattr(Indexer, "select", lambda self, *a: keys_in_call.append(1) or select(self, *a))
+    key_groups = decode_calls._key_groups
+    monkeypatch.setattr(decode_calls, "_key_groups", lambda *a: (g := key_groups(*a)) is not None
+                        and keys_in_call.append(1) or g)
     gathered = generate(path, quantization, prompts)
-    assert {"GatedMLP", "MoE"} <= set(ran)  # both kinds of layer took their gathered calls
-    assert keys_in_call  # full layers wrote their indexer keys in decode_layer_in
-    # Decode steps attend in decode_layer_out (prompt rows never), but where the two requests need different rows;
+    assert keys_in_call  # full layers write their indexer keys in their in half
+    # Decode steps attend in the out halves (prompt rows never), but where the two requests need different rows;
     # the slots are chosen once per step and top-k tensor (full layers past index_topk select their own).
-    full = json.loads((Path(path) / "config.json").read_text())["indexer_types"].count("full")
+    full, layers = config["indexer_types"].count("full"), config["num_hidden_layers"]
     per_step = full if lengths == "past index_topk" else 1
     assert not any(one_call) if lengths == "one past, one within" else sum(one_call) == 9 * per_step
+    # One native call per run of halves: the step's layers in one (every position selected), a run from each full
+    # layer's selection to the next (scores needed), a call per layer where the backend attends.
+    calls = {"within index_topk": 1, "past index_topk": full + 1, "one past, one within": layers}[lengths]
+    assert steps[-9:] == [calls] * 9
     monkeypatch.setattr(glm_moe_dsa, "DECODE_CALLS", False)
-    ran.clear()
-    assert generate(path, quantization, prompts) == gathered and not ran
+    steps.clear()
+    assert generate(path, quantization, prompts) == gathered and not any(steps)
 
 
 @needs_kernels
@@ -83,3 +98,23 @@ def test_layers_whose_weights_are_not_packed_run_through_their_modules(make_chec
     llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
     layers = llm.engine.executor.driver.runner.model.model.layers
     assert all(layer.__dict__["_prepared_calls"]["decode calls"] is None for layer in layers)
+
+
+@needs_kernels
+def test_bound_layers_are_released_with_their_model(make_checkpoint):
+    """A layer's weights bound to a native handle stay referenced there until the model goes; a released handle
+    is refused by name, not read."""
+    import gc
+
+    path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
+    llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, progress=False, quantization="int4")
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3), use_tqdm=False)
+    layers = llm.engine.executor.driver.runner.model.model.layers
+    handles = [layer.__dict__["_prepared_calls"]["decode calls"].bound.handle for layer in layers]
+    assert len(set(handles)) == len(layers) and set(handles) <= set(torch_ops.BOUND_LAYER_SHAPES)
+    x = torch.zeros(1, 8, dtype=torch.bfloat16)
+    del llm, layers
+    gc.collect()
+    assert not set(handles) & set(torch_ops.BOUND_LAYER_SHAPES)
+    with pytest.raises(RuntimeError, match=f"no bound layer {handles[0]}"):
+        torch.ops.dsaserve.decode_layers.default([handles[0]], x, x, x, [x], x, [None])

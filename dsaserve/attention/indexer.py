@@ -58,15 +58,22 @@ def select_topk(keys: torch.Tensor, queries: Callable[[], tuple[torch.Tensor, to
 def select_written(queries: Callable[[], tuple[torch.Tensor, torch.Tensor]], key_cache: IndexerKeyCache,
                    meta: BatchMetadata, selection: Selection) -> torch.Tensor:
     """`select_topk` once this step's keys are in `key_cache`."""
-    width = selection.width(meta.block_size)
-    if max(meta.seq_lens_host) <= width:
-        # Every request sees at most `width` tokens, so all of them are selected: no scoring (the same
-        # rows for every full layer of the batch).
-        return meta.once(("all visible", width), lambda: all_visible(meta.positions, width))
+    every = selects_every_position(meta, selection)
+    if every is not None:
+        return every
     q, weights = queries()
     if meta.shard is not None:
         return select_sharded(q, weights, key_cache, meta, selection)
     return select(q, weights, key_cache, meta, selection)
+
+
+def selects_every_position(meta: BatchMetadata, selection: Selection) -> torch.Tensor | None:
+    """The selection where every request sees at most `width` tokens, so all of them are selected: no scoring,
+    the same rows (one tensor) for every full layer of the batch. None where some request sees more."""
+    width = selection.width(meta.block_size)
+    if max(meta.seq_lens_host) > width:
+        return None
+    return meta.once(("all visible", width), lambda: all_visible(meta.positions, width))
 
 
 def invisible(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,16 @@
-"""A decoder layer's few-token step as two native operators, with its selection between them.
+"""A decoder layer's few-token step as two native halves, its weights bound once, and runs of layers in one call.
 
 For a few tokens with packed weights, every piece of a layer runs as one native call (norms, MLA's query,
 latent rows and output, the attention kernel, the router, the experts); what remained around them was
 Python deciding, per piece and per step, that it may make that call, gathering its arguments, and one
-argument conversion and dispatch per call. Here a layer gathers its arguments once (`decode_calls`), checks
-per step only what depends on the tokens (`applies`), and runs as `decode_layer_in` (norm, query, latent
-rows) and `decode_layer_out` (attention over the slots its backend chose for the step, output projection,
-norm, MLP), which chain the same pieces in C++ (native/decode_layer.cpp): the same bits as its modules.
-The indexer runs between the two as it is. Where the step's rows are not one kernel call's (prompt rows, a
+argument conversion and dispatch per call. Here a layer gathers its arguments once (`decode_calls`) and binds
+them to a native handle (`BoundLayer`); per step only what depends on the tokens is checked (`applies`) and
+passed. A layer runs as its `in` half (norm, query, latent rows; the indexer's keys in full layers) and its
+`out` half (attention over the slots its backend chose for the step, output projection, norm, MLP), chained in
+C++ (native/decode_layer.cpp): the same bits as its modules. The indexer's selection runs between them in
+Python, so `run_layers` hands a whole run of halves to one `decode_layers` call, up to the next full layer
+whose selection needs scores (none while every request sees at most index_topk tokens, nor with the dense
+backend: then one call runs the step's layers). Where the step's rows are not one kernel call's (prompt rows, a
 batch whose requests split between whole-context and selected rows, fp32 activations, a shape the kernel
 refuses), the attention backend and the later pieces are called one by one instead. Where any piece would
 take another path (weights not packed, a bias, tensor or context parallelism, no kernels), `decode_calls`
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaserve.attention.indexer import selects_every_position
 from dsaserve.native import torch_ops
 from dsaserve.native.selected_rows import FEW_HEADS_PADDED, fits as attention_fits
 from dsaserve.quantization.quantized_weight import KERNEL_ROWS, PackedMatrix, QuantizedWeight
@@ -36,6 +40,7 @@ class DecodeCalls:
     experts: tuple | None  # moe_experts' (tensors, tail) with the shared experts in the call (MoE layers)
     dense_mlp: tuple | None  # gated_mlp's arguments after x (dense layers)
     layer_out: tuple | None  # decode_layer_out's mlp arguments (tensors, ints, scaling); None: not for this layer
+    bound: "BoundLayer"  # the layer's weights and constants as a native handle (its halves' arguments)
 
 
 def decode_calls(layer) -> DecodeCalls | None:
@@ -79,8 +84,34 @@ def decode_calls(layer) -> DecodeCalls | None:
                  attn.rope_interleave))
     out_fits = dtype == torch.bfloat16 and attention_fits(max(attn.num_heads, FEW_HEADS_PADDED),
                                                           attn.kv_lora_rank + attn.rope_dim, attn.kv_lora_rank)
-    return DecodeCalls(dtype, layer_in, _index_key_arguments(attn, dtype), output[0], (post.weight, post.eps), route,
-                       experts, dense, _mlp_arguments(route, experts, dense) if out_fits else None)
+    index_keys = _index_key_arguments(attn, dtype)
+    layer_out = _mlp_arguments(route, experts, dense) if out_fits else None
+    bound = BoundLayer(layer_in, index_keys, (attn.scale, attn.kv_lora_rank, *output[0], post.weight, post.eps,
+                                             *layer_out) if layer_out is not None else None,
+                       (attn.num_heads, attn.kv_lora_rank + attn.rope_dim, query[0].shape[0]))
+    return DecodeCalls(dtype, layer_in, index_keys, output[0], (post.weight, post.eps), route, experts, dense,
+                       layer_out, bound)
+
+
+class BoundLayer:
+    """A layer's halves' weights and constants bound to a native handle (decode_layer_bind), released with this
+    object: decode_layers takes the handle instead of some forty arguments per half."""
+
+    def __init__(self, layer_in: tuple, index_keys: tuple | None, layer_out: tuple | None, shapes: tuple):
+        ops = torch.ops.dsaserve
+        head, tail = layer_in
+        self.handle = ops.decode_layer_bind(*head, *tail, *(index_keys or ()))
+        self._release = ops.decode_layer_release
+        if layer_out is not None:
+            ops.decode_layer_bind_out(self.handle, *layer_out)
+        torch_ops.BOUND_LAYER_SHAPES[self.handle] = shapes
+
+    def __del__(self):
+        torch_ops.BOUND_LAYER_SHAPES.pop(self.handle, None)
+        try:
+            self._release(self.handle)
+        except Exception:  # interpreter exit: the library may be gone with it
+            pass
 
 
 def _index_key_arguments(attn, dtype: torch.dtype) -> tuple | None:
@@ -125,23 +156,54 @@ def applies(calls: DecodeCalls, x: torch.Tensor, cos: torch.Tensor, meta, kv_cac
 
 
 def run_layers(model, x, cos, sin, meta, kv_caches, indexer_caches) -> torch.Tensor | None:
-    """The decoder layers' output (model: GlmMoeDsaModel) through their gathered calls one after another, where
-    every layer has them and they apply to this step (else None: the layers run one by one). The same calls as
-    each layer's forward without a module call, a check and a cache view per layer, and the backend's slot
-    choice made once per top-k tensor (shared layers reuse their full layer's): the Python around a decode
-    step's native calls, which costs a 200M-parameter model a few percent of its step."""
+    """The decoder layers' output (model: GlmMoeDsaModel) through their bound halves, where every layer has them
+    and they apply to this step (else None: the layers run one by one). Runs of halves go to one decode_layers
+    call each: a run ends at a full layer's `in` whose selection Python makes (scores needed, or keys not in the
+    call) or where the next `out` needs other slots; the backend's slot choice is made once per top-k tensor."""
     plan = model.prepared("decode calls", lambda: _layer_calls(model.layers))
     if plan is None or not applies(plan[0][1], x, cos, meta, kv_caches[0]):
         return None
-    topk, slots = None, {}
-    for i, (layer, calls, rows) in enumerate(plan):
+    ops = torch.ops.dsaserve
+    n = len(plan)
+    rows, groups = [], []
+    for i, (layer, calls, memo) in enumerate(plan):
         kv_cache = kv_caches[i]
-        if rows[0] is not kv_cache:  # a cache not seen before: its rows as a view, kept while it lasts
+        if memo[0] is not kv_cache:  # a cache not seen before: its rows as a view, kept while it lasts
             if kv_cache.dtype is not x.dtype:
                 return None
-            rows[:] = kv_cache, kv_cache.view(-1, kv_cache.shape[-1])
-        x, topk = run_layer(layer, calls, x, cos, sin, meta, kv_cache, indexer_caches.get(i), topk, True, slots,
-                            rows[1])
+            memo[:] = kv_cache, kv_cache.view(-1, kv_cache.shape[-1])
+        rows.append(memo[1])
+        groups.append(_key_groups(layer.self_attn, calls, indexer_caches.get(i), True))
+    handles = [calls.bound.handle for _, calls, _ in plan]
+
+    def call(run: list[int], x, query, slots, finish: bool = False):
+        return ops.decode_layers.default([handles[j] for j in run], x, cos, sin, [rows[j] for j in run],
+                                         meta.slot_mapping, [groups[j] for j in run], query, slots, finish)
+
+    made, run, run_slots, query, topk = {}, [], None, None, None  # query: the run's first layer's, if its in ran
+    for i, (layer, calls, _) in enumerate(plan):
+        attn = layer.self_attn
+        selects = attn.backend.uses_indexer and attn.indexer is not None
+        every = selects_every_position(meta, attn.indexer.selection) if selects and groups[i] is not None else None
+        selects_here = selects and every is None  # Python selects after this layer's in: the run ends there
+        if selects_here:
+            x, h, layer_query, q_resid = call(run + [i], x, query, run_slots)
+            topk = _select(attn, groups[i], h, q_resid, cos, sin, meta, indexer_caches.get(i))
+        elif selects:
+            topk = every
+        slots = _decode_slots(attn.backend, meta, topk, made) if calls.layer_out is not None else None
+        if not selects_here and slots is not None and (not run or slots is run_slots):
+            run.append(i)
+            run_slots = slots
+            continue
+        if not selects_here:  # this layer's out cannot join the run (other slots, or none): the run ends here
+            x, _, layer_query, _ = call(run + [i], x, query, run_slots)
+        run, run_slots, query = [i], slots, layer_query
+        if slots is None:  # the backend's own calls attend; the next run starts with an in
+            x = _out_without_kernel(layer, calls, query, x, meta, kv_caches[i], topk)
+            run, run_slots, query = [], None, None
+    if run:
+        x = call(run, x, query, run_slots, finish=True)[0]
     return x
 
 
@@ -151,47 +213,59 @@ def _layer_calls(layers) -> list | None:
     return None if not calls or any(c is None for c in calls) else [(l, c, [None, None]) for l, c in zip(layers, calls)]
 
 
-def run_layer(layer, calls: DecodeCalls, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk, run_indexer: bool,
-              slots_by_topk: dict | None = None, rows: torch.Tensor | None = None):
-    """DecoderLayer.forward's result, through the gathered calls (only where `applies`). slots_by_topk: the
-    backend's slot choices of this step so far (run_layers), keyed by the top-k tensor they were made for;
-    rows: kv_cache as [slots, width]."""
+def run_layer(layer, calls: DecodeCalls, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk, run_indexer: bool):
+    """DecoderLayer.forward's result, through the bound halves (only where `applies`)."""
     ops = torch.ops.dsaserve
     attn = layer.self_attn
-    if rows is None:
-        rows = kv_cache.view(-1, kv_cache.shape[-1])
-    head, tail = calls.layer_in
-    selects = attn.backend.uses_indexer and attn.indexer is not None and run_indexer
-    keys_in_call = selects and calls.index_keys is not None and indexer_cache.packed
-    keys = (*calls.index_keys, indexer_cache.groups) if keys_in_call else ()
-    h, query, q_resid = ops.decode_layer_in.default(x, *head, cos, sin, *tail, rows, meta.slot_mapping, *keys)
+    rows = kv_cache.view(-1, kv_cache.shape[-1])
+    groups = _key_groups(attn, calls, indexer_cache, run_indexer)
+    handle = [calls.bound.handle]
+    _, h, query, q_resid = ops.decode_layers.default(handle, x, cos, sin, [rows], meta.slot_mapping, [groups])
     topk = prev_topk
-    if keys_in_call:
-        topk = attn.indexer.select(h, q_resid, cos, sin, meta, indexer_cache)
-    elif selects:
-        topk = attn.indexer(h, q_resid, cos, sin, meta, indexer_cache)
-    slots = _decode_slots(attn.backend, meta, topk, slots_by_topk) if calls.layer_out is not None else None
+    if attn.backend.uses_indexer and attn.indexer is not None and run_indexer:
+        topk = _select(attn, groups, h, q_resid, cos, sin, meta, indexer_cache)
+    slots = attn.backend.decode_slots(meta, topk) if calls.layer_out is not None else None
     if slots is not None:
-        return ops.decode_layer_out.default(query, rows, slots, attn.scale, attn.kv_lora_rank, x, *calls.output,
-                                            *calls.post_norm, *calls.layer_out), topk
+        return ops.decode_layers.default(handle, x, cos, sin, [rows], meta.slot_mapping, [None], query, slots,
+                                         True)[0], topk
+    return _out_without_kernel(layer, calls, query, x, meta, kv_cache, topk), topk
+
+
+def _key_groups(attn, calls: DecodeCalls, indexer_cache, run_indexer: bool):
+    """The packed key cache the layer's in writes this step's indexer keys to; None where it writes none (a
+    shared layer, the dense backend, keys not packed: the indexer's modules write them)."""
+    selects = attn.backend.uses_indexer and attn.indexer is not None and run_indexer
+    return indexer_cache.groups if selects and calls.index_keys is not None and indexer_cache.packed else None
+
+
+def _select(attn, groups, h, q_resid, cos, sin, meta, indexer_cache) -> torch.Tensor:
+    """The full layer's selection after its in: its keys already written (groups), or written by its indexer."""
+    if groups is not None:
+        return attn.indexer.select(h, q_resid, cos, sin, meta, indexer_cache)
+    return attn.indexer(h, q_resid, cos, sin, meta, indexer_cache)
+
+
+def _out_without_kernel(layer, calls: DecodeCalls, query, x, meta, kv_cache, topk) -> torch.Tensor:
+    """The layer's out where its rows are not one attention kernel call's: the backend attends, then the
+    operators of the out half one by one."""
+    ops = torch.ops.dsaserve
+    attn = layer.self_attn
     latent = attn.backend.forward(query, kv_cache, meta, attn.scale, attn.kv_lora_rank, topk)
     attended = ops.mla_output.default(latent, *calls.output)
     h, x = ops.add_rms_norm.default(x, attended, *calls.post_norm)
     if calls.dense_mlp is not None:
-        return x + ops.gated_mlp.default(h, *calls.dense_mlp), topk
+        return x + ops.gated_mlp.default(h, *calls.dense_mlp)
     expert_weights, ids = ops.moe_route.default(h, *calls.route)
     out = torch.empty_like(h)
     tensors, tail = calls.experts
     ops.moe_experts.default(h.contiguous(), *tensors, ids.contiguous(), expert_weights.float().contiguous(), out,
                             *tail)
-    return x + out, topk
+    return x + out
 
 
-def _decode_slots(backend, meta, topk, made: dict | None):
-    """backend.decode_slots(meta, topk), asked once per (backend, top-k tensor) where `made` keeps the answers
-    (the entry holds the tensor, so no other can take its id during the step)."""
-    if made is None:
-        return backend.decode_slots(meta, topk)
+def _decode_slots(backend, meta, topk, made: dict):
+    """backend.decode_slots(meta, topk), asked once per (backend, top-k tensor) in a step (`made` keeps the
+    answers, and holds each tensor, so no other can take its id during the step)."""
     key = (id(backend), id(topk))
     if key not in made:
         made[key] = (topk, backend.decode_slots(meta, topk))

@@ -1,20 +1,27 @@
-// A decoder layer's few-token step in two operators, each the chain of the layer's own operators (layer_pieces.h)
+// A decoder layer's few-token step in two halves, each the chain of the layer's own operators (layer_pieces.h)
 // called in C++: the functions the layer's modules call, in their order, so the same bits, without a Python
 // call, an argument conversion and a dispatch per piece (model/decode_calls.py decides when a layer may).
-//   decode_layer_in:  h = rms_norm(x); (query, q_resid) = mla_query(h); the step's latent rows written to the
-//                     cache from kv_a_proj_with_mqa(h); in a full layer whose key cache is kept packed, the
-//                     indexer's keys rope(LayerNorm(wk(h))) written to it too. Returns (h, query, q_resid): the
-//                     indexer's selection reads h and q_resid, which is why the layer is cut here.
-//   decode_layer_out: each row's attention over its cache slots (the backend's choice, made once per step),
-//                     mla_output, the residual addition and post-attention norm, then the MLP: the router and
-//                     the routed and shared experts (MoE layers, 10 tensors) or the gated MLP (dense layers,
-//                     4 tensors), and the second residual addition. Returns the layer's output.
+//   in:  h = rms_norm(x); (query, q_resid) = mla_query(h); the step's latent rows written to the cache from
+//        kv_a_proj_with_mqa(h); in a full layer whose key cache is kept packed, the indexer's keys
+//        rope(LayerNorm(wk(h))) written to it too. Gives (h, query, q_resid): the indexer's selection reads h
+//        and q_resid, which is why a layer is cut here.
+//   out: each row's attention over its cache slots (the backend's choice, made once per step), mla_output, the
+//        residual addition and post-attention norm, then the MLP: the router and the routed and shared experts
+//        (MoE layers, 10 tensors) or the gated MLP (dense layers, 4 tensors), and the second residual addition.
+//        Gives the layer's output.
+// A layer's weights and constants are bound once (decode_layer_bind, decode_layer_bind_out: a handle, released
+// by decode_layer_release), and one decode_layers call runs a run of layers' halves back to back, up to the next
+// layer whose selection Python makes: a step's Python and argument conversion paid per run, not per half.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <tuple>
+#include <unordered_map>
+#include <vector>
 
 #include "layer_pieces.h"
 
@@ -111,22 +118,185 @@ at::Tensor decode_layer_out(const at::Tensor& query, const at::Tensor& rows, con
   return at::add(residual, out);
 }
 
+// decode_layer_in's arguments but the step's (x, cos, sin, rows, slot_mapping, key groups).
+struct LayerIn {
+  at::Tensor norm_weight;
+  double norm_eps;
+  at::Tensor q_a_q, q_a_s;
+  std::vector<int64_t> q_a_args;
+  at::Tensor q_norm_weight;
+  double q_norm_eps;
+  at::Tensor q_b_q, q_b_s;
+  std::vector<int64_t> q_b_args;
+  at::Tensor w_uk_q, w_uk_s;
+  std::vector<int64_t> w_uk_args;
+  bool interleaved;
+  int64_t heads, nope, rope;
+  at::Tensor kv_q, kv_s;
+  std::vector<int64_t> kv_args;
+  at::Tensor latent_norm_weight;
+  double latent_eps;
+  bool latent_interleaved;
+  std::optional<at::Tensor> wk_q, wk_s;
+  std::vector<int64_t> wk_args;
+  std::optional<at::Tensor> k_norm_weight, k_norm_bias;
+  double k_norm_eps;
+  bool index_interleaved;
+};
+
+// decode_layer_out's arguments but the step's (query, rows, slots, x).
+struct LayerOut {
+  double scale;
+  int64_t value_dim;
+  at::Tensor w_uv_q, w_uv_s;
+  std::vector<int64_t> w_uv_args;
+  at::Tensor o_q, o_s;
+  std::vector<int64_t> o_args;
+  at::Tensor post_weight;
+  double post_eps;
+  std::vector<at::Tensor> mlp;
+  std::vector<int64_t> mlp_args;
+  double routed_scaling;
+};
+
+struct BoundLayer {
+  LayerIn in;
+  std::optional<LayerOut> out;
+};
+
+// Bound layers by handle. They hold their weights (tensor references) until released.
+class Bindings {
+ public:
+  int64_t add(std::shared_ptr<BoundLayer> layer) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    layers_[next_] = std::move(layer);
+    return next_++;
+  }
+  std::shared_ptr<BoundLayer> get(int64_t handle) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    const auto found = layers_.find(handle);
+    TORCH_CHECK(found != layers_.end(), "dsaserve decode_layers: no bound layer ", handle,
+                " (released, or never bound: decode_layer_bind makes handles)");
+    return found->second;
+  }
+  void release(int64_t handle) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    layers_.erase(handle);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<int64_t, std::shared_ptr<BoundLayer>> layers_;
+  int64_t next_ = 1;
+};
+
+Bindings& bindings() {
+  static Bindings* all = new Bindings();  // never destroyed: handles may be released during interpreter exit
+  return *all;
+}
+
+std::vector<int64_t> ints(at::IntArrayRef values) { return values.vec(); }
+
+int64_t decode_layer_bind(
+    const at::Tensor& norm_weight, double norm_eps, const at::Tensor& q_a_q, const at::Tensor& q_a_s,
+    at::IntArrayRef q_a_args, const at::Tensor& q_norm_weight, double q_norm_eps, const at::Tensor& q_b_q,
+    const at::Tensor& q_b_s, at::IntArrayRef q_b_args, const at::Tensor& w_uk_q, const at::Tensor& w_uk_s,
+    at::IntArrayRef w_uk_args, bool interleaved, int64_t heads, int64_t nope, int64_t rope, const at::Tensor& kv_q,
+    const at::Tensor& kv_s, at::IntArrayRef kv_args, const at::Tensor& latent_norm_weight, double latent_eps,
+    bool latent_interleaved, const std::optional<at::Tensor>& wk_q, const std::optional<at::Tensor>& wk_s,
+    at::IntArrayRef wk_args, const std::optional<at::Tensor>& k_norm_weight,
+    const std::optional<at::Tensor>& k_norm_bias, double k_norm_eps, bool index_interleaved) {
+  TORCH_CHECK(kv_args.size() == 5, "dsaserve decode_layer_bind: kv_args are (kind, group, col_offset, N, K)");
+  auto layer = std::make_shared<BoundLayer>();
+  layer->in = LayerIn{norm_weight, norm_eps, q_a_q, q_a_s, ints(q_a_args), q_norm_weight, q_norm_eps, q_b_q, q_b_s,
+                      ints(q_b_args), w_uk_q, w_uk_s, ints(w_uk_args), interleaved, heads, nope, rope, kv_q, kv_s,
+                      ints(kv_args), latent_norm_weight, latent_eps, latent_interleaved, wk_q, wk_s, ints(wk_args),
+                      k_norm_weight, k_norm_bias, k_norm_eps, index_interleaved};
+  return bindings().add(std::move(layer));
+}
+
+// Adds the second half's weights to a bound layer (before any step runs it).
+void decode_layer_bind_out(int64_t handle, double scale, int64_t value_dim, const at::Tensor& w_uv_q,
+                           const at::Tensor& w_uv_s, at::IntArrayRef w_uv_args, const at::Tensor& o_q,
+                           const at::Tensor& o_s, at::IntArrayRef o_args, const at::Tensor& post_weight,
+                           double post_eps, at::TensorList mlp, at::IntArrayRef mlp_args, double routed_scaling) {
+  TORCH_CHECK(mlp.size() == 4 || mlp.size() == 10, "dsaserve decode_layer_bind_out: a MoE layer takes 10 tensors, "
+              "a dense MLP 4");
+  bindings().get(handle)->out = LayerOut{scale, value_dim, w_uv_q, w_uv_s, ints(w_uv_args), o_q, o_s, ints(o_args),
+                                         post_weight, post_eps, mlp.vec(), ints(mlp_args), routed_scaling};
+}
+
+void decode_layer_release(int64_t handle) { bindings().release(handle); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_in(const LayerIn& l, const at::Tensor& x, const at::Tensor& cos,
+                                                      const at::Tensor& sin, const at::Tensor& rows,
+                                                      const at::Tensor& slot_mapping,
+                                                      const std::optional<at::Tensor>& key_groups) {
+  return decode_layer_in(x, l.norm_weight, l.norm_eps, l.q_a_q, l.q_a_s, l.q_a_args, l.q_norm_weight, l.q_norm_eps,
+                         l.q_b_q, l.q_b_s, l.q_b_args, l.w_uk_q, l.w_uk_s, l.w_uk_args, cos, sin, l.interleaved,
+                         l.heads, l.nope, l.rope, l.kv_q, l.kv_s, l.kv_args, l.latent_norm_weight, l.latent_eps,
+                         l.latent_interleaved, rows, slot_mapping, l.wk_q, l.wk_s, l.wk_args, l.k_norm_weight,
+                         l.k_norm_bias, l.k_norm_eps, l.index_interleaved, key_groups);
+}
+
+at::Tensor run_out(const BoundLayer& layer, int64_t handle, const at::Tensor& query, const at::Tensor& rows,
+                   const at::Tensor& slots, const at::Tensor& x) {
+  TORCH_CHECK(layer.out.has_value(), "dsaserve decode_layers: layer ", handle, " has no second half bound "
+              "(decode_layer_bind_out)");
+  const LayerOut& l = *layer.out;
+  return decode_layer_out(query, rows, slots, l.scale, l.value_dim, x, l.w_uv_q, l.w_uv_s, l.w_uv_args, l.o_q, l.o_s,
+                          l.o_args, l.post_weight, l.post_eps, l.mlp, l.mlp_args, l.routed_scaling);
+}
+
+// A run of bound layers' halves, back to back: with `query` (the first layer's, from an earlier call), the first
+// layer's out with `slots`, then for each later layer its in, and its out (with the same slots) but for the last
+// layer, whose in ends the run unless `finish` (then its out follows); without `query`, the first layer's in
+// starts the run. Returns (x, h, query, q_resid): the output of the last out (x itself if none), and the last
+// in's results (undefined if the run ends with an out). rows and key_groups: each layer's cache rows and indexer
+// key groups (None: no keys in the call).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_layers(
+    at::IntArrayRef layers, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList rows,
+    const at::Tensor& slot_mapping, const c10::List<std::optional<at::Tensor>>& key_groups,
+    const std::optional<at::Tensor>& query, const std::optional<at::Tensor>& slots, bool finish) {
+  const int64_t n = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(n >= 1 && static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(key_groups.size()) == n,
+              "dsaserve decode_layers: one cache (rows) and one key-group entry per layer, and a layer at least; got ",
+              n, " layers, ", rows.size(), " caches, ", key_groups.size(), " key groups");
+  TORCH_CHECK(slots.has_value() || (!query.has_value() && n == 1 && !finish),
+              "dsaserve decode_layers: a run with an out needs the step's slots");
+  std::vector<std::shared_ptr<BoundLayer>> bound;
+  bound.reserve(n);
+  for (const int64_t handle : layers) bound.push_back(bindings().get(handle));
+  at::Tensor out = x, h, q, q_resid;
+  int64_t i = 0;
+  if (query.has_value()) {
+    out = run_out(*bound[0], layers[0], *query, rows[0], *slots, out);
+    i = 1;
+  }
+  for (; i < n; ++i) {
+    std::tie(h, q, q_resid) = run_in(bound[i]->in, out, cos, sin, rows[i], slot_mapping, key_groups.get(i));
+    if (i == n - 1 && !finish) return {out, h, q, q_resid};
+    out = run_out(*bound[i], layers[i], q, rows[i], *slots, out);
+  }
+  return {out, at::Tensor(), at::Tensor(), at::Tensor()};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
-  m.def("decode_layer_in(Tensor x, Tensor norm_weight, float norm_eps, Tensor q_a_q, Tensor q_a_s, int[] q_a_args, "
+  m.def("decode_layer_bind(Tensor norm_weight, float norm_eps, Tensor q_a_q, Tensor q_a_s, int[] q_a_args, "
         "Tensor q_norm_weight, float q_norm_eps, Tensor q_b_q, Tensor q_b_s, int[] q_b_args, Tensor w_uk_q, "
-        "Tensor w_uk_s, int[] w_uk_args, Tensor cos, Tensor sin, bool interleaved, int heads, int nope, int rope, "
-        "Tensor kv_q, Tensor kv_s, int[] kv_args, Tensor latent_norm_weight, float latent_eps, "
-        "bool latent_interleaved, Tensor(a!) rows, Tensor slot_mapping, Tensor? wk_q=None, Tensor? wk_s=None, "
-        "int[] wk_args=[], Tensor? k_norm_weight=None, Tensor? k_norm_bias=None, float k_norm_eps=0., "
-        "bool index_interleaved=False, Tensor(b!)? key_groups=None) -> (Tensor, Tensor, Tensor)");
-  m.def("decode_layer_out(Tensor query, Tensor rows, Tensor slots, float scale, int value_dim, Tensor x, "
-        "Tensor w_uv_q, Tensor w_uv_s, int[] w_uv_args, Tensor o_q, Tensor o_s, int[] o_args, Tensor post_weight, "
-        "float post_eps, Tensor[] mlp, int[] mlp_args, float routed_scaling) -> Tensor");
+        "Tensor w_uk_s, int[] w_uk_args, bool interleaved, int heads, int nope, int rope, Tensor kv_q, Tensor kv_s, "
+        "int[] kv_args, Tensor latent_norm_weight, float latent_eps, bool latent_interleaved, Tensor? wk_q=None, "
+        "Tensor? wk_s=None, int[] wk_args=[], Tensor? k_norm_weight=None, Tensor? k_norm_bias=None, "
+        "float k_norm_eps=0., bool index_interleaved=False) -> int", &decode_layer_bind);
+  m.def("decode_layer_bind_out(int layer, float scale, int value_dim, Tensor w_uv_q, Tensor w_uv_s, int[] w_uv_args, "
+        "Tensor o_q, Tensor o_s, int[] o_args, Tensor post_weight, float post_eps, Tensor[] mlp, int[] mlp_args, "
+        "float routed_scaling) -> ()", &decode_layer_bind_out);
+  m.def("decode_layer_release(int layer) -> ()", &decode_layer_release);
+  m.def("decode_layers(int[] layers, Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] rows, Tensor slot_mapping, "
+        "Tensor(b!)?[] key_groups, Tensor? query=None, Tensor? slots=None, bool finish=False) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
-  m.impl("decode_layer_in", &decode_layer_in);
-  m.impl("decode_layer_out", &decode_layer_out);
-}
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

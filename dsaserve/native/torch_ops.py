@@ -6,7 +6,7 @@ the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query att
 (selected_rows.cpp), the indexer's scores (index_scores.cpp) and its top-k (topk.cpp), and the
 small per-token operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp, latent_write.cpp,
 moe_route.cpp, mla_projections.cpp, context_slots.cpp), and a decoder layer's decode step chained from
-those in two calls (decode_layer.cpp). The sources pick their AVX-512 bodies at run time from the CPU's
+those in two halves, runs of layers in one call (decode_layer.cpp). The sources pick their AVX-512 bodies at run time from the CPU's
 flags and have portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False
 and callers keep their torch path.
 """
@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _loaded: bool | None = None
+# Per bound layer handle (decode_layer_bind), (heads, query width, q_lora_rank): decode_layers' fake reads them.
+BOUND_LAYER_SHAPES: dict[int, tuple[int, int, int]] = {}
 _kernels: str | None = None
 
 
@@ -146,18 +148,13 @@ def _register_fakes() -> None:
     def _(x, cos, sin, interleaved):
         return x.new_empty(x.shape)
 
-    @torch.library.register_fake("dsaserve::decode_layer_in")
-    def _(x, norm_weight, norm_eps, q_a_q, q_a_s, q_a_args, q_norm_weight, q_norm_eps, q_b_q, q_b_s, q_b_args, w_uk_q,
-          w_uk_s, w_uk_args, cos, sin, interleaved, heads, nope, rope, kv_q, kv_s, kv_args, latent_norm_weight,
-          latent_eps, latent_interleaved, rows, slot_mapping, wk_q=None, wk_s=None, wk_args=(), k_norm_weight=None,
-          k_norm_bias=None, k_norm_eps=0.0, index_interleaved=False, key_groups=None):
-        return (torch.empty_like(x), x.new_empty(x.shape[0], heads, w_uk_args[3] + rope),
-                x.new_empty(x.shape[0], q_a_args[3]))
-
-    @torch.library.register_fake("dsaserve::decode_layer_out")
-    def _(query, rows, slots, scale, value_dim, x, w_uv_q, w_uv_s, w_uv_args, o_q, o_s, o_args, post_weight, post_eps,
-          mlp, mlp_args, routed_scaling):
-        return torch.empty_like(x)
+    @torch.library.register_fake("dsaserve::decode_layers")
+    def _(layers, x, cos, sin, rows, slot_mapping, key_groups, query=None, slots=None, finish=False):
+        if finish or (query is not None and len(layers) == 1):  # the run ends with an out
+            return torch.empty_like(x), x.new_empty(0), x.new_empty(0), x.new_empty(0)
+        heads, width, lora = BOUND_LAYER_SHAPES[layers[-1]]
+        return (torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[0], heads, width),
+                x.new_empty(x.shape[0], lora))
 
     @torch.library.register_fake("dsaserve::context_slots")
     def _(block_tables, lens, block_size):
