@@ -6,8 +6,8 @@ the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query att
 (selected_rows.cpp), the indexer's scores (index_scores.cpp) and its top-k (topk.cpp), and the
 small per-token operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp, latent_write.cpp,
 moe_route.cpp, mla_projections.cpp, context_slots.cpp), and a decoder layer's decode step chained from
-those in two halves, runs of layers in one call (decode_layer.cpp). The sources pick their AVX-512 bodies at run time from the CPU's
-flags and have portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False
+those in two halves, with runs of layers in one call (decode_layer.cpp). The sources pick their AVX-512
+bodies at run time from the CPU's flags and have portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False
 and callers keep their torch path.
 """
 
