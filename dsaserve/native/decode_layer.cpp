@@ -13,6 +13,7 @@
 // by decode_layer_release), and one decode_layers call runs a run of layers' halves back to back, up to the next
 // layer whose selection Python makes: a step's Python and argument conversion paid per run, not per half.
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -60,6 +61,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer_in(
                                 dsaserve::apply_rope(normed, cos, sin, index_interleaved).to(at::kBFloat16).contiguous());
   }
   return {h, query, q_resid};
+}
+
+// y = x + y, elementwise, rounded to their dtype as torch's addition rounds it (x, y contiguous, alike).
+void add_into(const at::Tensor& x, at::Tensor& y) {
+  const int64_t n = y.numel();
+  if (y.scalar_type() == at::kBFloat16) {
+    const c10::BFloat16* a = x.data_ptr<c10::BFloat16>();
+    c10::BFloat16* b = y.data_ptr<c10::BFloat16>();
+    for (int64_t k = 0; k < n; ++k)
+      b[k] = static_cast<c10::BFloat16>(static_cast<float>(a[k]) + static_cast<float>(b[k]));
+  } else {
+    const float* a = x.data_ptr<float>();
+    float* b = y.data_ptr<float>();
+    for (int64_t k = 0; k < n; ++k) b[k] = a[k] + b[k];
+  }
 }
 
 // out [T, heads, value_dim] (a view of whole-row products, as attention/sparse.py writes them) of each row's
@@ -115,7 +131,8 @@ at::Tensor decode_layer_out(const at::Tensor& query, const at::Tensor& rows, con
                         weights.to(at::kFloat).contiguous(), out, mlp_args[4], mlp_args[5], mlp_args[6], mlp_args[7],
                         mlp_args[8], mlp[6], mlp[7], mlp[8], mlp[9], mlp_args[9], mlp_args[10], mlp_args[11],
                         mlp_args[12]);
-  return at::add(residual, out);
+  add_into(residual, out);
+  return out;
 }
 
 // decode_layer_in's arguments but the step's (x, cos, sin, rows, slot_mapping, key groups).

@@ -891,6 +891,16 @@ GatedWeights stacked(const Problem& gate_up, const at::Tensor& gate_up_q, const 
           down_s.data_ptr<float>() + e * d_blocks * down.G * 16};
 }
 
+// a[r, j] = gate[r, j] * h[r, inter + j] in T (each product rounded to T) for rows r of gate [rows, inter] and
+// h [rows, 2 * inter] (its up half), into a [rows, a_row].
+template <typename T>
+void gate_products(const T* gate, const T* h, T* a, int64_t rows, int64_t inter, int64_t a_row) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < inter; ++j)
+      a[r * a_row + j] = static_cast<T>(static_cast<float>(gate[r * inter + j]) *
+                                        static_cast<float>(h[r * 2 * inter + inter + j]));
+}
+
 // Entry i of xs [A, S, hidden2] (its first rows[i] <= S rows; columns past hidden zero) through the gated MLP
 // whose weights are sources[i], all of the shapes gate_up [2 * inter, hidden] and down [hidden, inter] describe:
 // y [A, S, hidden] = down(silu(gate) * up). Each product runs over every entry's blocks in one parallel pass.
@@ -931,8 +941,12 @@ at::Tensor gated_rows(Problem gate_up, Problem down, const std::vector<GatedWeig
   };
   run(gate_up, true, xs, h);
 #endif
-  // The gating as torch computes it on the loop's [rows, 2 * inter] outputs (same views, same kernels).
-  a.narrow(2, 0, inter).copy_(at::silu(h.narrow(2, 0, inter)) * h.narrow(2, inter, inter));
+  // The gating as torch computes it on the loop's [rows, 2 * inter] outputs: torch's SiLU on the same view (its
+  // bits), then each product rounded to the dtype as torch's multiplication rounds it, written in place.
+  const at::Tensor gate = at::silu(h.narrow(2, 0, inter)).contiguous();
+  if (bf16) gate_products(gate.data_ptr<c10::BFloat16>(), h.data_ptr<c10::BFloat16>(), a.data_ptr<c10::BFloat16>(),
+                          A * S, inter, inter2);
+  else gate_products(gate.data_ptr<float>(), h.data_ptr<float>(), a.data_ptr<float>(), A * S, inter, inter2);
 #if DSASERVE_X86
   run(down, false, a, y);
 #endif
@@ -1036,7 +1050,10 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
   std::vector<int64_t> rows;
   for (const auto& t : tokens) rows.push_back(static_cast<int64_t>(t.size()));
   const at::Tensor y = gated_rows(gate_up, down, sources, rows, entry_rows(x, gate_up.K2 * 2, tokens));
-  if (with_shared) out.copy_(shared_in_pass ? y[A].narrow(0, 0, T) : shared_y);
+  if (with_shared && shared_in_pass)  // the shared expert's first T rows of y [A + 1, S, hidden]
+    std::memcpy(out.data_ptr(), static_cast<const uint8_t*>(y.data_ptr()) + A * y.size(1) * hidden * item,
+                T * hidden * item);
+  else if (with_shared) out.copy_(shared_y);
   const float* w = weights.data_ptr<float>();
   auto value = [bf16](const void* base, int64_t index) {
     return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(base)[index])
