@@ -6,8 +6,8 @@ By default builds (once) a checkpoint with benchmarks/model_core.py's layers, he
 hidden 256 and every projection a few hundred KB, so a step's time is nearly all fixed costs: Python,
 operator dispatch, the threads' fork and join (--checkpoint takes another, e.g. the benchmark model).
 Reports the median decode step (128-token prompt) with the layers' gathered native calls
-(model/decode_calls.py: two native calls per layer) and through their modules, the same engine alternating step by step; then one
-shared MoE layer three ways, taking turns: through its modules, through its gathered calls, and as its
+(model/decode_calls.py: runs of layers in one native call) and through their modules, the same engine
+alternating step by step; then one shared MoE layer three ways, taking turns: through its modules, through its gathered calls, and as its
 native operators called directly with slots made beforehand (all three checked to give the same bits).
 """
 
@@ -74,10 +74,11 @@ def direct_layer(model, layer: int, x, cos, sin, meta, cache):
     return run
 
 
-def through_modules(layers, on: bool) -> None:
-    """Whether the layers take their modules' path (their gathered calls set aside) or their gathered calls."""
-    for layer in layers:
-        cache = layer.__dict__["_prepared_calls"]
+def through_modules(layers, on: bool, model=None) -> None:
+    """Whether the layers take their modules' path (their gathered calls set aside) or their gathered calls;
+    with the model (GlmMoeDsaModel), its plan of every layer's calls (model/decode_calls.py run_layers) too."""
+    for layer in layers + ([model] if model is not None else []):
+        cache = layer.__dict__.setdefault("_prepared_calls", {})
         if on:
             cache.setdefault("set aside", cache["decode calls"])
             cache["decode calls"] = None
@@ -110,11 +111,11 @@ def main() -> None:
     steps = {"gathered calls": [], "modules": []}
     for _ in range(150):
         for name in steps:
-            through_modules(layers, name == "modules")
+            through_modules(list(layers), name == "modules", model.model)
             start = time.perf_counter()
             engine.step()
             steps[name].append((time.perf_counter() - start) * 1e3)
-    through_modules(layers, False)
+    through_modules(list(layers), False, model.model)
     for name, t in steps.items():
         quartiles = statistics.quantiles(t)
         print(f"decode step, batch 1, {name}: median {statistics.median(t):.2f} ms (quartiles {quartiles[0]:.2f}–"

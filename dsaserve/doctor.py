@@ -60,6 +60,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
     lines.append(f"indexer kernels: {_index_scores_path(cfg)}")
     lines.append(f"weight products: {_weight_kernel_path()}")
+    lines.append(f"weight memory: {_weight_pages()}")
     dense = sum(t == "dense" for t in cfg.mlp_layer_types)
     lines.append(f"mlp layers: {dense} dense + {cfg.num_hidden_layers - dense} MoE")
     rope = cfg.rope
@@ -135,6 +136,14 @@ def _index_scores_path(cfg: ModelConfig) -> str:
     return f"scores: {scores}; top-k: {'native radix select' if torch_ops.load() else 'torch'}"
 
 
+def _weight_pages() -> str:
+    from dsaserve.model import huge_pages
+
+    if huge_pages.enabled():
+        return "one mapping advised for 2 MiB transparent huge pages (DSASERVE_HUGE_PAGES=0: torch's allocator)"
+    return "torch's allocator, 4 KiB pages (transparent huge pages refused here, or DSASERVE_HUGE_PAGES=0)"
+
+
 def _weight_kernel_path() -> str:
     """Which implementation multiplies packed (quantized or bf16) weights on this machine."""
     from dsaserve.native import torch_ops
@@ -152,7 +161,8 @@ def _weight_kernel_path() -> str:
         else:
             paths.append("fp8 decoded by shifts and masks (no AVX-512 VBMI, or DSASERVE_FP8_VBMI=0)")
         return (f"native AVX-512 BF16 kernels for up to 16 rows (bf16 models and --quantization; {'; '.join(paths)}), "
-                "torch GEMM beyond; a decode step runs each layer as two native calls (native/decode_layer.cpp)")
+                "torch GEMM beyond; a decode step runs its layers in one native call per run between the "
+                "selections Python makes (native/decode_layer.cpp)")
     return "torch (the packed-weight kernels need a C++ compiler and AVX-512 BF16; quantized weights dequantize)"
 
 

@@ -6,6 +6,7 @@ import torch
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
+from dsaserve.model import huge_pages
 from dsaserve.model.loader import load_checkpoint, mtp_extras
 from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
 from dsaserve.quantization.apply import pack_weights
@@ -31,6 +32,7 @@ def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: tor
         for name, param in model.named_parameters():
             param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
     model.to_empty(device=device)
+    huge_pages.place_weights(model)
     for module in model.modules():
         if is_packed(module):  # padding rows and columns must read as zeros
             module.qweight.zero_()
