@@ -107,10 +107,10 @@ class BoundLayer:
         torch_ops.BOUND_LAYER_SHAPES[self.handle] = shapes
 
     def __del__(self):
-        torch_ops.BOUND_LAYER_SHAPES.pop(self.handle, None)
         try:
+            torch_ops.BOUND_LAYER_SHAPES.pop(self.handle, None)
             self._release(self.handle)
-        except Exception:  # interpreter exit: the library may be gone with it
+        except Exception:  # interpreter exit: the module or the library may be gone already
             pass
 
 
