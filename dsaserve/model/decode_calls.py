@@ -164,7 +164,6 @@ def run_layers(model, x, cos, sin, meta, kv_caches, indexer_caches) -> torch.Ten
     if plan is None or not applies(plan[0][1], x, cos, meta, kv_caches[0]):
         return None
     ops = torch.ops.dsaserve
-    n = len(plan)
     rows, groups = [], []
     for i, (layer, calls, memo) in enumerate(plan):
         kv_cache = kv_caches[i]
