@@ -32,14 +32,13 @@ from dsaserve.quantization.quantized_weight import KERNEL_ROWS, PackedMatrix, Qu
 @dataclass(frozen=True)
 class DecodeCalls:
     dtype: torch.dtype  # of the norms' weights: the activations must be in it
-    layer_in: tuple  # decode_layer_in's arguments after x up to cos, sin; then those after them up to the cache
-    index_keys: tuple | None  # decode_layer_in's indexer-key arguments before the packed key cache (full layers)
+    keys_in_call: bool  # the in half writes a full layer's indexer keys (where its key cache is packed)
     output: tuple  # mla_output's weight arguments
     post_norm: tuple  # (weight, eps)
     route: tuple | None  # moe_route's arguments after x (MoE layers)
     experts: tuple | None  # moe_experts' (tensors, tail) with the shared experts in the call (MoE layers)
     dense_mlp: tuple | None  # gated_mlp's arguments after x (dense layers)
-    layer_out: tuple | None  # decode_layer_out's mlp arguments (tensors, ints, scaling); None: not for this layer
+    out_in_call: bool  # the out half is bound (else the backend and the out's operators run one by one)
     bound: "BoundLayer"  # the layer's weights and constants as a native handle (its halves' arguments)
 
 
@@ -89,8 +88,8 @@ def decode_calls(layer) -> DecodeCalls | None:
     bound = BoundLayer(layer_in, index_keys, (attn.scale, attn.kv_lora_rank, *output[0], post.weight, post.eps,
                                              *layer_out) if layer_out is not None else None,
                        (attn.num_heads, attn.kv_lora_rank + attn.rope_dim, query[0].shape[0]))
-    return DecodeCalls(dtype, layer_in, index_keys, output[0], (post.weight, post.eps), route, experts, dense,
-                       layer_out, bound)
+    return DecodeCalls(dtype, index_keys is not None, output[0], (post.weight, post.eps), route, experts, dense,
+                       layer_out is not None, bound)
 
 
 class BoundLayer:
@@ -182,7 +181,7 @@ def run_layers(model, x, cos, sin, meta, kv_caches, indexer_caches) -> torch.Ten
     made, run, run_slots, query, topk = {}, [], None, None, None  # query: the run's first layer's, if its in ran
     for i, (layer, calls, _) in enumerate(plan):
         attn = layer.self_attn
-        selects = attn.backend.uses_indexer and attn.indexer is not None
+        selects = _selects(attn)
         every = selects_every_position(meta, attn.indexer.selection) if selects and groups[i] is not None else None
         selects_here = selects and every is None  # Python selects after this layer's in: the run ends there
         if selects_here:
@@ -190,7 +189,7 @@ def run_layers(model, x, cos, sin, meta, kv_caches, indexer_caches) -> torch.Ten
             topk = _select(attn, groups[i], h, q_resid, cos, sin, meta, indexer_caches.get(i))
         elif selects:
             topk = every
-        slots = _decode_slots(attn.backend, meta, topk, made) if calls.layer_out is not None else None
+        slots = _decode_slots(attn.backend, meta, topk, made) if calls.out_in_call else None
         if not selects_here and slots is not None and (not run or slots is run_slots):
             run.append(i)
             run_slots = slots
@@ -221,9 +220,9 @@ def run_layer(layer, calls: DecodeCalls, x, cos, sin, meta, kv_cache, indexer_ca
     handle = [calls.bound.handle]
     _, h, query, q_resid = ops.decode_layers.default(handle, x, cos, sin, [rows], meta.slot_mapping, [groups])
     topk = prev_topk
-    if attn.backend.uses_indexer and attn.indexer is not None and run_indexer:
+    if run_indexer and _selects(attn):
         topk = _select(attn, groups, h, q_resid, cos, sin, meta, indexer_cache)
-    slots = attn.backend.decode_slots(meta, topk) if calls.layer_out is not None else None
+    slots = attn.backend.decode_slots(meta, topk) if calls.out_in_call else None
     if slots is not None:
         return ops.decode_layers.default(handle, x, cos, sin, [rows], meta.slot_mapping, [None], query, slots,
                                          True)[0], topk
@@ -233,8 +232,13 @@ def run_layer(layer, calls: DecodeCalls, x, cos, sin, meta, kv_cache, indexer_ca
 def _key_groups(attn, calls: DecodeCalls, indexer_cache, run_indexer: bool):
     """The packed key cache the layer's in writes this step's indexer keys to; None where it writes none (a
     shared layer, the dense backend, keys not packed: the indexer's modules write them)."""
-    selects = attn.backend.uses_indexer and attn.indexer is not None and run_indexer
-    return indexer_cache.groups if selects and calls.index_keys is not None and indexer_cache.packed else None
+    writes = run_indexer and _selects(attn) and calls.keys_in_call and indexer_cache.packed
+    return indexer_cache.groups if writes else None
+
+
+def _selects(attn) -> bool:
+    """Whether the layer's attention reads its own indexer's selection (a full layer, a sparse backend)."""
+    return attn.backend.uses_indexer and attn.indexer is not None
 
 
 def _select(attn, groups, h, q_resid, cos, sin, meta, indexer_cache) -> torch.Tensor:
