@@ -100,6 +100,27 @@ def test_kernel_equals_dequantize_then_matmul(kind, n, k, col_offset):
         assert ((yb.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-3 * exact.abs().max() + rounding).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+def test_more_than_eight_rows_sweep_spans_of_blocks_with_the_bits_of_eight(kind):
+    """More than 8 activation rows are swept 8 at a time over spans of row blocks that stay in L2 (32-256 KiB
+    blocks here: spans of 2-4 blocks, several per thread, the last one short): each row's result has the bits of a
+    call with at most 8 rows, which sweeps the whole range once (fp32 and bf16 activations, the VNNI paths
+    included)."""
+    n, k = 16 * 9 + 5, 8192
+    m, _ = matrix(kind, n, k, 0)
+    args = (formats.KINDS[kind], formats.group_of(kind, k), 0, n, k)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(9))
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        for rows in (11, 16):
+            whole = torch.ops.dsaserve.quant_linear(xd[:rows], m.qweight, m.scale, *args)
+            parts = torch.cat([torch.ops.dsaserve.quant_linear(xd[r:min(r + 8, rows)], m.qweight, m.scale, *args)
+                               for r in range(0, rows, 8)])
+            assert torch.equal(whole.view(torch.int16) if dtype == torch.bfloat16 else whole,
+                               parts.view(torch.int16) if dtype == torch.bfloat16 else parts), (dtype, rows)
+
+
 @pytest.mark.parametrize("kind", [pytest.param(kind, marks=needs_vnni(kind)) for kind in ("int4", "int8")])
 @pytest.mark.parametrize("n, k", [(37, 301), (16, 128), (5, 45), (70, 388), (33, 1031)])
 def test_vnni_path_is_exact_in_its_int8_activations(kind, n, k):

@@ -723,12 +723,18 @@ struct Int8ActsStorage {
 AVX512BF16 void row_sweeps(const Problem& p, const uint8_t* x, int64_t x_row, int64_t b0, int64_t b1, uint8_t* y,
                            const Int8Acts* acts = nullptr, int64_t row0 = 0) {
   const int64_t item = p.out_bf16 ? 2 : 4;
-  for (int64_t m0 = 0; m0 < p.M; m0 += 8) {
-    Problem q = p;
-    q.M = std::min<int64_t>(8, p.M - m0);
-    if (acts) blocks_vnni(q, *acts, row0 + m0, b0, b1, y + m0 * p.N * item);
-    else if (p.out_bf16) blocks_any<true>(q, x + m0 * x_row, b0, b1, y + m0 * p.N * item);
-    else blocks_any<false>(q, x + m0 * x_row, b0, b1, y + m0 * p.N * item);
+  // More than 8 rows take several sweeps; each covers a span of blocks small enough to stay in L2 for the next,
+  // so the weights come from memory once (an even span: blocks_m pairs blocks from the span's start, as from b0).
+  const int64_t span = p.M <= 8 ? b1 - b0 : std::max<int64_t>(2, ((int64_t(256) << 10) / p.block_bytes) & ~int64_t(1));
+  for (int64_t s0 = b0; s0 < b1; s0 += span) {
+    const int64_t s1 = std::min(b1, s0 + span);
+    for (int64_t m0 = 0; m0 < p.M; m0 += 8) {
+      Problem q = p;
+      q.M = std::min<int64_t>(8, p.M - m0);
+      if (acts) blocks_vnni(q, *acts, row0 + m0, s0, s1, y + m0 * p.N * item);
+      else if (p.out_bf16) blocks_any<true>(q, x + m0 * x_row, s0, s1, y + m0 * p.N * item);
+      else blocks_any<false>(q, x + m0 * x_row, s0, s1, y + m0 * p.N * item);
+    }
   }
 }
 
