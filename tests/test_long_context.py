@@ -64,6 +64,41 @@ def test_streaming_indexer_matches_direct_topk(monkeypatch, context, new):
     assert got == expected
 
 
+def test_a_decode_tile_masks_its_future_as_the_general_mask_does():
+    """A tile whose queries share one position (a decode step) masks the chunk's tail with one fill: the same
+    scores, -inf included, as the per-query causal mask, for chunks ending before, within and at the end of its block."""
+    cache, meta, keys, q, weights = random_context(5, 150, 1)
+    scratch = indexer.ScoreScratch(1, HEADS, DIM, BS, Selection(24), torch.float32, torch.device("cpu"))
+    position = int(meta.positions[0])  # 150: block 9, offset 6
+    flat = q.reshape(HEADS, -1)
+    for blocks in ((0, 4), (0, 10), (5, 10), (9, 10), (3, 9)):
+        general = indexer.chunk_candidates(flat, weights, cache, meta.block_tables[0], blocks, BS, scratch,
+                                           meta.positions, position, Selection(24)).clone()
+        one_fill = indexer.chunk_candidates(flat, weights, cache, meta.block_tables[0], blocks, BS, scratch,
+                                            meta.positions, position, Selection(24), None, position)
+        assert torch.equal(general, one_fill), blocks
+        assert one_fill.isinf().sum() == max(0, blocks[1] * BS - 1 - position)
+
+
+def test_decode_selections_reuse_one_scratch_and_keep_nothing_between_calls(monkeypatch):
+    """Tiles of a few queries (decode) reuse the scratch made for their shapes; each selection is still its own
+    top-k (nothing carried over from the previous one in the same buffers, with running merges over several
+    windows). Prefill tiles get their own."""
+    monkeypatch.setattr(indexer, "INDEXER_SCORE_BUDGET", HEADS * 32)  # 2-block key chunks
+    monkeypatch.setattr(indexer, "MERGE_WINDOW", 64)  # two chunks per merge
+    made = [indexer.score_scratch(1, HEADS, DIM, BS, Selection(24), torch.float32, torch.device("cpu"))
+            for _ in range(2)]
+    assert made[0] is made[1]
+    assert (indexer.score_scratch(64, HEADS, DIM, BS, Selection(24), torch.float32, torch.device("cpu"))
+            is not indexer.score_scratch(64, HEADS, DIM, BS, Selection(24), torch.float32, torch.device("cpu")))
+    for seed, context in ((11, 300), (12, 90), (13, 700)):
+        cache, meta, keys, q, weights = random_context(seed, context, 1)
+        out = select(q, weights, cache, meta, Selection(24))
+        expected, margin = direct_topk(keys, q, weights, meta.positions, 24)
+        assert margin > 1e-4
+        assert [set(x for x in row.tolist() if x >= 0) for row in out] == expected, seed
+
+
 @pytest.mark.parametrize("native_kernel", [
     pytest.param(True, id="native", marks=pytest.mark.skipif(
         not native_scores.fits(8, DIM), reason="no native index-scores kernel here (needs AVX-512 BF16)")),

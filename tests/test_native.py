@@ -479,3 +479,27 @@ def test_whole_context_slots_in_one_call_equal_the_torch_derivation(monkeypatch,
     assert torch.equal(native_rows.query_rows, torch_rows.query_rows)
     assert native_rows.every_row == torch_rows.every_row == (reqs == [0, 1, 2])
     assert native_rows.slots[reqs.index(1), 2:].eq(-1).all()  # request 1 holds 2 positions
+
+
+@pytest.mark.skipif(not torch_ops.load(), reason="the native operators are not built here (no compiler, or "
+                    "DSASERVE_NATIVE=0)")
+def test_selected_position_slots_in_one_call_equal_the_torch_derivation(monkeypatch):
+    """A decode batch's top-k positions (-1 = none) through each request's own shuffled block table, as the
+    sparse backend derives them for every full layer's selection; a position past the table is refused."""
+    from dsaserve.attention import sparse
+
+    block_size = 4
+    tables = [torch.randperm(12)[:n].tolist() for n in (3, 1, 5)]
+    lens = [10, 2, 17]
+    meta = BatchMetadata.build([[5]] * 3, [n - 1 for n in lens], tables, block_size, [0, 1, 2])
+    topk = torch.tensor([[9, 0, 4, -1, 7], [1, 0, -1, -1, -1], [16, 3, 12, 8, 5]], dtype=torch.int32)
+    native_rows = sparse.selected_rows(meta, [0, 1, 2], topk)
+    monkeypatch.setattr(sparse.torch_ops, "load", lambda: False)
+    torch_rows = sparse.selected_rows(BatchMetadata.build([[5]] * 3, [n - 1 for n in lens], tables, block_size,
+                                                          [0, 1, 2]), [0, 1, 2], topk)
+    assert torch.equal(native_rows.slots, torch_rows.slots) and native_rows.slots.dtype == torch.int64
+    assert torch.equal(native_rows.query_rows, torch_rows.query_rows) and native_rows.every_row
+    assert native_rows.slots[1, 2:].eq(-1).all()
+    with pytest.raises(RuntimeError, match="position 4 of row 0 is past its block table.s 4 positions"):
+        torch.ops.dsaserve.position_slots(meta.block_tables[1:2, :1], torch.tensor([[4]], dtype=torch.int32),
+                                          block_size)

@@ -15,6 +15,7 @@ pages ranked by the best visible token inside each.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -100,8 +101,8 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
             out[start:split] = all_visible(meta.positions[start:split], width)
         for t0 in range(split, end, QUERY_TILE):
             t1 = min(t0 + QUERY_TILE, end)
-            scratch = scratch or ScoreScratch(min(QUERY_TILE, q.shape[0]), q.shape[1], q.shape[2], meta.block_size,
-                                              selection, score_dtype(q), q.device)
+            scratch = scratch or score_scratch(min(QUERY_TILE, q.shape[0]), q.shape[1], q.shape[2], meta.block_size,
+                                               selection, score_dtype(q), q.device)
             out[t0:t1] = stream_select(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection,
                                        (meta.position_of(i, t0), meta.position_of(i, t1 - 1)), scratch)
     return out
@@ -123,8 +124,8 @@ def select_sharded(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKey
         split = meta.split_at_position(i, width)  # rows before it see ≤ width tokens: all selected
         for t0 in range(split, end, QUERY_TILE):
             t1 = min(t0 + QUERY_TILE, end)
-            scratch = scratch or ScoreScratch(min(QUERY_TILE, q.shape[0]), q.shape[1], q.shape[2], shard.block_size,
-                                              selection, score_dtype(q), q.device)
+            scratch = scratch or score_scratch(min(QUERY_TILE, q.shape[0]), q.shape[1], q.shape[2], shard.block_size,
+                                               selection, score_dtype(q), q.device)
             best, ids = stream_best(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection,
                                     (meta.position_of(i, t0), meta.position_of(i, t1 - 1)), scratch)
             values[t0:t1] = best
@@ -187,6 +188,30 @@ class ScoreScratch:
         return self._packed_keys
 
 
+KEPT_SCRATCH_TILE = 16  # tiles up to this many queries (decode, draft verification) reuse their scratch
+_kept_scratch = threading.local()
+
+
+def score_scratch(tile: int, heads: int, head_dim: int, block_size: int, selection: Selection,
+                  score_dtype: torch.dtype, device) -> ScoreScratch:
+    """A ScoreScratch for these shapes. A decode step selects once per full layer, each time for a tile of a
+    few queries, where making the buffers costs a sixth of scoring 8K keys; such small tiles reuse the last
+    one made for the same shapes in this thread (the buffers hold nothing between calls). Larger tiles
+    (prefill) get their own, freed with the call."""
+    if tile > KEPT_SCRATCH_TILE:
+        return ScoreScratch(tile, heads, head_dim, block_size, selection, score_dtype, device)
+    key = (tile, heads, head_dim, block_size, selection, score_dtype, str(device), INDEXER_SCORE_BUDGET, MERGE_WINDOW,
+           MAX_KEY_CHUNK)
+    kept = getattr(_kept_scratch, "by_shape", None)
+    if kept is None:
+        kept = _kept_scratch.by_shape = {}
+    if key not in kept:
+        if len(kept) >= 8:
+            kept.clear()
+        kept[key] = ScoreScratch(tile, heads, head_dim, block_size, selection, score_dtype, device)
+    return kept[key]
+
+
 def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata, i: int,
                   positions: torch.Tensor, selection: Selection, position_range: tuple[int, int] | None = None,
                   scratch: ScoreScratch | None = None) -> torch.Tensor:
@@ -211,7 +236,7 @@ def stream_best(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCac
     shard = meta.shard
     bs = meta.block_size if shard is None else shard.block_size  # tokens per block of the key cache
     t, heads = q.shape[0], q.shape[1]
-    scratch = scratch or ScoreScratch(t, heads, q.shape[2], bs, selection, score_dtype(q), q.device)
+    scratch = scratch or score_scratch(t, heads, q.shape[2], bs, selection, score_dtype(q), q.device)
     keep = scratch.keep
     first_position, last_position = position_range or (int(positions.min()), int(positions.max()))
     # Later blocks are in every query's future.
@@ -222,7 +247,7 @@ def stream_best(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCac
 
     def candidates_of(b0: int, b1: int) -> torch.Tensor:
         return chunk_candidates(q, weights, key_cache, meta.block_tables[i], (b0, b1), bs, scratch, positions,
-                                first_position, selection, shard)
+                                first_position, selection, shard, last_position)
 
     if visible_blocks <= scratch.chunk_blocks and visible_blocks * per_block >= keep:
         # One chunk holds every visible key (decode at a few thousand tokens): rank it directly.
@@ -260,14 +285,19 @@ def running_top_k(candidates_of, visible_blocks: int, per_block: int, t: int,
 
 def chunk_candidates(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, table: torch.Tensor,
                      blocks: tuple[int, int], block_size: int, scratch: ScoreScratch, positions: torch.Tensor,
-                     first_position: int, selection: Selection, shard: ContextShard | None = None) -> torch.Tensor:
+                     first_position: int, selection: Selection, shard: ContextShard | None = None,
+                     last_position: int | None = None) -> torch.Tensor:
     """Masked candidate scores [t, tokens or pages] of whole blocks: invisible keys are -inf before
     any maximum or top-k, and in page mode each page scores as its best visible token. With a shard the
-    blocks hold this rank's tokens (local index c is position shard.to_global(c))."""
+    blocks hold this rank's tokens (local index c is position shard.to_global(c)). `last_position`: the
+    tile's largest position, where the host knows it."""
     b0, b1 = blocks
     scores = score_chunk(q, weights, key_cache, table, blocks, block_size, scratch)
     last_key = b1 * block_size - 1
-    if (last_key if shard is None else shard.to_global(last_key)) > first_position:
+    if shard is None and last_position == first_position and last_key > first_position:
+        # Every query of the tile at one position (a decode step): its future is the chunk's tail.
+        scores[:, max(0, first_position + 1 - b0 * block_size):] = float("-inf")
+    elif (last_key if shard is None else shard.to_global(last_key)) > first_position:
         # Some key of this chunk is in some query's future.
         key_pos = torch.arange(b0 * block_size, b1 * block_size, device=q.device)
         if shard is not None:

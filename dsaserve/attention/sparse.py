@@ -26,6 +26,7 @@ from dsaserve.attention.dense import (
     every_row_slots,
 )
 from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.native import torch_ops
 from dsaserve.native.selected_rows import attend_selected_rows
 
 QUERY_TILE = 64  # queries sharing one load of their selected rows
@@ -115,6 +116,10 @@ class SparseAttention:
 def selected_rows(meta: BatchMetadata, reqs: list[int], topk: torch.Tensor) -> DecodeRows:
     """Single-query requests `reqs` over their selected positions (derived once per step and top-k tensor)."""
     def derive():
+        if (topk.is_cpu and topk.shape[0] == len(reqs) and DecodeRows.are_every_row(meta, reqs)
+                and torch_ops.load()):  # a decode batch: the slots in one native call
+            slots = torch.ops.dsaserve.position_slots.default(meta.block_tables, topk, meta.block_size)
+            return topk, DecodeRows(meta.query_start_loc[:-1], slots, True)
         selected = topk[meta.query_start_loc[torch.tensor(reqs, device=topk.device)]].long()  # [R, K]
         return topk, DecodeRows.of(meta, reqs, selected.clamp(min=0), selected < 0)
 

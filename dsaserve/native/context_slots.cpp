@@ -1,7 +1,11 @@
-// Each request's whole context as physical cache slots, in one call: slots[r, p] = block_tables[r, p / block_size] *
-// block_size + p % block_size for p < lens[r], and -1 past it (the width is the longest length). What
-// attention/dense.py causal_rows otherwise derives with a dozen torch operators at every decode step, whose
-// per-call cost, not the arithmetic, is what a step pays. Portable C++.
+// Logical positions to physical cache slots, in one call: slot(r, p) = block_tables[r, p / block_size] * block_size +
+// p % block_size.
+//   context_slots: each request's whole context, slots[r, p] for p < lens[r] and -1 past it (the width is the
+//                  longest length), what attention/dense.py causal_rows derives at every decode step;
+//   position_slots: the slots of given positions [R, W] (int32, -1 = none, which stays -1), what
+//                  attention/sparse.py selected_rows derives for each full layer's selection.
+// Otherwise a dozen torch operators each, whose per-call cost, not the arithmetic, is what a step pays.
+// Portable C++.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -33,8 +37,35 @@ at::Tensor context_slots(const at::Tensor& block_tables, at::IntArrayRef lens, i
   return slots;
 }
 
+at::Tensor position_slots(const at::Tensor& block_tables, const at::Tensor& positions, int64_t block_size) {
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_cpu() &&
+                  positions.dim() == 2 && positions.scalar_type() == at::kInt && positions.is_cpu() &&
+                  positions.size(0) == block_tables.size(0) && block_size >= 1,
+              "dsaserve position_slots: block_tables must be int64 [R, blocks] and positions int32 [R, W] on the CPU");
+  const at::Tensor tables = block_tables.contiguous(), pos = positions.contiguous();
+  const int64_t R = pos.size(0), W = pos.size(1), blocks = tables.size(1);
+  at::Tensor slots = at::empty({R, W}, tables.options());
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int32_t* in = pos.data_ptr<int32_t>();
+  int64_t* out = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t w = 0; w < W; ++w) {
+      const int64_t p = in[r * W + w];
+      TORCH_CHECK(p < blocks * block_size, "dsaserve position_slots: position ", p, " of row ", r,
+                  " is past its block table's ", blocks * block_size, " positions");
+      out[r * W + w] = p < 0 ? -1 : table[r * blocks + p / block_size] * block_size + p % block_size;
+    }
+  return slots;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(dsaserve, m) { m.def("context_slots(Tensor block_tables, int[] lens, int block_size) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
+  m.def("context_slots(Tensor block_tables, int[] lens, int block_size) -> Tensor");
+  m.def("position_slots(Tensor block_tables, Tensor positions, int block_size) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("context_slots", &context_slots); }
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
+  m.impl("context_slots", &context_slots);
+  m.impl("position_slots", &position_slots);
+}

@@ -160,6 +160,10 @@ def _register_fakes() -> None:
     def _(block_tables, lens, block_size):
         return block_tables.new_empty(len(lens), max(lens))
 
+    @torch.library.register_fake("dsaserve::position_slots")
+    def _(block_tables, positions, block_size):
+        return block_tables.new_empty(positions.shape)
+
     @torch.library.register_fake("dsaserve::dequantize_t")
     def _(qweight, scale, kind, group, col_offset, N, K, dtype):
         return scale.new_empty(K, N, dtype=dtype)
