@@ -195,21 +195,19 @@ _kept_scratch = threading.local()
 def score_scratch(tile: int, heads: int, head_dim: int, block_size: int, selection: Selection,
                   score_dtype: torch.dtype, device) -> ScoreScratch:
     """A ScoreScratch for these shapes. A decode step selects once per full layer, each time for a tile of a
-    few queries, where making the buffers costs a sixth of scoring 8K keys; such small tiles reuse the last
-    one made for the same shapes in this thread (the buffers hold nothing between calls). Larger tiles
-    (prefill) get their own, freed with the call."""
+    few queries, where making the buffers costs a sixth of scoring 8K keys; such small tiles reuse the one made
+    last in this thread when it has the same shapes (the buffers hold nothing between calls; one is kept, so the
+    memory kept is one scratch's, as bounded as a call's). Larger tiles (prefill) get their own, freed with the
+    call."""
     if tile > KEPT_SCRATCH_TILE:
         return ScoreScratch(tile, heads, head_dim, block_size, selection, score_dtype, device)
     key = (tile, heads, head_dim, block_size, selection, score_dtype, str(device), INDEXER_SCORE_BUDGET, MERGE_WINDOW,
            MAX_KEY_CHUNK)
-    kept = getattr(_kept_scratch, "by_shape", None)
-    if kept is None:
-        kept = _kept_scratch.by_shape = {}
-    if key not in kept:
-        if len(kept) >= 8:
-            kept.clear()
-        kept[key] = ScoreScratch(tile, heads, head_dim, block_size, selection, score_dtype, device)
-    return kept[key]
+    kept = getattr(_kept_scratch, "last", None)
+    if kept is None or kept[0] != key:
+        kept = _kept_scratch.last = (key, ScoreScratch(tile, heads, head_dim, block_size, selection, score_dtype,
+                                                       device))
+    return kept[1]
 
 
 def stream_select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata, i: int,
