@@ -1,8 +1,8 @@
 """What a sparse decode step spends on its selections, past index_topk.
 
-    python benchmarks/decode_selection.py [--context 8192] [--steps 300] [--checkpoint DIR]
+    python benchmarks/decode_selection.py [--context 8192] [--batch 1] [--steps 300] [--checkpoint DIR]
 
-One request on the benchmark model (benchmarks/model_core.py) whose first `context` tokens are cached
+`batch` requests (1 by default) on the benchmark model (benchmarks/model_core.py) whose first `context` tokens are cached
 synthetically (as `dsaserve bench longctx` does for its decode points), decoded greedily with the sparse backend.
 Past index_topk each full layer's selection runs in Python between the step's native calls; this reports the
 median time of one full layer's selection (the indexer's queries, scoring, top-k: model/decode_calls.py
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--checkpoint", default=None)
     args = parser.parse_args()
@@ -37,15 +38,17 @@ def main() -> None:
     from dsaserve.sampling_params import SamplingParams
     from model_core import checkpoint_dir
 
-    engine = LLMEngine(EngineArgs(model=args.checkpoint or checkpoint_dir(), kv_cache_memory="900MiB",
+    cache_mib = 900 * -(-args.batch * (args.context + args.steps + 40) // 32768)  # 900 MiB hold 32K tokens
+    engine = LLMEngine(EngineArgs(model=args.checkpoint or checkpoint_dir(), kv_cache_memory=f"{cache_mib}MiB",
                                   max_model_len=32768, progress=False, attention_backend="sparse",
                                   max_num_batched_tokens=4096, enable_prefix_caching=False))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, 1000, (args.context,), generator=g).tolist()
-    request = engine.make_request("synthetic", ids, SamplingParams(temperature=0, max_tokens=args.steps + 40,
-                                                                   ignore_eos=True))
-    engine.add_prefilled_request(request, args.context - 1,
-                                 lambda cache, table, n: fill_synthetic_prefix(cache, table, n, g))
+    for r in range(args.batch):
+        ids = torch.randint(10, 1000, (args.context,), generator=g).tolist()
+        request = engine.make_request(f"synthetic-{r}", ids, SamplingParams(temperature=0, max_tokens=args.steps + 40,
+                                                                            ignore_eos=True))
+        engine.add_prefilled_request(request, args.context - 1,
+                                     lambda cache, table, n: fill_synthetic_prefix(cache, table, n, g))
     times: dict[str, list[float]] = {}
 
     def timed(owner, name: str, key: str) -> None:
@@ -71,7 +74,7 @@ def main() -> None:
     steps = len(times["step"])
     per_step = len(times["slots"]) // steps
     slots = [sum(times["slots"][i:i + per_step]) for i in range(0, per_step * steps, per_step)]
-    print(f"context {args.context}: one full layer's selection, median {statistics.median(times['select']):.0f} µs "
+    print(f"context {args.context}, batch {args.batch}: one full layer's selection, median {statistics.median(times['select']):.0f} µs "
           f"({len(times['select']) / steps:.0f} a step); slots from the selections {statistics.median(slots):.0f} µs "
           f"a step; step {statistics.median(times['step']) / 1e3:.2f} ms")
 

@@ -99,6 +99,57 @@ def test_decode_selections_reuse_one_scratch_and_keep_nothing_between_calls(monk
         assert [set(x for x in row.tolist() if x >= 0) for row in out] == expected, seed
 
 
+def decode_batch(seed: int, contexts: list[int], heads: int = 8):
+    """Single-query requests over `contexts` cached tokens each, bf16 keys in one packed cache, scrambled tables."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [c + 1 for c in contexts]
+    counts = [-(-n // BS) for n in lens]
+    cache = IndexerKeyCache(sum(counts) + 3, BS, DIM, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
+    order = torch.randperm(sum(counts) + 3, generator=g).tolist()
+    tables = [order[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(lens))]
+    meta = BatchMetadata.build([[1]] * len(lens), contexts, tables, BS, [])
+    for i, n in enumerate(lens):
+        cache.write(meta.slots(i, torch.arange(n)), torch.randn(n, DIM, generator=g).bfloat16())
+    q = torch.randn(len(lens), heads, DIM, generator=g).bfloat16()
+    return cache, meta, q, torch.rand(len(lens), heads, generator=g) + 0.1
+
+
+@pytest.mark.skipif(not native_scores.fits(8, DIM), reason="no native index-scores kernel here (needs AVX-512 BF16)")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_batch_selects_in_one_native_call_what_the_tile_loop_selects(monkeypatch, threads):
+    """A batch of single queries takes one native call (decode_selection.cpp) that gives the tile loop's positions in
+    its order: contexts within the width (all visible), within one chunk, and over several chunks and merge windows,
+    queries ending mid-block and at a block's end; whole queries per thread or each query's scoring shared out."""
+    monkeypatch.setattr(indexer, "INDEXER_SCORE_BUDGET", 2 * BS * 8 * 4)  # 2-block chunks for tiles of 4
+    monkeypatch.setattr(indexer, "MERGE_WINDOW", 4 * BS)  # two chunks per merge window
+    cache, meta, q, weights = decode_batch(5, [10, 23, 40, 63, 130, 300])
+    calls = []
+    native = torch.ops.dsaserve.decode_selection.default
+    monkeypatch.setattr(torch.ops.dsaserve.decode_selection, "default", lambda *a: calls.append(1) or native(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = select(q, weights, cache, meta, Selection(24))
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setattr(indexer, "decodes_natively", lambda *a: False)
+    expected = select(q, weights, cache, meta, Selection(24))
+    assert calls == [1]
+    assert torch.equal(got, expected)
+    assert (got[0] >= 0).sum() == 11 and (got[1:] >= 0).all()
+
+
+@pytest.mark.skipif(not native_scores.fits(8, DIM), reason="no native index-scores kernel here (needs AVX-512 BF16)")
+def test_a_decode_selection_refuses_a_block_table_shorter_than_its_context():
+    cache, meta, q, weights = decode_batch(6, [40, 70])
+    with pytest.raises(RuntimeError, match="length 71 of query 1 is not within its block table's 64 positions"):
+        torch.ops.dsaserve.decode_selection(q, weights, cache.groups, meta.block_tables[:, :4], [41, 71], 24, 2, 4)
+    bad = meta.block_tables.clone()
+    bad[1, 2] = 10**6
+    with pytest.raises(RuntimeError, match="block id 1000000 of query 1 is not in the cache's"):
+        torch.ops.dsaserve.decode_selection(q, weights, cache.groups, bad, [41, 71], 24, 2, 4)
+
+
 @pytest.mark.parametrize("native_kernel", [
     pytest.param(True, id="native", marks=pytest.mark.skipif(
         not native_scores.fits(8, DIM), reason="no native index-scores kernel here (needs AVX-512 BF16)")),

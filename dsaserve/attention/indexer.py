@@ -92,6 +92,11 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
            selection: Selection) -> torch.Tensor:
     """Per query, the positions its attention reads. q [T, H, D], weights [T, H] fp32."""
     width = selection.width(meta.block_size)
+    if decodes_natively(q, key_cache, meta, selection):
+        chunk_blocks, window_blocks = chunk_and_window(min(QUERY_TILE, q.shape[0]), q.shape[1], meta.block_size)
+        return torch.ops.dsaserve.decode_selection.default(q.contiguous(), weights.contiguous(), key_cache.groups,
+                                                          meta.block_tables, meta.seq_lens_host, width, chunk_blocks,
+                                                          window_blocks)
     out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
     scratch = None
     for i in range(meta.num_reqs):
@@ -106,6 +111,13 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
             out[t0:t1] = stream_select(q[t0:t1], weights[t0:t1], key_cache, meta, i, meta.positions[t0:t1], selection,
                                        (meta.position_of(i, t0), meta.position_of(i, t1 - 1)), scratch)
     return out
+
+
+def decodes_natively(q: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata, selection: Selection) -> bool:
+    """Whether the batch's selection is one native call (native/decode_selection.cpp, the loop below in C++, the same
+    positions): every request a single query, token top-k, a packed bf16 key cache the kernel scores in place."""
+    return (meta.num_tokens == meta.num_reqs and not selection.pages and key_cache.packed and q.dtype == torch.bfloat16
+            and q.is_cpu and native_scores.fits(q.shape[1], q.shape[2]))
 
 
 def select_sharded(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
@@ -155,15 +167,20 @@ def key_chunk_blocks(tile: int, heads: int, block_size: int) -> int:
     return max(1, tokens // block_size)
 
 
+def chunk_and_window(tile: int, heads: int, block_size: int) -> tuple[int, int]:
+    """(blocks per scoring chunk, blocks per merge window: whole chunks) for a query tile."""
+    chunk_blocks = key_chunk_blocks(tile, heads, block_size)
+    return chunk_blocks, chunk_blocks * max(1, MERGE_WINDOW // (chunk_blocks * block_size))
+
+
 class ScoreScratch:
     """The scoring buffers, allocated once per select() and reused by every query tile: a fresh
     multi-MiB allocation per tile costs page faults comparable to the scoring matmul itself."""
 
     def __init__(self, tile: int, heads: int, head_dim: int, block_size: int, selection: Selection,
                  score_dtype: torch.dtype, device):
-        self.chunk_blocks = key_chunk_blocks(tile, heads, block_size)
+        self.chunk_blocks, self.window_blocks = chunk_and_window(tile, heads, block_size)
         chunk = self.chunk_blocks * block_size
-        self.window_blocks = self.chunk_blocks * max(1, MERGE_WINDOW // chunk)
         self.keep = selection.pages or selection.index_topk
         self.score_dtype = score_dtype
         self.scores = torch.empty(tile * chunk, device=device)

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "cpu_features.h"
 #include "layer_pieces.h"
@@ -191,6 +192,22 @@ void write_packed_keys(at::Tensor& cache, const at::Tensor& slots, const at::Ten
 }
 
 }  // namespace
+
+// For decode_selection.cpp (layer_pieces.h): one query's scores (q bf16 [heads, dim], weights fp32 [heads]) against the
+// first `keys` keys of `count` blocks of a packed key cache, ids checked by the caller, into out[0, keys).
+void dsaserve::index_scores_of_blocks(const c10::BFloat16* q, const float* weights, int64_t heads, int64_t dim,
+                                      const at::Tensor& cache, const int64_t* blocks, int64_t count, int64_t keys,
+                                      float* out) {
+    // One group of zero keys, for an item reaching past the last block; 64-byte aligned, as the kernel loads it.
+    thread_local std::vector<uint32_t> zero;
+    if (static_cast<int64_t>(zero.size()) < dim / 2 * 16 + 16) zero.assign(dim / 2 * 16 + 16, 0u);
+    const auto* aligned = reinterpret_cast<const uint32_t *>((reinterpret_cast<uintptr_t>(zero.data()) + 63) & ~uintptr_t(63));
+    Job job{reinterpret_cast<const uint16_t *>(q), weights, static_cast<const uint32_t *>(cache.data_ptr()), blocks,
+            cache.size(1), count * cache.size(1), aligned, out, 1, heads, dim, keys, keys, 0};
+    run(job);
+}
+
+bool dsaserve::index_scores_fits(int64_t heads, int64_t dim) { return fits(heads, dim); }
 
 // For decode_layer.cpp (layer_pieces.h).
 void dsaserve::write_packed_keys(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& keys) {

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <vector>
 
+#include "layer_pieces.h"
+
 namespace {
 
 /* Order-preserving map of floats to unsigned integers: a > b exactly when key(a) > key(b). */
@@ -88,6 +90,11 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
 }
 
 }  // namespace
+
+// For decode_selection.cpp (layer_pieces.h); scratch holds n + 1 entries.
+void dsaserve::topk_row(const float* x, int64_t n, int64_t k, uint32_t* scratch, float* values, int64_t* indices) {
+    ::topk_row(x, n, k, scratch, values, indices);
+}
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
     m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");

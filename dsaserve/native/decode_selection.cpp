@@ -1,0 +1,147 @@
+// The indexer's selection for a batch of decode queries (one new token per request), in one call: what
+// attention/indexer.py's select() computes for them through its Python loop, tile by tile, with the same pieces in
+// the same order, so the same positions in the same order:
+//   a query that sees at most `width` tokens selects all of them (0 .. seq_len - 1, then -1);
+//   otherwise its visible blocks are scored `chunk_blocks` at a time in place in the packed key cache
+//   (index_scores.cpp), keys past its position set to -inf, and a running top-k (topk.cpp) is merged after every
+//   window of `window_blocks` (the first window ranked alone when it holds at least `width` keys; one chunk
+//   holding the whole context is ranked directly); positions whose score is -inf become -1.
+// Scratch is one chunk window and one top-k per thread: bounded by the window, never by the context. Where the
+// batch has at least as many queries as threads, each thread takes whole queries; otherwise each query's scoring
+// is shared out (index_scores.cpp). AVX-512 BF16 only (index_scores_fits); the caller keeps its torch path elsewhere.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "layer_pieces.h"
+
+namespace {
+
+constexpr float kNone = -std::numeric_limits<float>::infinity();
+
+struct Selector {
+  const c10::BFloat16* q;  // [T, heads, dim]
+  const float* weights;    // [T, heads]
+  const at::Tensor& cache;
+  const int64_t* tables;   // [T, table_width]
+  int64_t table_width, heads, dim, block_size, width, chunk_blocks, window_blocks;
+
+  // Scratch of one thread: a window's candidates after the running best, the top-k's outputs and keys.
+  struct Scratch {
+    std::vector<float> merged, values;
+    std::vector<int64_t> ids, order;
+    std::vector<uint32_t> keys;
+  };
+
+  Scratch scratch() const {
+    const int64_t window = window_blocks * block_size;
+    return {std::vector<float>(width + window), std::vector<float>(width), std::vector<int64_t>(width),
+            std::vector<int64_t>(width), std::vector<uint32_t>(width + window + 1)};
+  }
+
+  // Scores of query i against blocks [b0, b1) into `out`, the keys past `position` at -inf.
+  void score(int64_t i, int64_t b0, int64_t b1, int64_t position, float* out) const {
+    const int64_t keys = (b1 - b0) * block_size;
+    dsaserve::index_scores_of_blocks(q + i * heads * dim, weights + i * heads, heads, dim, cache,
+                                     tables + i * table_width + b0, b1 - b0, keys, out);
+    std::fill(out + std::clamp<int64_t>(position + 1 - b0 * block_size, 0, keys), out + keys, kNone);
+  }
+
+  void select(int64_t i, int64_t seq_len, int32_t* row, Scratch& s) const {
+    if (seq_len <= width) {
+      for (int64_t c = 0; c < width; ++c) row[c] = c < seq_len ? static_cast<int32_t>(c) : -1;
+      return;
+    }
+    const int64_t position = seq_len - 1, visible = position / block_size + 1;
+    float* merged = s.merged.data();
+    if (visible <= chunk_blocks) {  // one chunk holds every visible key: ranked directly
+      score(i, 0, visible, position, merged);
+      dsaserve::topk_row(merged, visible * block_size, width, s.keys.data(), s.values.data(), s.ids.data());
+    } else {
+      std::fill(merged, merged + width, kNone);
+      std::fill(s.ids.begin(), s.ids.end(), int64_t(-1));
+      for (int64_t w0 = 0; w0 < visible; w0 += window_blocks) {
+        const int64_t w1 = std::min(w0 + window_blocks, visible), candidates = (w1 - w0) * block_size;
+        for (int64_t b0 = w0; b0 < w1; b0 += chunk_blocks)
+          score(i, b0, std::min(b0 + chunk_blocks, w1), position, merged + width + (b0 - w0) * block_size);
+        if (w0 == 0 && candidates >= width) {  // nothing kept yet: the first window alone
+          dsaserve::topk_row(merged + width, candidates, width, s.keys.data(), s.values.data(), s.ids.data());
+        } else {  // columns below width are the running best, later ones count candidates from w0 on
+          dsaserve::topk_row(merged, width + candidates, width, s.keys.data(), s.values.data(), s.order.data());
+          for (int64_t c = 0; c < width; ++c) {
+            const int64_t o = s.order[c];
+            s.order[c] = o < width ? s.ids[o] : o - width + w0 * block_size;
+          }
+          std::swap(s.ids, s.order);
+        }
+        std::copy(s.values.begin(), s.values.end(), merged);
+      }
+    }
+    for (int64_t c = 0; c < width; ++c) row[c] = s.values[c] == kNone ? -1 : static_cast<int32_t>(s.ids[c]);
+  }
+};
+
+at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                            const at::Tensor& block_tables, at::IntArrayRef seq_lens, int64_t width,
+                            int64_t chunk_blocks, int64_t window_blocks) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous() && q.is_cpu(),
+              "dsaserve decode_selection: q must be contiguous bf16 [T, heads, dim] on the CPU");
+  const int64_t T = q.size(0), heads = q.size(1), dim = q.size(2);
+  TORCH_CHECK(dsaserve::index_scores_fits(heads, dim), "dsaserve decode_selection: the scoring kernel does not take ",
+              heads, " heads of ", dim, " dims on this CPU (index_scores_fits)");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 2 &&
+                  weights.size(0) == T && weights.size(1) == heads,
+              "dsaserve decode_selection: weights must be contiguous fp32 [T, heads]");
+  TORCH_CHECK(cache.scalar_type() == at::kInt && cache.is_contiguous() && cache.dim() == 4 &&
+                  cache.size(2) == dim / 2 && cache.size(3) == 16,
+              "dsaserve decode_selection: the key cache must be contiguous int32 [num_blocks, block_size / 16, ",
+              dim / 2, ", 16]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_cpu() &&
+                  block_tables.size(0) == T && static_cast<int64_t>(seq_lens.size()) == T,
+              "dsaserve decode_selection: block_tables must be int64 [T, blocks] on the CPU, one row and one length "
+              "per query");
+  TORCH_CHECK(width >= 1 && chunk_blocks >= 1 && window_blocks >= chunk_blocks && window_blocks % chunk_blocks == 0,
+              "dsaserve decode_selection: width ", width, ", chunk_blocks ", chunk_blocks, ", window_blocks ",
+              window_blocks, ": the window must be whole chunks");
+  const at::Tensor tables = block_tables.contiguous();
+  const int64_t block_size = cache.size(1) * 16, table_width = tables.size(1), num_blocks = cache.size(0);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i) {
+    TORCH_CHECK(seq_lens[i] >= 1 && seq_lens[i] <= table_width * block_size, "dsaserve decode_selection: length ",
+                seq_lens[i], " of query ", i, " is not within its block table's ", table_width * block_size,
+                " positions");
+    if (seq_lens[i] <= width) continue;
+    for (int64_t b = 0; b < (seq_lens[i] - 1) / block_size + 1; ++b)
+      TORCH_CHECK(table[i * table_width + b] >= 0 && table[i * table_width + b] < num_blocks,
+                  "dsaserve decode_selection: block id ", table[i * table_width + b], " of query ", i,
+                  " is not in the cache's ", num_blocks, " blocks");
+  }
+  at::Tensor out = at::empty({T, width}, q.options().dtype(at::kInt));
+  const Selector selector{q.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), cache, table, table_width, heads,
+                          dim, block_size, width, chunk_blocks, window_blocks};
+  int32_t* rows = out.data_ptr<int32_t>();
+  auto select_rows = [&](int64_t i0, int64_t i1) {
+    Selector::Scratch s = selector.scratch();
+    for (int64_t i = i0; i < i1; ++i) selector.select(i, seq_lens[i], rows + i * width, s);
+  };
+  if (T >= at::get_num_threads())
+    at::parallel_for(0, T, 1, select_rows);
+  else
+    select_rows(0, T);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
+  m.def("decode_selection(Tensor q, Tensor weights, Tensor cache, Tensor block_tables, int[] seq_lens, int width, "
+        "int chunk_blocks, int window_blocks) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("decode_selection", &decode_selection); }
