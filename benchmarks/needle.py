@@ -2,7 +2,8 @@
 the indexer's recall of the needle.
 
     python benchmarks/needle.py [--lengths 1024,2048,4096,8192,16384] [--docs 4] [--questions 25]
-                                [--backends sparse,dense,page] [--plot docs/needle.png] [--output-json F]
+                                [--backends sparse,dense,page] [--indexer-cache-dtype auto|int8|fp8]
+                                [--plot docs/needle.png] [--output-json F]
 
 Each length gets `docs` documents of filler with `questions` facts ("The code for amber-falcon is
 4821.") placed so that, over all documents, the questions' facts sit at evenly spread depths. Every
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--questions", type=int, default=25, help="questions per document")
     parser.add_argument("--backends", default="sparse,dense,page")
+    parser.add_argument("--indexer-cache-dtype", default="auto", help="the indexer keys' cache: auto, int8 or fp8")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     args = parser.parse_args()
@@ -123,8 +125,8 @@ def main() -> None:
     from dsaserve.config import ModelConfig
 
     limit = min(max(lengths) + 512, ModelConfig.from_pretrained(model).max_position_embeddings)
-    llms = {b: LLM(model, attention_backend=b, max_model_len=limit, progress=False, kv_cache_memory="2GiB")
-            for b in backends}
+    llms = {b: LLM(model, attention_backend=b, max_model_len=limit, progress=False, kv_cache_memory="2GiB",
+                   indexer_cache_dtype=args.indexer_cache_dtype) for b in backends}
     template = ChatTemplate(next(iter(llms.values())).tokenizer.chat_template)
     results = {"accuracy": {b: {} for b in backends}, "recall": {}, "recall_by_layer": {}, "prompt_tokens": {}, "seconds": {}}
     for length in lengths:

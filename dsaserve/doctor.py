@@ -129,10 +129,13 @@ def _selected_rows_path(cfg: ModelConfig) -> str:
 def _index_scores_path(cfg: ModelConfig) -> str:
     """Which implementations the indexer uses for its scores and its running top-k."""
     from dsaserve.native import torch_ops
-    from dsaserve.native.index_scores import fits
+    from dsaserve.native.index_scores import fits, fits_int8
 
     scores = ("native AVX-512 BF16 kernel (bf16 models; their key caches kept in its layout, scored in place)"
               if fits(cfg.index_n_heads, cfg.index_head_dim) else "torch")
+    if fits_int8(cfg.index_n_heads, cfg.index_head_dim):
+        scores += ("; int8 key caches (--indexer-cache-dtype int8) by int8 products on AVX-512 VNNI, the queries "
+                   "rounded to int8 per head")
     return f"scores: {scores}; top-k: {'native radix select' if torch_ops.load() else 'torch'}"
 
 

@@ -18,18 +18,18 @@ from reference import load_reference, reference_greedy
 HEADS, DIM, BS = 4, 16, 16
 
 
-def random_context(seed: int, context: int, new: int, kind: str = "auto", heads: int = HEADS):
+def random_context(seed: int, context: int, new: int, kind: str = "auto", heads: int = HEADS, dim: int = DIM):
     """A request with `context` cached tokens and `new` queries, keys in a scrambled paged cache."""
     g = torch.Generator().manual_seed(seed)
     total = context + new
     nblocks = -(-total // BS)
-    cache = IndexerKeyCache(nblocks + 5, BS, DIM, kind, torch.float32, torch.device("cpu"))
+    cache = IndexerKeyCache(nblocks + 5, BS, dim, kind, torch.float32, torch.device("cpu"))
     table = torch.randperm(nblocks + 5, generator=g)[:nblocks].tolist()
     meta = BatchMetadata.build([[1] * new], [context], [table], BS, [])
-    keys = torch.randn(total, DIM, generator=g)
+    keys = torch.randn(total, dim, generator=g)
     all_slots = meta.slots(0, torch.arange(total))
     cache.write(all_slots, keys)
-    q = torch.randn(new, heads, DIM, generator=g)
+    q = torch.randn(new, heads, dim, generator=g)
     weights = torch.rand(new, heads, generator=g) + 0.1
     return cache, meta, keys, q, weights
 
@@ -99,12 +99,13 @@ def test_decode_selections_reuse_one_scratch_and_keep_nothing_between_calls(monk
         assert [set(x for x in row.tolist() if x >= 0) for row in out] == expected, seed
 
 
-def decode_batch(seed: int, contexts: list[int], heads: int = 8):
-    """Single-query requests over `contexts` cached tokens each, bf16 keys in one packed cache, scrambled tables."""
+def decode_batch(seed: int, contexts: list[int], heads: int = 8, kind: str = "auto"):
+    """Single-query requests over `contexts` cached tokens each, keys (bf16, or int8) in one packed cache, scrambled
+    tables."""
     g = torch.Generator().manual_seed(seed)
     lens = [c + 1 for c in contexts]
     counts = [-(-n // BS) for n in lens]
-    cache = IndexerKeyCache(sum(counts) + 3, BS, DIM, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
+    cache = IndexerKeyCache(sum(counts) + 3, BS, DIM, kind, torch.bfloat16, torch.device("cpu"), packed=True)
     order = torch.randperm(sum(counts) + 3, generator=g).tolist()
     tables = [order[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(lens))]
     meta = BatchMetadata.build([[1]] * len(lens), contexts, tables, BS, [])
@@ -116,13 +117,16 @@ def decode_batch(seed: int, contexts: list[int], heads: int = 8):
 
 @pytest.mark.skipif(not native_scores.fits(8, DIM), reason="no native index-scores kernel here (needs AVX-512 BF16)")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_decode_batch_selects_in_one_native_call_what_the_tile_loop_selects(monkeypatch, threads):
+@pytest.mark.parametrize("kind", ["auto", pytest.param("int8", marks=pytest.mark.skipif(
+    not native_scores.fits_int8(8, DIM), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)"))])
+def test_a_decode_batch_selects_in_one_native_call_what_the_tile_loop_selects(monkeypatch, threads, kind):
     """A batch of single queries takes one native call (decode_selection.cpp) that gives the tile loop's positions in
     its order: contexts within the width (all visible), within one chunk, and over several chunks and merge windows,
-    queries ending mid-block and at a block's end; whole queries per thread or each query's scoring shared out."""
+    queries ending mid-block and at a block's end; whole queries per thread or each query's scoring shared out; bf16
+    keys and int8 ones."""
     monkeypatch.setattr(indexer, "INDEXER_SCORE_BUDGET", 2 * BS * 8 * 4)  # 2-block chunks for tiles of 4
     monkeypatch.setattr(indexer, "MERGE_WINDOW", 4 * BS)  # two chunks per merge window
-    cache, meta, q, weights = decode_batch(5, [10, 23, 40, 63, 130, 300])
+    cache, meta, q, weights = decode_batch(5, [10, 23, 40, 63, 130, 300], kind=kind)
     calls = []
     native = torch.ops.dsaserve.decode_selection.default
     monkeypatch.setattr(torch.ops.dsaserve.decode_selection, "default", lambda *a: calls.append(1) or native(*a))
@@ -285,6 +289,55 @@ def test_quantized_indexer_recall(kind, dtype):
     assert sum(recalls) / len(recalls) >= 0.95
 
 
+def int8_caches(seed: int, context: int, new: int, heads: int = 8, dim: int = DIM):
+    """The same bf16-model keys in an int8 key cache kept in the int8 kernel's layout and in a plain one."""
+    _, meta, keys, q, weights = random_context(seed, context, new, heads=heads, dim=dim)
+    blocks = -(-(context + new) // BS) + 5
+    packed, plain = (IndexerKeyCache(blocks, BS, dim, "int8", torch.bfloat16, torch.device("cpu"), packed=p)
+                     for p in (True, False))
+    for cache in (packed, plain):
+        cache.write(meta.slots(0, torch.arange(keys.shape[0])), keys.bfloat16())
+    return packed, plain, meta, keys, q.bfloat16(), weights
+
+
+@pytest.mark.skipif(not native_scores.fits_int8(8, DIM), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)")
+@pytest.mark.parametrize("dim", [16, 20])  # queries rounded 16 values at a time, and one at a time
+def test_int8_keys_scored_in_place_by_int8_products_of_the_rounded_queries(dim):
+    """The int8 kernel's scores: the stored int8 keys and scales, the queries rounded per query and head to int8
+    (amax / 127, nearest even), exact integer dot products, relu, weighted head sum; keys past a block's end and
+    block lists in any order. The int8 layout holds the plain cache's values."""
+    packed, plain, meta, keys, q, weights = int8_caches(21, 200, 5, dim=dim)
+    assert packed.int8_groups is not None and not packed.packed and plain.int8_groups is None
+    table = meta.block_tables[0]
+    blocks = table[torch.tensor([3, 0, 7, 12, 5])]
+    assert torch.equal(packed.read_blocks(blocks, torch.float32), plain.read_blocks(blocks, torch.float32))
+    n_keys = 5 * BS - 7  # the last block only partly
+    out = torch.full((q.shape[0], 5 * BS), 7.0)
+    native_scores.index_scores_int8_blocks(q, weights, packed.int8_groups, packed.scale, blocks, n_keys, out)
+    key_values = torch.index_select(plain.data, 0, blocks).reshape(-1, dim).float()[:n_keys]
+    key_scales = torch.index_select(plain.scale, 0, blocks).reshape(-1).float()[:n_keys]
+    q_scales = q.float().abs().amax(-1) / 127
+    q_values = (q.float() / q_scales[..., None]).round().clamp(-127, 127)
+    per_head = torch.relu(torch.einsum("thd,sd->ths", q_values, key_values))  # exact: integers below 2^24
+    expected = (per_head * (weights * q_scales)[:, :, None]).sum(1) * key_scales
+    torch.testing.assert_close(out[:, :n_keys], expected, rtol=1e-5, atol=1e-6)
+    assert (out[:, n_keys:] == 7.0).all()  # nothing written past `keys`
+
+
+@pytest.mark.skipif(not native_scores.fits_int8(8, DIM), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)")
+def test_int8_keys_in_the_kernels_layout_select_with_the_recall_of_the_plain_int8_cache():
+    """Rounding the queries to int8 as well (the int8 kernel's path) keeps the top-k recall against exact fp32
+    scoring at the plain int8 cache's bar."""
+    recalls = []
+    for seed in range(4):
+        exact_cache, meta, keys, q, weights = random_context(seed, 1000, 8, heads=8)
+        packed, _, _, _, _, _ = int8_caches(seed, 1000, 8)
+        a = select(q, weights, exact_cache, meta, Selection(128))
+        b = select(q.bfloat16(), weights, packed, meta, Selection(128))
+        recalls += [len(set(x.tolist()) & set(y.tolist())) / 128 for x, y in zip(a, b)]
+    assert sum(recalls) / len(recalls) >= 0.95
+
+
 def test_cache_accounting_with_odd_widths(make_checkpoint):
     """Latent 30 + rope 6 and indexer 20 wide: padding either part (or the concatenation) would show."""
     path = make_checkpoint("odd_widths", seed=0, kv_lora_rank=30, qk_rope_head_dim=6, qk_nope_head_dim=10,
@@ -343,6 +396,49 @@ def test_page_backend_with_every_page_reproduces_dense(make_checkpoint):
         assert abs(a[t].logprob - b[t].logprob) < 1e-4
     assert few.token_ids != dense.token_ids or any(
         abs(a[t].logprob - b[t].logprob) > 1e-3 for a, b, t in zip(few.logprobs, dense.logprobs, dense.token_ids))
+
+
+@pytest.mark.skipif(not native_scores.fits_int8(8, 32), reason="no int8 index-score kernel here (needs the operators "
+                    "built and AVX-512 VNNI): int8 indexer key caches stay plain")
+def test_a_bf16_engine_scores_int8_indexer_keys_in_place_and_generates_what_plain_int8_keys_give(make_checkpoint,
+                                                                                               monkeypatch):
+    """`indexer_cache_dtype="int8"` in a bf16 model on a CPU with VNNI: the key caches are in the int8 kernel's
+    layout, which scores them in prefill and in decode (one native selection per full layer). The prompts'
+    selections agree with those of the plain int8 cache (dequantized keys against bf16 queries) but for the
+    queries' rounding to int8: at least 95% of the positions, in every full layer."""
+    import dsaserve.engine.kv_cache as kv_cache
+
+    path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
+    prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 41)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    scored, selected = [], []
+    real_scores, real_selection = native_scores.index_scores_int8_blocks, torch.ops.dsaserve.decode_selection.default
+    monkeypatch.setattr(native_scores, "index_scores_int8_blocks", lambda *a: scored.append(1) or real_scores(*a))
+    monkeypatch.setattr(torch.ops.dsaserve.decode_selection, "default",
+                        lambda *a: selected.append(a[-1] is not None) or real_selection(*a))
+
+    def run():
+        llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, indexer_cache_dtype="int8", progress=False)
+        layouts = {cache.int8_groups is not None for cache in llm.engine.kv_cache.indexer.values()}
+        chosen = {}  # the prompts' selections (the indexers' forward), per full layer
+        for i, layer in enumerate(llm.engine.model.model.layers):
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.register_forward_hook(
+                    lambda module, args, out, i=i: chosen.setdefault(i, out.clone()))
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+        return layouts, chosen
+
+    layouts, in_place = run()
+    assert layouts == {True} and scored and selected and all(selected)  # prefill and decode through the kernel
+    monkeypatch.setattr(kv_cache, "packs_indexer_keys", lambda cfg, bs, dtype, device, kind: False)
+    scored.clear()
+    layouts, plain = run()
+    assert layouts == {False} and not scored and in_place.keys() == plain.keys()
+    for layer, rows in in_place.items():
+        shared = [len(set(a.tolist()) & set(b.tolist()) - {-1}) / len(set(b.tolist()) - {-1})
+                  for a, b in zip(rows, plain[layer])]
+        assert sum(shared) / len(shared) >= 0.95, layer
 
 
 @pytest.mark.skipif(not native_scores.fits(8, 32), reason="no native index-score kernel here (needs the operators "

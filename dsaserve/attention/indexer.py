@@ -8,7 +8,10 @@ Scoring streams: a tile of queries meets the context a few whole KV blocks at a 
 running top-k, merged after every window of candidates, in buffers allocated once per call, so its
 scratch memory is bounded by the tile, the chunk and the window, never by the context length. On
 CPUs with AVX-512 BF16, a native kernel computes a chunk's relu'd, head-summed scores in registers
-(native/index_scores.cpp); elsewhere torch materializes the per-head scores of the chunk.
+(native/index_scores.cpp); int8 keys kept in the int8 kernel's layout are scored with int8 products where the
+CPU has AVX-512 VNNI (native/index_scores_int8.cpp, the queries rounded to int8 per head); elsewhere torch
+materializes the per-head scores of the chunk. A batch of decode queries makes its whole selection in one
+native call (native/decode_selection.cpp).
 Selection is either token top-k (the model's trained semantics) or, for the page backend, whole
 pages ranked by the best visible token inside each.
 """
@@ -94,9 +97,10 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
     width = selection.width(meta.block_size)
     if decodes_natively(q, key_cache, meta, selection):
         chunk_blocks, window_blocks = chunk_and_window(min(QUERY_TILE, q.shape[0]), q.shape[1], meta.block_size)
-        return torch.ops.dsaserve.decode_selection.default(q.contiguous(), weights.contiguous(), key_cache.groups,
-                                                          meta.block_tables, meta.seq_lens_host, width, chunk_blocks,
-                                                          window_blocks)
+        int8 = key_cache.int8_groups is not None
+        return torch.ops.dsaserve.decode_selection.default(
+            q.contiguous(), weights.contiguous(), key_cache.int8_groups if int8 else key_cache.groups,
+            meta.block_tables, meta.seq_lens_host, width, chunk_blocks, window_blocks, key_cache.scale if int8 else None)
     out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
     scratch = None
     for i in range(meta.num_reqs):
@@ -115,9 +119,13 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
 
 def decodes_natively(q: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata, selection: Selection) -> bool:
     """Whether the batch's selection is one native call (native/decode_selection.cpp, the loop below in C++, the same
-    positions): every request a single query, token top-k, a packed bf16 key cache the kernel scores in place."""
-    return (meta.num_tokens == meta.num_reqs and not selection.pages and key_cache.packed and q.dtype == torch.bfloat16
-            and q.is_cpu and native_scores.fits(q.shape[1], q.shape[2]))
+    positions): every request a single query, token top-k, a key cache kept packed (bf16 or int8 keys) that a kernel
+    scores in place."""
+    if not (meta.num_tokens == meta.num_reqs and not selection.pages and q.dtype == torch.bfloat16 and q.is_cpu):
+        return False
+    if key_cache.int8_groups is not None:
+        return native_scores.fits_int8(q.shape[1], q.shape[2])
+    return key_cache.packed and native_scores.fits(q.shape[1], q.shape[2])
 
 
 def select_sharded(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
@@ -328,6 +336,12 @@ def score_chunk(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCac
     """Unmasked scores [t, c] of a query tile (q flattened to [t * heads, D]) against whole blocks."""
     b0, b1 = blocks
     t, heads = weights.shape
+    if key_cache.int8_groups is not None and q.dtype == torch.bfloat16:  # int8 keys, scored where they are
+        c = (b1 - b0) * block_size
+        scores = scratch.scores[: t * c].view(t, c)
+        native_scores.index_scores_int8_blocks(q.view(t, heads, -1), weights, key_cache.int8_groups, key_cache.scale,
+                                               table[b0:b1], c, scores)
+        return scores
     if scratch.native and key_cache.packed:  # scored where they are
         c = (b1 - b0) * block_size
         scores = scratch.scores[: t * c].view(t, c)

@@ -9,6 +9,9 @@ hands it through to the scoring.
 kernel reads, 16 keys at a time as pairs of columns (`groups[block][g][p][lane]` is key 16g + lane's
 columns 2p, 2p + 1, as int32), so a decode step scores them in place instead of gathering and repacking
 every visible key in every full layer (native/index_scores.cpp). Same bytes per token, same values.
+`packed` int8 keys (where the CPU has AVX-512 VNNI) are kept for the int8 kernel (native/index_scores_int8.cpp):
+`int8_groups[block][g][p][lane]` holds key 16g + lane's dims 4p .. 4p+3 as bytes value + 128; the scales stay
+one per token. Same bytes per token, same values.
 """
 
 from __future__ import annotations
@@ -27,18 +30,21 @@ class IndexerKeyCache:
         if kind not in INDEXER_CACHE_DTYPES:
             raise ValueError(f"indexer_cache_dtype={kind!r} is not supported; use one of {', '.join(INDEXER_CACHE_DTYPES)}")
         if packed and not can_pack(kind, dtype, block_size, dim):
-            raise ValueError(f"a packed indexer key cache holds bf16 keys (indexer_cache_dtype 'auto' in a bf16 model) "
-                             f"with an even dim in blocks of a multiple of 16 tokens; got {kind!r}, {dtype}, "
-                             f"block_size {block_size}, dim {dim}")
+            raise ValueError(f"a packed indexer key cache holds bf16 keys with an even dim or int8 keys with a dim in "
+                             f"4s (indexer_cache_dtype 'auto' or 'int8' in a bf16 model), in blocks of a multiple of "
+                             f"16 tokens; got {kind!r}, {dtype}, block_size {block_size}, dim {dim}")
         self.kind = kind
         self.dim = dim
         self.block_size = block_size
         self.compute_dtype = dtype
         storage = {"auto": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
         self.data = torch.zeros(num_blocks, block_size, dim, dtype=storage, device=device)
-        self.packed = packed
+        self.packed = packed and kind == "auto"  # bf16 keys in the bf16 kernel's layout (`groups`)
         # The same bytes as [num_blocks, groups of 16 keys, column pairs, 16 keys] (int32: a pair of bf16 columns).
-        self.groups = self.data.view(torch.int32).view(num_blocks, block_size // 16, dim // 2, 16) if packed else None
+        self.groups = self.data.view(torch.int32).view(num_blocks, block_size // 16, dim // 2, 16) if self.packed else None
+        # int8 keys in the int8 kernel's layout: [num_blocks, groups of 16 keys, dims in 4s, 16 keys] (int32: 4 bytes).
+        self.int8_groups = (self.data.view(torch.int32).view(num_blocks, block_size // 16, dim // 4, 16)
+                            if packed and kind == "int8" else None)
         self.scale = None
         if kind != "auto":
             scale_dtype = torch.float16 if kind == "int8" else torch.float32
@@ -73,7 +79,12 @@ class IndexerKeyCache:
         top = 127.0 if self.kind == "int8" else _FP8_MAX
         scale = keys.abs().amax(dim=-1).clamp(min=1e-8) / top
         quantized = keys / scale[:, None]
-        if self.kind == "int8":
+        if self.int8_groups is not None:
+            offsets = slots % self.block_size
+            as_bytes = self._int8_bytes()
+            as_bytes[slots // self.block_size, offsets // 16, :, offsets % 16] = (
+                quantized.round().clamp(-127, 127) + 128).to(torch.uint8).view(-1, self.dim // 4, 4)
+        elif self.kind == "int8":
             rows.index_copy_(0, slots, quantized.round().clamp(-127, 127).to(torch.int8))
         else:  # CPU has no fp8 index_copy: move the bytes
             rows.view(torch.uint8).index_copy_(0, slots, quantized.to(torch.float8_e4m3fn).view(torch.uint8))
@@ -86,7 +97,10 @@ class IndexerKeyCache:
             return groups.transpose(2, 3).contiguous().view(self.data.dtype).reshape(-1, self.dim).to(dtype)
         if self.kind == "auto":
             return torch.index_select(self.data, 0, blocks).reshape(-1, self.dim).to(dtype)
-        if self.kind == "fp8":  # CPU has no fp8 index_select: move the bytes
+        if self.int8_groups is not None:  # back to one key per row, bytes back to values
+            groups = torch.index_select(self._int8_bytes(), 0, blocks)  # [n, block_size / 16, dim / 4, 16, 4]
+            data = groups.transpose(2, 3).reshape(-1, self.dim).to(torch.int16) - 128
+        elif self.kind == "fp8":  # CPU has no fp8 index_select: move the bytes
             data = torch.index_select(self.data.view(torch.uint8), 0, blocks).view(torch.float8_e4m3fn)
         else:
             data = torch.index_select(self.data, 0, blocks)
@@ -94,6 +108,14 @@ class IndexerKeyCache:
         return (data.reshape(-1, self.dim).to(torch.float32) * scale).to(dtype)
 
 
+    def _int8_bytes(self) -> torch.Tensor:
+        """The int8 layout's bytes: [num_blocks, block_size / 16, dim / 4, 16 keys, 4 dims]."""
+        return self.data.view(torch.uint8).view(self.data.shape[0], self.block_size // 16, self.dim // 4, 16, 4)
+
+
 def can_pack(kind: str, dtype: torch.dtype, block_size: int, dim: int) -> bool:
-    """Whether a key cache of this kind can be kept packed for the native scoring kernel."""
-    return kind == "auto" and dtype == torch.bfloat16 and block_size % 16 == 0 and dim % 2 == 0
+    """Whether a key cache of this kind can be kept packed for a native scoring kernel (bf16 keys for the bf16
+    kernel, int8 keys for the int8 one; both in bf16 models)."""
+    if dtype != torch.bfloat16 or block_size % 16:
+        return False
+    return (kind == "auto" and dim % 2 == 0) or (kind == "int8" and dim % 4 == 0)

@@ -21,6 +21,16 @@ inline bool cpu_has_avx512_bf16() {
 #endif
 }
 
+// int8 dot products (vpdpbusd): the int8 indexer keys' scores.
+inline bool cpu_has_avx512_vnni() {
+#if DSASERVE_X86
+    static const bool has = cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512vnni");
+    return has;
+#else
+    return false;
+#endif
+}
+
 // int8 dot products (vpdpbusd) and byte permutes (vpermb): the int4 kernel's path for bf16 activations.
 inline bool cpu_has_avx512_vnni_vbmi() {
 #if DSASERVE_X86

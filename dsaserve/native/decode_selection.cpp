@@ -3,12 +3,13 @@
 // the same order, so the same positions in the same order:
 //   a query that sees at most `width` tokens selects all of them (0 .. seq_len - 1, then -1);
 //   otherwise its visible blocks are scored `chunk_blocks` at a time in place in the packed key cache
-//   (index_scores.cpp), keys past its position set to -inf, and a running top-k (topk.cpp) is merged after every
+//   (index_scores.cpp; index_scores_int8.cpp where `scales` come with int8 keys), keys past its position set to -inf, and a running top-k (topk.cpp) is merged after every
 //   window of `window_blocks` (the first window ranked alone when it holds at least `width` keys; one chunk
 //   holding the whole context is ranked directly); positions whose score is -inf become -1.
 // Scratch is one chunk window and one top-k per thread: bounded by the window, never by the context. Where the
 // batch has at least as many queries as threads, each thread takes whole queries; otherwise each query's scoring
-// is shared out (index_scores.cpp). AVX-512 BF16 only (index_scores_fits); the caller keeps its torch path elsewhere.
+// is shared out. AVX-512 BF16 (index_scores_fits) or VNNI (index_scores_int8_fits) only; the caller keeps its torch
+// path elsewhere.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "layer_pieces.h"
@@ -29,6 +31,7 @@ struct Selector {
   const c10::BFloat16* q;  // [T, heads, dim]
   const float* weights;    // [T, heads]
   const at::Tensor& cache;
+  const at::Tensor* scales;  // int8 keys' scales; null for bf16 keys
   const int64_t* tables;   // [T, table_width]
   int64_t table_width, heads, dim, block_size, width, chunk_blocks, window_blocks;
 
@@ -48,8 +51,12 @@ struct Selector {
   // Scores of query i against blocks [b0, b1) into `out`, the keys past `position` at -inf.
   void score(int64_t i, int64_t b0, int64_t b1, int64_t position, float* out) const {
     const int64_t keys = (b1 - b0) * block_size;
-    dsaserve::index_scores_of_blocks(q + i * heads * dim, weights + i * heads, heads, dim, cache,
-                                     tables + i * table_width + b0, b1 - b0, keys, out);
+    if (scales)
+      dsaserve::index_scores_int8_of_blocks(q + i * heads * dim, weights + i * heads, heads, dim, cache, *scales,
+                                            tables + i * table_width + b0, b1 - b0, keys, out);
+    else
+      dsaserve::index_scores_of_blocks(q + i * heads * dim, weights + i * heads, heads, dim, cache,
+                                       tables + i * table_width + b0, b1 - b0, keys, out);
     std::fill(out + std::clamp<int64_t>(position + 1 - b0 * block_size, 0, keys), out + keys, kNone);
   }
 
@@ -89,19 +96,25 @@ struct Selector {
 
 at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
                             const at::Tensor& block_tables, at::IntArrayRef seq_lens, int64_t width,
-                            int64_t chunk_blocks, int64_t window_blocks) {
+                            int64_t chunk_blocks, int64_t window_blocks, const std::optional<at::Tensor>& scales) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous() && q.is_cpu(),
               "dsaserve decode_selection: q must be contiguous bf16 [T, heads, dim] on the CPU");
   const int64_t T = q.size(0), heads = q.size(1), dim = q.size(2);
-  TORCH_CHECK(dsaserve::index_scores_fits(heads, dim), "dsaserve decode_selection: the scoring kernel does not take ",
-              heads, " heads of ", dim, " dims on this CPU (index_scores_fits)");
+  const bool int8 = scales.has_value();
+  TORCH_CHECK(int8 ? dsaserve::index_scores_int8_fits(heads, dim) : dsaserve::index_scores_fits(heads, dim),
+              "dsaserve decode_selection: the scoring kernel does not take ", heads, " heads of ", dim, " dims ",
+              int8 ? "with int8 keys " : "", "on this CPU (index_scores", int8 ? "_int8" : "", "_fits)");
   TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 2 &&
                   weights.size(0) == T && weights.size(1) == heads,
               "dsaserve decode_selection: weights must be contiguous fp32 [T, heads]");
+  const int64_t lanes_per_key = int8 ? 4 : 2;  // values of a key in one int32
   TORCH_CHECK(cache.scalar_type() == at::kInt && cache.is_contiguous() && cache.dim() == 4 &&
-                  cache.size(2) == dim / 2 && cache.size(3) == 16,
+                  cache.size(2) == dim / lanes_per_key && cache.size(3) == 16,
               "dsaserve decode_selection: the key cache must be contiguous int32 [num_blocks, block_size / 16, ",
-              dim / 2, ", 16]");
+              dim / lanes_per_key, ", 16]");
+  TORCH_CHECK(!int8 || (scales->scalar_type() == at::kHalf && scales->is_contiguous() && scales->dim() == 2 &&
+                        scales->size(0) == cache.size(0) && scales->size(1) == cache.size(1) * 16),
+              "dsaserve decode_selection: scales must be contiguous fp16 [num_blocks, block_size]");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_cpu() &&
                   block_tables.size(0) == T && static_cast<int64_t>(seq_lens.size()) == T,
               "dsaserve decode_selection: block_tables must be int64 [T, blocks] on the CPU, one row and one length "
@@ -123,7 +136,8 @@ at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, cons
                   " is not in the cache's ", num_blocks, " blocks");
   }
   at::Tensor out = at::empty({T, width}, q.options().dtype(at::kInt));
-  const Selector selector{q.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), cache, table, table_width, heads,
+  const Selector selector{q.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), cache,
+                          int8 ? &*scales : nullptr, table, table_width, heads,
                           dim, block_size, width, chunk_blocks, window_blocks};
   int32_t* rows = out.data_ptr<int32_t>();
   auto select_rows = [&](int64_t i0, int64_t i1) {
@@ -141,7 +155,7 @@ at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, cons
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("decode_selection(Tensor q, Tensor weights, Tensor cache, Tensor block_tables, int[] seq_lens, int width, "
-        "int chunk_blocks, int window_blocks) -> Tensor");
+        "int chunk_blocks, int window_blocks, Tensor? scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("decode_selection", &decode_selection); }

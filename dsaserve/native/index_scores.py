@@ -1,7 +1,10 @@
-"""Python side of index_scores.cpp: the indexer's fused q·k, relu and weighted head sum, over keys packed
-for it per chunk (`pack_keys`) or read in place from a key cache kept packed (`index_scores_blocks`)."""
+"""Python side of index_scores.cpp and index_scores_int8.cpp: the indexer's fused q·k, relu and weighted head
+sum, over bf16 keys packed for it per chunk (`pack_keys`) or read in place from a key cache kept packed
+(`index_scores_blocks`), or over int8 keys read in place (`index_scores_int8_blocks`)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -13,6 +16,16 @@ KEY_GROUP = 64  # the kernel's keys per work item; packed keys are padded to a m
 def fits(heads: int, dim: int) -> bool:
     """Whether the kernel takes bf16 queries of `heads` × `dim` on this machine."""
     return torch_ops.cpu_kernels() == "avx512_bf16" and torch.ops.dsaserve.index_scores_fits(heads, dim)
+
+
+def fits_int8(heads: int, dim: int) -> bool:
+    """Whether the int8 kernel (AVX-512 VNNI) scores `heads` × `dim` queries against int8 keys on this machine."""
+    return torch_ops.cpu_kernels() == "avx512_bf16" and _int8_kernel_takes(heads, dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_kernel_takes(heads: int, dim: int) -> bool:  # asked once per shape
+    return torch.ops.dsaserve.index_scores_int8_fits(heads, dim)
 
 
 def packed_size(keys: int, dim: int) -> int:
@@ -55,3 +68,18 @@ def index_scores_blocks(q: torch.Tensor, weights: torch.Tensor, groups: torch.Te
         raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
     torch.ops.dsaserve.index_scores_blocks(q.contiguous(), weights.to(torch.float32).contiguous(), groups,
                                            blocks.to(torch.int64).contiguous(), keys, out)
+
+
+def index_scores_int8_blocks(q: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor, scales: torch.Tensor,
+                             blocks: torch.Tensor, keys: int, out: torch.Tensor) -> None:
+    """out[i, s] = ks[s] · Σ_h weights[i, h] · qs[i, h] · relu(qi[i, h] · ki[s]) over the first `keys` keys of
+    `blocks` of an int8 key cache kept in the VNNI layout (IndexerKeyCache.int8_groups, its fp16 `scale`): the keys'
+    int8 values ki and scales ks as stored, the bf16 queries rounded per query and head to qi · qs (amax / 127).
+    Only for shapes `fits_int8` accepts."""
+    if not torch_ops.load():
+        raise RuntimeError("index scores: the native operators are not built here; check fits_int8() first")
+    t, heads, _ = q.shape
+    if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
+        raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
+    torch.ops.dsaserve.index_scores_int8_blocks(q.to(torch.bfloat16).contiguous(), weights.to(torch.float32).contiguous(),
+                                                groups, scales, blocks.to(torch.int64).contiguous(), keys, out)

@@ -3,11 +3,11 @@
 They are compiled with torch.utils.cpp_extension once per machine, on first use (a log line says so;
 about a minute on 2 cores), into the dsaserve cache, keyed by the sources, the torch version and
 the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query attention
-(selected_rows.cpp), the indexer's scores (index_scores.cpp), its top-k (topk.cpp) and a decode batch's
-selection made of them (decode_selection.cpp), the small per-token operators a decode step calls dozens of
-times (rms_norm.cpp, rope.cpp, latent_write.cpp, moe_route.cpp, mla_projections.cpp, context_slots.cpp),
-and a decoder layer's decode step chained from those in two halves, with runs of layers in one call
-(decode_layer.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and have
+(selected_rows.cpp), the indexer's scores (index_scores.cpp; index_scores_int8.cpp for int8 keys), its
+top-k (topk.cpp) and a decode batch's selection made of them (decode_selection.cpp), the small per-token
+operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp, latent_write.cpp, moe_route.cpp,
+mla_projections.cpp, context_slots.cpp), and a decoder layer's decode step chained from those in two
+halves, with runs of layers in one call (decode_layer.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and have
 portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False and
 callers keep their torch path.
 """
@@ -98,6 +98,10 @@ def _register_fakes() -> None:
     def _(q, weights, cache, blocks, keys, out):
         return None
 
+    @torch.library.register_fake("dsaserve::index_scores_int8_blocks")
+    def _(q, weights, cache, scales, blocks, keys, out):
+        return None
+
     @torch.library.register_fake("dsaserve::write_packed_keys")
     def _(cache, slots, keys):
         return None
@@ -107,7 +111,7 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("dsaserve::decode_selection")
-    def _(q, weights, cache, block_tables, seq_lens, width, chunk_blocks, window_blocks):
+    def _(q, weights, cache, block_tables, seq_lens, width, chunk_blocks, window_blocks, scales=None):
         return q.new_empty(q.shape[0], width, dtype=torch.int32)
 
     @torch.library.register_fake("dsaserve::topk_rows")

@@ -1,0 +1,253 @@
+/* Lightning-indexer scores against int8 keys, with int8 dot products (AVX-512 VNNI):
+ *
+ * out[i, s] = ks[s] · Σ_h weights[i, h] · qs[i, h] · relu(Σ_d qi[i, h, d] · ki[s, d])
+ *
+ * Keys come as a paged cache of int8 values with one fp16 scale per token (ks: amax / 127; the cache's `int8`
+ * kind), kept in this kernel's layout: `cache[block][g][p][lane]` holds key 16g + lane's dims 4p .. 4p+3 as four
+ * unsigned bytes (the value + 128), so one vpdpbusd multiplies a broadcast of four of one head's query bytes into
+ * 16 keys' running sums, 64 multiply-adds per instruction against vdpbf16ps's 32. The queries are rounded here,
+ * per call, per query and head, to int8 (qs = amax / 127, nearest even); the +128 of the keys adds 128 · Σ_d qi to
+ * every sum, which the sum starts without. Integer sums are exact; the scales factor out of the relu (both are
+ * positive), the key's after the head sum. Work items are 64 keys × 4 heads at a time, shared out over torch's
+ * threads, as in index_scores.cpp.
+ *
+ * Registered as torch.ops.dsaserve.index_scores_int8_blocks (and write_int8_keys, which stores keys in the
+ * layout); the body is compiled for AVX-512 VNNI alone and runs only where the CPU has it (the caller checks
+ * index_scores_int8_fits).
+ */
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_features.h"
+#include "layer_pieces.h"
+
+#if DSASERVE_X86
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kKeysPerItem = 64;  // 4 registers of 16 keys
+
+struct Job {
+    const int8_t* q;          // [n, heads, dim], rounded
+    const int32_t* offset;    // [n, heads]: -128 · Σ_d q
+    const float* weight;      // [n, heads]: weights · the query's scale
+    const uint32_t* cache;    // groups of 16 keys, [dim / 4][16] each
+    const c10::Half* scales;  // [num_blocks, block_size]
+    const int64_t* blocks;    // the listed blocks, in order
+    int64_t groups_per_block, groups;
+    const uint32_t* zero;     // one group standing in past the last block
+    float* out;               // [n, out_stride], columns < keys written
+    int64_t n, heads, dim, keys, out_stride;
+    int64_t next;             // next work item, shared by the workers
+};
+
+const uint32_t* group_of(const Job* job, int64_t j) {
+    if (j >= job->groups) return job->zero;
+    const int64_t per = job->groups_per_block;
+    return job->cache + (job->blocks[j / per] * per + j % per) * (job->dim / 4 * 16);
+}
+
+#if DSASERVE_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
+void score_item(const Job* job, int64_t item) {
+    const int64_t quads = job->dim / 4, k0 = item * kKeysPerItem, per = job->groups_per_block;
+    const __m512i* groups[4];
+    __m512 key_scale[4];
+    for (int g = 0; g < 4; g++) {
+        const int64_t j = item * 4 + g;
+        groups[g] = reinterpret_cast<const __m512i*>(group_of(job, j));
+        key_scale[g] = j < job->groups ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                             job->scales + job->blocks[j / per] * per * 16 + (j % per) * 16)))
+                                       : _mm512_setzero_ps();
+    }
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t i = 0; i < job->n; i++) {
+        __m512 score[4] = {zero, zero, zero, zero};
+        for (int64_t h0 = 0; h0 < job->heads; h0 += 4) {
+            const int32_t* q = reinterpret_cast<const int32_t*>(job->q + (i * job->heads + h0) * job->dim);
+            __m512i a[4][4];
+            for (int j = 0; j < 4; j++) {
+                const __m512i start = _mm512_set1_epi32(job->offset[i * job->heads + h0 + j]);
+                a[j][0] = a[j][1] = a[j][2] = a[j][3] = start;
+            }
+            for (int64_t p = 0; p < quads; p++) {
+                __m512i k[4];
+                for (int g = 0; g < 4; g++) k[g] = _mm512_load_si512(groups[g] + p);
+                for (int j = 0; j < 4; j++) {
+                    const __m512i b = _mm512_set1_epi32(q[j * quads + p]);
+                    for (int g = 0; g < 4; g++) a[j][g] = _mm512_dpbusd_epi32(a[j][g], k[g], b);
+                }
+            }
+            for (int j = 0; j < 4; j++) {
+                const __m512 w = _mm512_set1_ps(job->weight[i * job->heads + h0 + j]);
+                for (int g = 0; g < 4; g++)
+                    score[g] = _mm512_fmadd_ps(_mm512_max_ps(_mm512_cvtepi32_ps(a[j][g]), zero), w, score[g]);
+            }
+        }
+        float* o = job->out + i * job->out_stride + k0;
+        for (int g = 0; g < 4; g++) {
+            const int64_t left = job->keys - (k0 + 16 * g);
+            if (left <= 0) break;
+            const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+            _mm512_mask_storeu_ps(o + 16 * g, mask, _mm512_mul_ps(score[g], key_scale[g]));
+        }
+    }
+}
+
+// One row of `dim` bf16 query values (dim % 16 == 0) to int8 per round_queries below, 16 at a time: the same
+// division and the same rounding (nearest even), so the same bytes.
+float round_row(const c10::BFloat16* x, int64_t dim, int8_t* out, int32_t* sum) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + d))), 16));
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    }
+    const float top = _mm512_reduce_max_ps(amax);
+    const float scale = top > 0.f ? top / 127.f : 1.f;
+    const __m512 scale_v = _mm512_set1_ps(scale), low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
+    __m512i total = _mm512_setzero_si512();
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + d))), 16));
+        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, scale_v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(high, _mm512_max_ps(low, r)));
+        total = _mm512_add_epi32(total, c);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), _mm512_cvtepi32_epi8(c));
+    }
+    *sum = _mm512_reduce_add_epi32(total);
+    return scale;
+}
+
+void worker(Job* job) {
+    const int64_t items = (job->keys + kKeysPerItem - 1) / kKeysPerItem;
+    for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;) score_item(job, item);
+}
+#pragma GCC pop_options
+#endif
+
+bool fits(int64_t heads, int64_t dim) { return dsaserve::cpu_has_avx512_vnni() && heads % 4 == 0 && dim % 4 == 0; }
+
+// The queries' int8 form: per query and head, q / (amax / 127) rounded to nearest even; weights times that scale;
+// the sum's start, -128 · Σ_d q (the keys' bytes are their values + 128).
+struct RoundedQueries {
+    std::vector<int8_t> q;
+    std::vector<int32_t> offset;
+    std::vector<float> weight;
+};
+
+RoundedQueries round_queries(const c10::BFloat16* q, const float* weights, int64_t n, int64_t heads, int64_t dim) {
+    RoundedQueries r{std::vector<int8_t>(n * heads * dim), std::vector<int32_t>(n * heads), std::vector<float>(n * heads)};
+    for (int64_t row = 0; row < n * heads; ++row) {
+        const c10::BFloat16* x = q + row * dim;
+#if DSASERVE_X86
+        if (dim % 16 == 0) {
+            int32_t sum = 0;
+            const float scale = round_row(x, dim, r.q.data() + row * dim, &sum);
+            r.offset[row] = -128 * sum;
+            r.weight[row] = weights[row] * scale;
+            continue;
+        }
+#endif
+        float amax = 0.f;
+        for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+        const float scale = amax > 0.f ? amax / 127.f : 1.f;
+        int32_t sum = 0;
+        for (int64_t d = 0; d < dim; ++d) {
+            const float v = std::nearbyint(static_cast<float>(x[d]) / scale);
+            const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
+            r.q[row * dim + d] = static_cast<int8_t>(c);
+            sum += c;
+        }
+        r.offset[row] = -128 * sum;
+        r.weight[row] = weights[row] * scale;
+    }
+    return r;
+}
+
+void run(Job& job) {
+#if DSASERVE_X86
+    const int64_t items = (job.keys + kKeysPerItem - 1) / kKeysPerItem;
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+    at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
+        for (int64_t w = a; w < b; ++w) worker(&job);
+    });
+#endif
+}
+
+// Scores of n queries against the first `keys` keys of `count` listed blocks (ids checked by the caller).
+void score(const c10::BFloat16* q, const float* weights, int64_t n, int64_t heads, int64_t dim, const at::Tensor& cache,
+           const at::Tensor& scales, const int64_t* blocks, int64_t count, int64_t keys, float* out, int64_t out_stride) {
+    const RoundedQueries r = round_queries(q, weights, n, heads, dim);
+    // One group of zero keys (bytes 128), 64-byte aligned as the kernel loads it; never scored into an output.
+    thread_local std::vector<uint32_t> zero;
+    if (static_cast<int64_t>(zero.size()) < dim / 4 * 16 + 16) zero.assign(dim / 4 * 16 + 16, 0x80808080u);
+    const auto* aligned = reinterpret_cast<const uint32_t*>((reinterpret_cast<uintptr_t>(zero.data()) + 63) & ~uintptr_t(63));
+    Job job{r.q.data(), r.offset.data(), r.weight.data(), static_cast<const uint32_t*>(cache.data_ptr()),
+            scales.data_ptr<c10::Half>(), blocks, cache.size(1), count * cache.size(1), aligned, out, n, heads, dim,
+            keys, out_stride, 0};
+    run(job);
+}
+
+void check_cache(const at::Tensor& cache, const at::Tensor& scales, int64_t dim, const char* op) {
+    TORCH_CHECK(cache.scalar_type() == at::kInt && cache.is_contiguous() && cache.dim() == 4 && cache.size(2) == dim / 4 &&
+                    cache.size(3) == 16, op, ": the cache must be contiguous int32 [num_blocks, block_size / 16, ", dim / 4,
+                ", 16]");
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                    scales.size(0) == cache.size(0) && scales.size(1) == cache.size(1) * 16,
+                op, ": scales must be contiguous fp16 [num_blocks, block_size], one per cached key");
+}
+
+void index_scores_int8_blocks(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                              const at::Tensor& scales, const at::Tensor& blocks, int64_t keys, at::Tensor& out) {
+    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(),
+                "index_scores_int8_blocks: q must be contiguous bf16 [t, heads, dim]");
+    const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+    TORCH_CHECK(fits(heads, dim), "index_scores_int8_blocks: this shape or CPU is not the kernel's (see "
+                "index_scores_int8_fits)");
+    TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 2 &&
+                    weights.size(0) == n && weights.size(1) == heads,
+                "index_scores_int8_blocks: weights must be contiguous fp32 [t, heads]");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == n && out.size(1) >= keys &&
+                    out.stride(1) == 1, "index_scores_int8_blocks: out must be fp32 [t, >= keys] with unit column stride");
+    check_cache(cache, scales, dim, "index_scores_int8_blocks");
+    TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 1 && blocks.is_contiguous(),
+                "index_scores_int8_blocks: blocks must be a contiguous int64 vector");
+    const int64_t per = cache.size(1), count = blocks.numel();
+    TORCH_CHECK(keys >= 0 && keys <= count * per * 16, "index_scores_int8_blocks: ", keys, " keys, the ", count,
+                " blocks hold ", count * per * 16);
+    const int64_t* ids = blocks.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i)
+        TORCH_CHECK(ids[i] >= 0 && ids[i] < cache.size(0), "index_scores_int8_blocks: block id ", ids[i],
+                    " is not in the cache's ", cache.size(0), " blocks");
+    score(q.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), n, heads, dim, cache, scales, ids, count, keys,
+          out.data_ptr<float>(), out.stride(0));
+}
+
+}  // namespace
+
+// For decode_selection.cpp (layer_pieces.h): one query's scores against `count` blocks, ids checked by the caller.
+void dsaserve::index_scores_int8_of_blocks(const c10::BFloat16* q, const float* weights, int64_t heads, int64_t dim,
+                                           const at::Tensor& cache, const at::Tensor& scales, const int64_t* blocks,
+                                           int64_t count, int64_t keys, float* out) {
+    score(q, weights, 1, heads, dim, cache, scales, blocks, count, keys, out, keys);
+}
+
+bool dsaserve::index_scores_int8_fits(int64_t heads, int64_t dim) { return fits(heads, dim); }
+
+TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
+    m.def("index_scores_int8_fits(int heads, int dim) -> bool", &fits);
+    m.def("index_scores_int8_blocks(Tensor q, Tensor weights, Tensor cache, Tensor scales, Tensor blocks, int keys, "
+          "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("index_scores_int8_blocks", &index_scores_int8_blocks); }
