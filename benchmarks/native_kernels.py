@@ -7,6 +7,9 @@
   fallback), the kernel reads the rows in place.
 - indexer scores: 64 queries × 32 heads × 128 against 2,048 keys; torch: mm, fp32 copy, relu and the
   weighted head sum as a bmm (the indexer's fallback); the kernel: the same sum in registers.
+- indexer scores of int8 keys (`--indexer-cache-dtype int8`, AVX-512 VNNI) against bf16 keys, both read in place
+  from a paged key cache kept in their kernel's layout: a prefill tile (64 queries × 2,048 keys) and a decode
+  query (1 × 32,768 keys); the two kernels take turns.
 - top-k: 64 rows of 16K fp32 scores, k = 2,048, unsorted.
 Medians of repeated calls; it prints ms per call (µs per query for selected rows).
 """
@@ -72,6 +75,38 @@ def bench_index_scores(g: torch.Generator) -> None:
     print(f"indexer scores  native {median_ms(native_path):7.2f} ms         torch {median_ms(torch_path):7.2f} ms")
 
 
+def bench_index_scores_int8(g: torch.Generator) -> None:
+    from dsaserve.attention.indexer_cache import IndexerKeyCache
+
+    heads, dim, block_size = 32, 128, 64
+    if not index_scores.fits_int8(heads, dim):
+        print("indexer scores, int8 keys: no AVX-512 VNNI here")
+        return
+    for t, keys in ((64, 2048), (1, 32768)):
+        blocks = keys // block_size
+        caches = {kind: IndexerKeyCache(blocks, block_size, dim, kind, torch.bfloat16, torch.device("cpu"), packed=True)
+                  for kind in ("auto", "int8")}
+        key_rows = torch.randn(keys, dim, generator=g).bfloat16()
+        for cache in caches.values():
+            cache.write(torch.arange(keys), key_rows)
+        q = torch.randn(t, heads, dim, generator=g).bfloat16()
+        weights = torch.rand(t, heads, generator=g)
+        table = torch.randperm(blocks, generator=g)
+        out = torch.empty(t, keys)
+        paths = {
+            "bf16": lambda: index_scores.index_scores_blocks(q, weights, caches["auto"].groups, table, keys, out),
+            "int8": lambda: index_scores.index_scores_int8_blocks(q, weights, caches["int8"].int8_groups,
+                                                                  caches["int8"].scale, table, keys, out),
+        }
+        times = {name: [] for name in paths}
+        for turn in range(10):  # taking turns, so that both see the same minutes of a noisy machine
+            for name in (("bf16", "int8") if turn % 2 else ("int8", "bf16")):
+                times[name].append(median_ms(paths[name], repeats=5))
+        bf16, int8 = statistics.median(times["bf16"]), statistics.median(times["int8"])
+        print(f"indexer scores  {t} x {keys} keys: bf16 keys {bf16:6.3f} ms, int8 keys {int8:6.3f} ms "
+              f"({bf16 / int8:.2f}x)")
+
+
 def bench_topk(g: torch.Generator) -> None:
     scores = torch.randn(64, 16384, generator=g)
     native = median_ms(lambda: topk_rows(scores, 2048))
@@ -85,6 +120,7 @@ def main() -> None:
     print(f"{torch.get_num_threads()} threads")
     bench_selected_rows(g)
     bench_index_scores(g)
+    bench_index_scores_int8(g)
     bench_topk(g)
 
 

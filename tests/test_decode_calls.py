@@ -13,15 +13,16 @@ from dsaserve import LLM, SamplingParams
 from dsaserve.attention.dense import DenseAttention
 from dsaserve.attention.sparse import SparseAttention
 from dsaserve.model.indexer import Indexer
+from dsaserve.native import index_scores as native_scores
 from dsaserve.native import torch_ops
 
 needs_kernels = pytest.mark.skipif(torch_ops.cpu_kernels() != "avx512_bf16", reason="the packed-weight kernels need "
                                    "AVX-512 BF16 and the operators built: layers run through their modules here")
 
 
-def generate(path, quantization, prompts, attention_backend="sparse"):
+def generate(path, quantization, prompts, attention_backend="sparse", indexer_cache_dtype="auto"):
     llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, progress=False, quantization=quantization,
-              attention_backend=attention_backend)
+              attention_backend=attention_backend, indexer_cache_dtype=indexer_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
             for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
@@ -31,12 +32,17 @@ PROMPTS = {"past index_topk": (70, 41), "within index_topk": (4, 3), "one past, 
 
 
 @needs_kernels
-@pytest.mark.parametrize("quantization", [None, "int4", "int8", "fp8"])
+@pytest.mark.parametrize("quantization, indexer_keys", [(None, "auto"), ("int4", "auto"), ("int8", "auto"),
+                                                         ("fp8", "auto"), (None, "int8")])
 @pytest.mark.parametrize("lengths", PROMPTS)
-def test_gathered_calls_give_the_modules_tokens_and_logprobs(make_checkpoint, monkeypatch, quantization, lengths):
+def test_gathered_calls_give_the_modules_tokens_and_logprobs(make_checkpoint, monkeypatch, quantization, indexer_keys,
+                                                             lengths):
     """A dense first layer, MoE layers with a shared expert, full and shared attention layers; two requests
     decoding together: both past index_topk (16, so full layers score and select), both within it (every
-    position attended), or one of each (the backend's own calls attend, as no single kernel call does)."""
+    position attended), or one of each (the backend's own calls attend, as no single kernel call does). Indexer
+    keys in bf16, or in int8 (written in the in half too where the int8 kernel's layout holds them)."""
+    if indexer_keys == "int8" and not native_scores.fits_int8(8, 32):
+        pytest.skip("no int8 index-scores kernel here (needs AVX-512 VNNI): int8 keys stay plain, written by modules")
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
     prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in PROMPTS[lengths]]
@@ -59,10 +65,10 @@ def test_gathered_calls_give_the_modules_tokens_and_logprobs(make_checkpoint, mo
     monkeypatch.setattr(SparseAttention, "decode_slots", lambda self, meta, topk: one_call.append(
         (slots := decode_slots(self, meta, topk)) is not None) or slots)
     key_groups = decode_calls._key_groups
-    monkeypatch.setattr(decode_calls, "_key_groups", lambda *a: (g := key_groups(*a)) is not None
-                        and keys_in_call.append(1) or g)
-    gathered = generate(path, quantization, prompts)
-    assert keys_in_call  # full layers write their indexer keys in their in half
+    monkeypatch.setattr(decode_calls, "_key_groups", lambda *a: (g := key_groups(*a))[0] is not None
+                        and keys_in_call.append(g[1] is not None) or g)
+    gathered = generate(path, quantization, prompts, indexer_cache_dtype=indexer_keys)
+    assert keys_in_call and all(keys_in_call) == (indexer_keys == "int8")  # written in the in half, int8 or bf16
     # Decode steps attend in the out halves (prompt rows never), but where the two requests need different rows;
     # the slots are chosen once per step and top-k tensor (full layers past index_topk select their own).
     full, layers = config["indexer_types"].count("full"), config["num_hidden_layers"]
@@ -74,7 +80,7 @@ def test_gathered_calls_give_the_modules_tokens_and_logprobs(make_checkpoint, mo
     assert steps[-9:] == [calls] * 9
     monkeypatch.setattr(glm_moe_dsa, "DECODE_CALLS", False)
     steps.clear()
-    assert generate(path, quantization, prompts) == gathered and not any(steps)
+    assert generate(path, quantization, prompts, indexer_cache_dtype=indexer_keys) == gathered and not any(steps)
 
 
 @needs_kernels
@@ -117,4 +123,4 @@ def test_bound_layers_are_released_with_their_model(make_checkpoint):
     gc.collect()
     assert not set(handles) & set(torch_ops.BOUND_LAYER_SHAPES)
     with pytest.raises(RuntimeError, match=f"no bound layer {handles[0]}"):
-        torch.ops.dsaserve.decode_layers.default([handles[0]], x, x, x, [x], x, [None])
+        torch.ops.dsaserve.decode_layers.default([handles[0]], x, x, x, [x], x, [None], [])

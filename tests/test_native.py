@@ -288,6 +288,24 @@ def test_packed_keys_written_in_one_call_equal_the_torch_indexing(monkeypatch):
         native.write(torch.tensor([128]), keys[:1])
 
 
+@pytest.mark.skipif(not native_scores.fits_int8(8, 32), reason="int8 keys stay plain without AVX-512 VNNI")
+def test_int8_keys_written_in_one_call_equal_the_torch_rounding_and_indexing(monkeypatch):
+    g = torch.Generator().manual_seed(7)
+    slots, keys = torch.randperm(4 * 32, generator=g)[:40], torch.randn(40, 24, generator=g) * 3
+    keys[5] = 0  # an all-zero key: the scale's floor
+    for dtype in (torch.float32, torch.bfloat16):
+        native, python = (IndexerKeyCache(4, 32, 24, "int8", torch.bfloat16, torch.device("cpu"), packed=True)
+                          for _ in range(2))
+        native.write(slots, keys.to(dtype))
+        with monkeypatch.context() as patch:
+            patch.setattr(torch_ops, "load", lambda: False)
+            python.write(slots, keys.to(dtype))
+        assert torch.equal(native.data, python.data) and torch.equal(native.scale, python.scale)
+        assert native.scale.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="slot 128 is not in the cache"):
+        native.write(torch.tensor([128]), keys[:1])
+
+
 def test_indexer_scratch_takes_the_kernel_for_bf16_on_this_cpu():
     scratch = ScoreScratch(64, 32, 128, 64, Selection(2048), torch.bfloat16, torch.device("cpu"))
     assert scratch.native == native_scores.fits(32, 128)

@@ -75,6 +75,11 @@ class IndexerKeyCache:
         if self.kind == "auto":
             rows.index_copy_(0, slots, keys.to(self.data.dtype))
             return
+        if (self.int8_groups is not None and keys.is_cpu and keys.dtype in (torch.bfloat16, torch.float32)
+                and torch_ops.load()):  # the rounding below, in one call
+            torch.ops.dsaserve.write_int8_keys.default(self.int8_groups, self.scale, slots.to(torch.int64).contiguous(),
+                                                       keys.contiguous())
+            return
         keys = keys.float()
         top = 127.0 if self.kind == "int8" else _FP8_MAX
         scale = keys.abs().amax(dim=-1).clamp(min=1e-8) / top

@@ -163,7 +163,7 @@ def run_layers(model, x, cos, sin, meta, kv_caches, indexer_caches) -> torch.Ten
     if plan is None or not applies(plan[0][1], x, cos, meta, kv_caches[0]):
         return None
     ops = torch.ops.dsaserve
-    rows, groups = [], []
+    rows, groups, scales = [], [], []
     for i, (layer, calls, memo) in enumerate(plan):
         kv_cache = kv_caches[i]
         if memo[0] is not kv_cache:  # a cache not seen before: its rows as a view, kept while it lasts
@@ -171,12 +171,16 @@ def run_layers(model, x, cos, sin, meta, kv_caches, indexer_caches) -> torch.Ten
                 return None
             memo[:] = kv_cache, kv_cache.view(-1, kv_cache.shape[-1])
         rows.append(memo[1])
-        groups.append(_key_groups(layer.self_attn, calls, indexer_caches.get(i), True))
+        key_groups, key_scales = _key_groups(layer.self_attn, calls, indexer_caches.get(i), True)
+        groups.append(key_groups)
+        scales.append(key_scales)
     handles = [calls.bound.handle for _, calls, _ in plan]
+    int8_keys = any(s is not None for s in scales)
 
     def call(run: list[int], x, query, slots, finish: bool = False):
         return ops.decode_layers.default([handles[j] for j in run], x, cos, sin, [rows[j] for j in run],
-                                         meta.slot_mapping, [groups[j] for j in run], query, slots, finish)
+                                         meta.slot_mapping, [groups[j] for j in run],
+                                         [scales[j] for j in run] if int8_keys else [], query, slots, finish)
 
     made, run, run_slots, query, topk = {}, [], None, None, None  # query: the run's first layer's, if its in ran
     for i, (layer, calls, _) in enumerate(plan):
@@ -216,24 +220,31 @@ def run_layer(layer, calls: DecodeCalls, x, cos, sin, meta, kv_cache, indexer_ca
     ops = torch.ops.dsaserve
     attn = layer.self_attn
     rows = kv_cache.view(-1, kv_cache.shape[-1])
-    groups = _key_groups(attn, calls, indexer_cache, run_indexer)
+    groups, scales = _key_groups(attn, calls, indexer_cache, run_indexer)
     handle = [calls.bound.handle]
-    _, h, query, q_resid = ops.decode_layers.default(handle, x, cos, sin, [rows], meta.slot_mapping, [groups])
+    _, h, query, q_resid = ops.decode_layers.default(handle, x, cos, sin, [rows], meta.slot_mapping, [groups],
+                                                     [scales] if scales is not None else [])
     topk = prev_topk
     if run_indexer and _selects(attn):
         topk = _select(attn, groups, h, q_resid, cos, sin, meta, indexer_cache)
     slots = attn.backend.decode_slots(meta, topk) if calls.out_in_call else None
     if slots is not None:
-        return ops.decode_layers.default(handle, x, cos, sin, [rows], meta.slot_mapping, [None], query, slots,
+        return ops.decode_layers.default(handle, x, cos, sin, [rows], meta.slot_mapping, [None], [], query, slots,
                                          True)[0], topk
     return _out_without_kernel(layer, calls, query, x, meta, kv_cache, topk), topk
 
 
 def _key_groups(attn, calls: DecodeCalls, indexer_cache, run_indexer: bool):
-    """The packed key cache the layer's in writes this step's indexer keys to; None where it writes none (a
-    shared layer, the dense backend, keys not packed: the indexer's modules write them)."""
-    writes = run_indexer and _selects(attn) and calls.keys_in_call and indexer_cache.packed
-    return indexer_cache.groups if writes else None
+    """(groups, scales) of the packed key cache the layer's in writes this step's indexer keys to: bf16 keys
+    (scales None) or int8 ones in the int8 kernel's layout; (None, None) where it writes none (a shared layer, the
+    dense backend, keys not packed: the indexer's modules write them)."""
+    if not (run_indexer and _selects(attn) and calls.keys_in_call):
+        return None, None
+    if indexer_cache.packed:
+        return indexer_cache.groups, None
+    if indexer_cache.int8_groups is not None:
+        return indexer_cache.int8_groups, indexer_cache.scale
+    return None, None
 
 
 def _selects(attn) -> bool:

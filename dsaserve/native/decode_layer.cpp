@@ -40,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer_in(
     at::Tensor rows, const at::Tensor& slot_mapping, const std::optional<at::Tensor>& wk_q,
     const std::optional<at::Tensor>& wk_s, at::IntArrayRef wk_args, const std::optional<at::Tensor>& k_norm_weight,
     const std::optional<at::Tensor>& k_norm_bias, double k_norm_eps, bool index_interleaved,
-    const std::optional<at::Tensor>& key_groups) {
+    const std::optional<at::Tensor>& key_groups, const std::optional<at::Tensor>& key_scales) {
   TORCH_CHECK(kv_args.size() == 5, "dsaserve decode_layer_in: kv_args are (kind, group, col_offset, N, K)");
   const bool keys = key_groups.has_value();
   TORCH_CHECK(!keys || (wk_q && wk_s && wk_args.size() == 5 && k_norm_weight && k_norm_bias),
@@ -57,8 +57,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer_in(
                                                   wk_args[4]);
     const at::Tensor normed = at::layer_norm(k, {k.size(-1)}, *k_norm_weight, *k_norm_bias, k_norm_eps);
     at::Tensor groups = *key_groups;
-    dsaserve::write_packed_keys(groups, slot_mapping.to(at::kLong).contiguous(),
-                                dsaserve::apply_rope(normed, cos, sin, index_interleaved).to(at::kBFloat16).contiguous());
+    const at::Tensor rotated = dsaserve::apply_rope(normed, cos, sin, index_interleaved).to(at::kBFloat16).contiguous();
+    if (key_scales.has_value()) {  // int8 keys (index_scores_int8.cpp's layout), rounded as indexer_cache.py rounds
+      at::Tensor scales = *key_scales;
+      dsaserve::write_int8_keys(groups, scales, slot_mapping.to(at::kLong).contiguous(), rotated);
+    } else {
+      dsaserve::write_packed_keys(groups, slot_mapping.to(at::kLong).contiguous(), rotated);
+    }
   }
   return {h, query, q_resid};
 }
@@ -248,12 +253,13 @@ void decode_layer_release(int64_t handle) { bindings().release(handle); }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_in(const LayerIn& l, const at::Tensor& x, const at::Tensor& cos,
                                                       const at::Tensor& sin, const at::Tensor& rows,
                                                       const at::Tensor& slot_mapping,
-                                                      const std::optional<at::Tensor>& key_groups) {
+                                                      const std::optional<at::Tensor>& key_groups,
+                                                      const std::optional<at::Tensor>& key_scales) {
   return decode_layer_in(x, l.norm_weight, l.norm_eps, l.q_a_q, l.q_a_s, l.q_a_args, l.q_norm_weight, l.q_norm_eps,
                          l.q_b_q, l.q_b_s, l.q_b_args, l.w_uk_q, l.w_uk_s, l.w_uk_args, cos, sin, l.interleaved,
                          l.heads, l.nope, l.rope, l.kv_q, l.kv_s, l.kv_args, l.latent_norm_weight, l.latent_eps,
                          l.latent_interleaved, rows, slot_mapping, l.wk_q, l.wk_s, l.wk_args, l.k_norm_weight,
-                         l.k_norm_bias, l.k_norm_eps, l.index_interleaved, key_groups);
+                         l.k_norm_bias, l.k_norm_eps, l.index_interleaved, key_groups, key_scales);
 }
 
 at::Tensor run_out(const BoundLayer& layer, int64_t handle, const at::Tensor& query, const at::Tensor& rows,
@@ -270,12 +276,17 @@ at::Tensor run_out(const BoundLayer& layer, int64_t handle, const at::Tensor& qu
 // layer, whose in ends the run unless `finish` (then its out follows); without `query`, the first layer's in
 // starts the run. Returns (x, h, query, q_resid): the output of the last out (x itself if none), and the last
 // in's results (undefined if the run ends with an out). rows and key_groups: each layer's cache rows and indexer
-// key groups (None: no keys in the call).
+// key groups (None: no keys in the call); key_scales, empty or one per layer: an int8 key cache's scales (its
+// groups then in the int8 layout), None for bf16 keys.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_layers(
     at::IntArrayRef layers, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList rows,
     const at::Tensor& slot_mapping, const c10::List<std::optional<at::Tensor>>& key_groups,
-    const std::optional<at::Tensor>& query, const std::optional<at::Tensor>& slots, bool finish) {
+    const c10::List<std::optional<at::Tensor>>& key_scales, const std::optional<at::Tensor>& query,
+    const std::optional<at::Tensor>& slots, bool finish) {
   const int64_t n = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(key_scales.empty() || static_cast<int64_t>(key_scales.size()) == n,
+              "dsaserve decode_layers: key_scales are none or one entry per layer; got ", key_scales.size(), " for ", n,
+              " layers");
   TORCH_CHECK(n >= 1 && static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(key_groups.size()) == n,
               "dsaserve decode_layers: one cache (rows) and one key-group entry per layer, and a layer at least; got ",
               n, " layers, ", rows.size(), " caches, ", key_groups.size(), " key groups");
@@ -291,7 +302,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_layers(
     i = 1;
   }
   for (; i < n; ++i) {
-    std::tie(h, q, q_resid) = run_in(bound[i]->in, out, cos, sin, rows[i], slot_mapping, key_groups.get(i));
+    std::tie(h, q, q_resid) = run_in(bound[i]->in, out, cos, sin, rows[i], slot_mapping, key_groups.get(i),
+                                     key_scales.empty() ? std::nullopt : key_scales.get(i));
     if (i == n - 1 && !finish) return {out, h, q, q_resid};
     out = run_out(*bound[i], layers[i], q, rows[i], *slots, out);
   }
@@ -312,8 +324,8 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
         "float routed_scaling) -> ()", &decode_layer_bind_out);
   m.def("decode_layer_release(int layer) -> ()", &decode_layer_release);
   m.def("decode_layers(int[] layers, Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] rows, Tensor slot_mapping, "
-        "Tensor(b!)?[] key_groups, Tensor? query=None, Tensor? slots=None, bool finish=False) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor(b!)?[] key_groups, Tensor(c!)?[] key_scales, Tensor? query=None, Tensor? slots=None, "
+        "bool finish=False) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

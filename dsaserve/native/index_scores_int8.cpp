@@ -11,8 +11,8 @@
  * positive), the key's after the head sum. Work items are 64 keys × 4 heads at a time, shared out over torch's
  * threads, as in index_scores.cpp.
  *
- * Registered as torch.ops.dsaserve.index_scores_int8_blocks (and write_int8_keys, which stores keys in the
- * layout); the body is compiled for AVX-512 VNNI alone and runs only where the CPU has it (the caller checks
+ * Registered as torch.ops.dsaserve.index_scores_int8_blocks (and write_int8_keys, which rounds keys and stores
+ * them in the layout, portable C++); the body is compiled for AVX-512 VNNI alone and runs only where the CPU has it (the caller checks
  * index_scores_int8_fits).
  */
 #include <ATen/ATen.h>
@@ -20,6 +20,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -233,7 +234,49 @@ void index_scores_int8_blocks(const at::Tensor& q, const at::Tensor& weights, co
           out.data_ptr<float>(), out.stride(0));
 }
 
+// keys [n, dim] (bf16 or fp32) into an int8 key cache in this kernel's layout at slots [n], as
+// attention/indexer_cache.py quantizes them: per key, scale = max(amax, 1e-8) / 127 in fp32, each value divided by
+// it, rounded to nearest even and clamped to ±127, stored as the byte value + 128; the scale stored in fp16.
+void write_int8_keys(at::Tensor& cache, at::Tensor& scales, const at::Tensor& slots, const at::Tensor& keys) {
+    TORCH_CHECK(keys.dim() == 2 && keys.is_contiguous() && (keys.scalar_type() == at::kBFloat16 ||
+                                                             keys.scalar_type() == at::kFloat),
+                "write_int8_keys: keys must be contiguous bf16 or fp32 [n, dim]");
+    const int64_t n = keys.size(0), dim = keys.size(1);
+    check_cache(cache, scales, dim, "write_int8_keys");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == n,
+                "write_int8_keys: slots must be int64 [n], one per key");
+    const int64_t quads = dim / 4, block_size = cache.size(1) * 16, capacity = cache.size(0) * block_size;
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+        TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "write_int8_keys: slot ", slot[i], " is not in the cache's ",
+                    capacity);
+    const at::Tensor values = keys.to(at::kFloat);
+    const float* v = values.data_ptr<float>();
+    auto* bytes = static_cast<uint8_t*>(cache.data_ptr());
+    c10::Half* scale_of = scales.data_ptr<c10::Half>();
+    at::parallel_for(0, n, 256, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            const float* k = v + i * dim;
+            float amax = 0.f;
+            for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(k[d]));
+            const float scale = std::max(amax, 1e-8f) / 127.f;
+            const int64_t token = slot[i] % block_size;
+            uint8_t* group = bytes + ((slot[i] / block_size) * (block_size / 16) + token / 16) * quads * 64 + token % 16 * 4;
+            for (int64_t d = 0; d < dim; ++d) {
+                const float c = std::min(127.f, std::max(-127.f, std::nearbyint(k[d] / scale)));
+                group[d / 4 * 64 + d % 4] = static_cast<uint8_t>(static_cast<int32_t>(c) + 128);
+            }
+            scale_of[slot[i]] = c10::Half(scale);
+        }
+    });
+}
+
 }  // namespace
+
+// For decode_layer.cpp (layer_pieces.h).
+void dsaserve::write_int8_keys(at::Tensor& cache, at::Tensor& scales, const at::Tensor& slots, const at::Tensor& keys) {
+    ::write_int8_keys(cache, scales, slots, keys);
+}
 
 // For decode_selection.cpp (layer_pieces.h): one query's scores against `count` blocks, ids checked by the caller.
 void dsaserve::index_scores_int8_of_blocks(const c10::BFloat16* q, const float* weights, int64_t heads, int64_t dim,
@@ -248,6 +291,10 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
     m.def("index_scores_int8_fits(int heads, int dim) -> bool", &fits);
     m.def("index_scores_int8_blocks(Tensor q, Tensor weights, Tensor cache, Tensor scales, Tensor blocks, int keys, "
           "Tensor(a!) out) -> ()");
+    m.def("write_int8_keys(Tensor(a!) cache, Tensor(b!) scales, Tensor slots, Tensor keys) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("index_scores_int8_blocks", &index_scores_int8_blocks); }
+TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
+    m.impl("index_scores_int8_blocks", &index_scores_int8_blocks);
+    m.impl("write_int8_keys", &write_int8_keys);
+}

@@ -102,6 +102,10 @@ def _register_fakes() -> None:
     def _(q, weights, cache, scales, blocks, keys, out):
         return None
 
+    @torch.library.register_fake("dsaserve::write_int8_keys")
+    def _(cache, scales, slots, keys):
+        return None
+
     @torch.library.register_fake("dsaserve::write_packed_keys")
     def _(cache, slots, keys):
         return None
@@ -158,7 +162,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("dsaserve::decode_layers")
-    def _(layers, x, cos, sin, rows, slot_mapping, key_groups, query=None, slots=None, finish=False):
+    def _(layers, x, cos, sin, rows, slot_mapping, key_groups, key_scales, query=None, slots=None, finish=False):
         if finish or (query is not None and len(layers) == 1):  # the run ends with an out
             return torch.empty_like(x), x.new_empty(0), x.new_empty(0), x.new_empty(0)
         heads, width, lora = BOUND_LAYER_SHAPES[layers[-1]]
