@@ -1,6 +1,6 @@
 """Attention alone at GLM-5.2's real head count: dense vs sparse per decode step over a 64K cache.
 
-    python benchmarks/attention_64heads.py [--context 65536]
+    python benchmarks/attention_64heads.py [--context 65536] [--indexer-cache-dtype auto|int8|fp8]
 
 Two MLA layers with GLM-5.2's geometry (64 heads, kv_lora_rank 512, rope 64, nope 192, v 256, indexer
 32 heads × 128, index_topk 2048): layer 0 full (runs the indexer), layer 1 shared (reuses its top-k).
@@ -59,10 +59,12 @@ def build_layers(cfg: ModelConfig, backend_name: str):
     return layers
 
 
-def step_ms(cfg: ModelConfig, backend_name: str, context: int, steps: int) -> tuple[float, float]:
+def step_ms(cfg: ModelConfig, backend_name: str, context: int, steps: int,
+            indexer_dtype: str = "auto") -> tuple[float, float]:
     layers = build_layers(cfg, backend_name)
     nblocks = context // BLOCK + 2
-    cache = KVCache(cfg, nblocks, BLOCK, torch.bfloat16, torch.device("cpu"), with_indexer=backend_name != "dense")
+    cache = KVCache(cfg, nblocks, BLOCK, torch.bfloat16, torch.device("cpu"), with_indexer=backend_name != "dense",
+                    indexer_dtype=indexer_dtype)
     g = torch.Generator().manual_seed(1)
     for latent in cache.latent:
         latent.copy_(torch.randn(latent.shape, generator=g).to(torch.bfloat16))
@@ -106,12 +108,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--indexer-cache-dtype", default="auto", help="the indexer keys' cache: auto, int8 or fp8")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = glm52_attention_config()
     dense_core, dense_layer = step_ms(cfg, "dense", args.context, args.steps)
-    sparse_core, sparse_layer = step_ms(cfg, "sparse", args.context, args.steps)
-    print(f"64 heads, one full + one shared layer, {args.context}-token synthetic cache, bf16, ms per decode step")
+    sparse_core, sparse_layer = step_ms(cfg, "sparse", args.context, args.steps, args.indexer_cache_dtype)
+    print(f"64 heads, one full + one shared layer, {args.context}-token synthetic cache, bf16 (indexer keys "
+          f"{args.indexer_cache_dtype}), ms per decode step")
     print(f"{'':8}{'core':>10}{'layer':>10}")
     print(f"{'dense':8}{dense_core:10.1f}{dense_layer:10.1f}")
     print(f"{'sparse':8}{sparse_core:10.1f}{sparse_layer:10.1f}   (indexer included)")

@@ -1,6 +1,7 @@
 """What a sparse decode step spends on its selections, past index_topk.
 
     python benchmarks/decode_selection.py [--context 8192] [--batch 1] [--steps 300] [--checkpoint DIR]
+                                          [--indexer-cache-dtype auto|int8]
 
 `batch` requests (1 by default) on the benchmark model (benchmarks/model_core.py) whose first `context` tokens are cached
 synthetically (as `dsaserve bench longctx` does for its decode points), decoded greedily with the sparse backend.
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--indexer-cache-dtype", default="auto")
     args = parser.parse_args()
     from dsaserve.bench.longctx import fill_synthetic_prefix
     from dsaserve.engine.engine import LLMEngine
@@ -41,7 +43,8 @@ def main() -> None:
     cache_mib = 900 * -(-args.batch * (args.context + args.steps + 40) // 32768)  # 900 MiB hold 32K tokens
     engine = LLMEngine(EngineArgs(model=args.checkpoint or checkpoint_dir(), kv_cache_memory=f"{cache_mib}MiB",
                                   max_model_len=32768, progress=False, attention_backend="sparse",
-                                  max_num_batched_tokens=4096, enable_prefix_caching=False))
+                                  max_num_batched_tokens=4096, enable_prefix_caching=False,
+                                  indexer_cache_dtype=args.indexer_cache_dtype))
     g = torch.Generator().manual_seed(0)
     for r in range(args.batch):
         ids = torch.randint(10, 1000, (args.context,), generator=g).tolist()
@@ -74,7 +77,7 @@ def main() -> None:
     steps = len(times["step"])
     per_step = len(times["slots"]) // steps
     slots = [sum(times["slots"][i:i + per_step]) for i in range(0, per_step * steps, per_step)]
-    print(f"context {args.context}, batch {args.batch}: one full layer's selection, median {statistics.median(times['select']):.0f} µs "
+    print(f"context {args.context}, batch {args.batch}, indexer keys {args.indexer_cache_dtype}: one full layer's selection, median {statistics.median(times['select']):.0f} µs "
           f"({len(times['select']) / steps:.0f} a step); slots from the selections {statistics.median(slots):.0f} µs "
           f"a step; step {statistics.median(times['step']) / 1e3:.2f} ms")
 
