@@ -147,15 +147,9 @@ void index_scores_blocks(const at::Tensor& q, const at::Tensor& weights, const a
     TORCH_CHECK(cache.scalar_type() == at::kInt && cache.is_contiguous() && cache.dim() == 4 &&
                 cache.size(2) == q.size(2) / 2 && cache.size(3) == 16,
                 "index_scores_blocks: the cache must be contiguous int32 [num_blocks, block_size / 16, dim / 2, 16]");
-    TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 1 && blocks.is_contiguous(),
-                "index_scores_blocks: blocks must be a contiguous int64 vector");
+    dsaserve::check_block_list(blocks, keys, cache, "index_scores_blocks");
     const int64_t per = cache.size(1), count = blocks.numel();
-    TORCH_CHECK(keys >= 0 && keys <= count * per * 16, "index_scores_blocks: ", keys, " keys, the ", count,
-                " blocks hold ", count * per * 16);
     const int64_t* ids = blocks.data_ptr<int64_t>();
-    for (int64_t i = 0; i < count; ++i)
-        TORCH_CHECK(ids[i] >= 0 && ids[i] < cache.size(0), "index_scores_blocks: block id ", ids[i],
-                    " is not in the cache's ", cache.size(0), " blocks");
     const at::Tensor zero = at::zeros({q.size(2) / 2 * 16}, cache.options());
     Job job = job_of(q, weights, static_cast<const uint32_t *>(cache.data_ptr()), keys, out);
     job.blocks = ids;
@@ -208,6 +202,20 @@ void dsaserve::index_scores_of_blocks(const c10::BFloat16* q, const float* weigh
 }
 
 bool dsaserve::index_scores_fits(int64_t heads, int64_t dim) { return fits(heads, dim); }
+
+// For index_scores_int8.cpp (layer_pieces.h): blocks a contiguous int64 list of ids in the cache [num_blocks,
+// block_size / 16, ...] whose blocks hold at least `keys` keys.
+void dsaserve::check_block_list(const at::Tensor& blocks, int64_t keys, const at::Tensor& cache, const char* op) {
+    TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 1 && blocks.is_contiguous(), op,
+                ": blocks must be a contiguous int64 vector");
+    const int64_t per = cache.size(1), count = blocks.numel();
+    TORCH_CHECK(keys >= 0 && keys <= count * per * 16, op, ": ", keys, " keys, the ", count, " blocks hold ",
+                count * per * 16);
+    const int64_t* ids = blocks.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i)
+        TORCH_CHECK(ids[i] >= 0 && ids[i] < cache.size(0), op, ": block id ", ids[i], " is not in the cache's ",
+                    cache.size(0), " blocks");
+}
 
 // For decode_layer.cpp (layer_pieces.h).
 void dsaserve::write_packed_keys(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& keys) {

@@ -44,15 +44,20 @@ def pack_keys(keys: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     return packed.copy_(keys.view(torch.int32).view(padded // 16, 16, dim // 2).transpose(1, 2))
 
 
+def check_call(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, fits_name: str) -> None:
+    """The operators built, and q [t, heads, dim], weights [t, heads], out [t, ≥ keys] with unit column stride."""
+    if not torch_ops.load():
+        raise RuntimeError(f"index scores: the native operators are not built here; check {fits_name}() first")
+    t, heads, _ = q.shape
+    if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
+        raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
+
+
 def index_scores(q: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor, keys: int, out: torch.Tensor) -> None:
     """out[i, s] = Σ_h weights[i, h] · relu(q[i, h] · key[s]) for s < keys: q bf16 [t, heads, dim],
     weights fp32 [t, heads], packed from pack_keys, out fp32 [t, ≥ keys] (unit column stride).
     Only for shapes `fits` accepts."""
-    if not torch_ops.load():
-        raise RuntimeError("index scores: the native operators are not built here; check fits() first")
-    t, heads, _ = q.shape
-    if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
-        raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
+    check_call(q, weights, out, "fits")
     torch.ops.dsaserve.index_scores(q.contiguous(), weights.to(torch.float32).contiguous(), packed, keys, out)
 
 
@@ -61,11 +66,7 @@ def index_scores_blocks(q: torch.Tensor, weights: torch.Tensor, groups: torch.Te
     """index_scores over the first `keys` keys of `blocks` (int64 block ids, in order) of a key cache kept
     packed: `groups` int32 [num_blocks, block_size / 16, dim / 2, 16] (IndexerKeyCache.groups). The same
     values as pack_keys of the gathered keys would give, without the gather and the repacking."""
-    if not torch_ops.load():
-        raise RuntimeError("index scores: the native operators are not built here; check fits() first")
-    t, heads, _ = q.shape
-    if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
-        raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
+    check_call(q, weights, out, "fits")
     torch.ops.dsaserve.index_scores_blocks(q.contiguous(), weights.to(torch.float32).contiguous(), groups,
                                            blocks.to(torch.int64).contiguous(), keys, out)
 
@@ -76,10 +77,6 @@ def index_scores_int8_blocks(q: torch.Tensor, weights: torch.Tensor, groups: tor
     `blocks` of an int8 key cache kept in the VNNI layout (IndexerKeyCache.int8_groups, its fp16 `scale`): the keys'
     int8 values ki and scales ks as stored, the bf16 queries rounded per query and head to qi · qs (amax / 127).
     Only for shapes `fits_int8` accepts."""
-    if not torch_ops.load():
-        raise RuntimeError("index scores: the native operators are not built here; check fits_int8() first")
-    t, heads, _ = q.shape
-    if out.stride(1) != 1 or out.shape[0] != t or weights.shape != (t, heads):
-        raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, out {tuple(out.shape)}")
+    check_call(q, weights, out, "fits_int8")
     torch.ops.dsaserve.index_scores_int8_blocks(q.to(torch.bfloat16).contiguous(), weights.to(torch.float32).contiguous(),
                                                 groups, scales, blocks.to(torch.int64).contiguous(), keys, out)

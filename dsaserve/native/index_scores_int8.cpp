@@ -221,17 +221,9 @@ void index_scores_int8_blocks(const at::Tensor& q, const at::Tensor& weights, co
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == n && out.size(1) >= keys &&
                     out.stride(1) == 1, "index_scores_int8_blocks: out must be fp32 [t, >= keys] with unit column stride");
     check_cache(cache, scales, dim, "index_scores_int8_blocks");
-    TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 1 && blocks.is_contiguous(),
-                "index_scores_int8_blocks: blocks must be a contiguous int64 vector");
-    const int64_t per = cache.size(1), count = blocks.numel();
-    TORCH_CHECK(keys >= 0 && keys <= count * per * 16, "index_scores_int8_blocks: ", keys, " keys, the ", count,
-                " blocks hold ", count * per * 16);
-    const int64_t* ids = blocks.data_ptr<int64_t>();
-    for (int64_t i = 0; i < count; ++i)
-        TORCH_CHECK(ids[i] >= 0 && ids[i] < cache.size(0), "index_scores_int8_blocks: block id ", ids[i],
-                    " is not in the cache's ", cache.size(0), " blocks");
-    score(q.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), n, heads, dim, cache, scales, ids, count, keys,
-          out.data_ptr<float>(), out.stride(0));
+    dsaserve::check_block_list(blocks, keys, cache, "index_scores_int8_blocks");
+    score(q.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), n, heads, dim, cache, scales,
+          blocks.data_ptr<int64_t>(), blocks.numel(), keys, out.data_ptr<float>(), out.stride(0));
 }
 
 // keys [n, dim] (bf16 or fp32) into an int8 key cache in this kernel's layout at slots [n], as
