@@ -15,7 +15,12 @@ KEY_GROUP = 64  # the kernel's keys per work item; packed keys are padded to a m
 
 def fits(heads: int, dim: int) -> bool:
     """Whether the kernel takes bf16 queries of `heads` × `dim` on this machine."""
-    return torch_ops.cpu_kernels() == "avx512_bf16" and torch.ops.dsaserve.index_scores_fits(heads, dim)
+    return torch_ops.cpu_kernels() == "avx512_bf16" and _kernel_takes(heads, dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_takes(heads: int, dim: int) -> bool:  # asked once per shape, not per selection
+    return torch.ops.dsaserve.index_scores_fits(heads, dim)
 
 
 def fits_int8(heads: int, dim: int) -> bool:
