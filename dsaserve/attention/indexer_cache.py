@@ -112,7 +112,6 @@ class IndexerKeyCache:
         scale = torch.index_select(self.scale, 0, blocks).reshape(-1, 1).to(torch.float32)
         return (data.reshape(-1, self.dim).to(torch.float32) * scale).to(dtype)
 
-
     def _int8_bytes(self) -> torch.Tensor:
         """The int8 layout's bytes: [num_blocks, block_size / 16, dim / 4, 16 keys, 4 dims]."""
         return self.data.view(torch.uint8).view(self.data.shape[0], self.block_size // 16, self.dim // 4, 16, 4)

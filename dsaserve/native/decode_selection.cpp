@@ -3,9 +3,10 @@
 // the same order, so the same positions in the same order:
 //   a query that sees at most `width` tokens selects all of them (0 .. seq_len - 1, then -1);
 //   otherwise its visible blocks are scored `chunk_blocks` at a time in place in the packed key cache
-//   (index_scores.cpp; index_scores_int8.cpp where `scales` come with int8 keys), keys past its position set to -inf, and a running top-k (topk.cpp) is merged after every
-//   window of `window_blocks` (the first window ranked alone when it holds at least `width` keys; one chunk
-//   holding the whole context is ranked directly); positions whose score is -inf become -1.
+//   (index_scores.cpp; index_scores_int8.cpp where `scales` come with int8 keys), keys past its position set to
+//   -inf, and a running top-k (topk.cpp) is merged after every window of `window_blocks` (the first window ranked
+//   alone when it holds at least `width` keys; one chunk holding the whole context is ranked directly); positions
+//   whose score is -inf become -1.
 // Scratch is one chunk window and one top-k per thread: bounded by the window, never by the context. Where the
 // batch has at least as many queries as threads, each thread takes whole queries; otherwise each query's scoring
 // is shared out. AVX-512 BF16 (index_scores_fits) or VNNI (index_scores_int8_fits) only; the caller keeps its torch

@@ -195,7 +195,8 @@ void dsaserve::index_scores_of_blocks(const c10::BFloat16* q, const float* weigh
     // One group of zero keys, for an item reaching past the last block; 64-byte aligned, as the kernel loads it.
     thread_local std::vector<uint32_t> zero;
     if (static_cast<int64_t>(zero.size()) < dim / 2 * 16 + 16) zero.assign(dim / 2 * 16 + 16, 0u);
-    const auto* aligned = reinterpret_cast<const uint32_t *>((reinterpret_cast<uintptr_t>(zero.data()) + 63) & ~uintptr_t(63));
+    const uintptr_t address = (reinterpret_cast<uintptr_t>(zero.data()) + 63) & ~uintptr_t(63);
+    const auto* aligned = reinterpret_cast<const uint32_t *>(address);
     Job job{reinterpret_cast<const uint16_t *>(q), weights, static_cast<const uint32_t *>(cache.data_ptr()), blocks,
             cache.size(1), count * cache.size(1), aligned, out, 1, heads, dim, keys, keys, 0};
     run(job);

@@ -11,9 +11,9 @@
  * positive), the key's after the head sum. Work items are 64 keys × 4 heads at a time, shared out over torch's
  * threads, as in index_scores.cpp.
  *
- * Registered as torch.ops.dsaserve.index_scores_int8_blocks (and write_int8_keys, which rounds keys and stores
- * them in the layout, portable C++); the body is compiled for AVX-512 VNNI alone and runs only where the CPU has it (the caller checks
- * index_scores_int8_fits).
+ * Registered as torch.ops.dsaserve.index_scores_int8_blocks (and write_int8_keys, portable C++, which rounds keys
+ * and stores them in the layout); the scoring body is compiled for AVX-512 VNNI alone and runs only where the CPU
+ * has it (the caller checks index_scores_int8_fits).
  */
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -192,7 +192,8 @@ void score(const c10::BFloat16* q, const float* weights, int64_t n, int64_t head
     // One group of zero keys (bytes 128), 64-byte aligned as the kernel loads it; never scored into an output.
     thread_local std::vector<uint32_t> zero;
     if (static_cast<int64_t>(zero.size()) < dim / 4 * 16 + 16) zero.assign(dim / 4 * 16 + 16, 0x80808080u);
-    const auto* aligned = reinterpret_cast<const uint32_t*>((reinterpret_cast<uintptr_t>(zero.data()) + 63) & ~uintptr_t(63));
+    const uintptr_t address = (reinterpret_cast<uintptr_t>(zero.data()) + 63) & ~uintptr_t(63);
+    const auto* aligned = reinterpret_cast<const uint32_t*>(address);
     Job job{r.q.data(), r.offset.data(), r.weight.data(), static_cast<const uint32_t*>(cache.data_ptr()),
             scales.data_ptr<c10::Half>(), blocks, cache.size(1), count * cache.size(1), aligned, out, n, heads, dim,
             keys, out_stride, 0};
@@ -200,9 +201,9 @@ void score(const c10::BFloat16* q, const float* weights, int64_t n, int64_t head
 }
 
 void check_cache(const at::Tensor& cache, const at::Tensor& scales, int64_t dim, const char* op) {
-    TORCH_CHECK(cache.scalar_type() == at::kInt && cache.is_contiguous() && cache.dim() == 4 && cache.size(2) == dim / 4 &&
-                    cache.size(3) == 16, op, ": the cache must be contiguous int32 [num_blocks, block_size / 16, ", dim / 4,
-                ", 16]");
+    TORCH_CHECK(cache.scalar_type() == at::kInt && cache.is_contiguous() && cache.dim() == 4 &&
+                    cache.size(2) == dim / 4 && cache.size(3) == 16,
+                op, ": the cache must be contiguous int32 [num_blocks, block_size / 16, ", dim / 4, ", 16]");
     TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                     scales.size(0) == cache.size(0) && scales.size(1) == cache.size(1) * 16,
                 op, ": scales must be contiguous fp16 [num_blocks, block_size], one per cached key");
@@ -253,7 +254,8 @@ void write_int8_keys(at::Tensor& cache, at::Tensor& scales, const at::Tensor& sl
             for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(k[d]));
             const float scale = std::max(amax, 1e-8f) / 127.f;
             const int64_t token = slot[i] % block_size;
-            uint8_t* group = bytes + ((slot[i] / block_size) * (block_size / 16) + token / 16) * quads * 64 + token % 16 * 4;
+            const int64_t group_index = (slot[i] / block_size) * (block_size / 16) + token / 16;
+            uint8_t* group = bytes + group_index * quads * 64 + token % 16 * 4;  // this key's lane: 4 bytes
             for (int64_t d = 0; d < dim; ++d) {
                 const float c = std::min(127.f, std::max(-127.f, std::nearbyint(k[d] / scale)));
                 group[d / 4 * 64 + d % 4] = static_cast<uint8_t>(static_cast<int32_t>(c) + 128);
