@@ -3,13 +3,13 @@
     python benchmarks/decode_selection.py [--context 8192] [--batch 1] [--steps 300] [--checkpoint DIR]
                                           [--indexer-cache-dtype auto|int8]
 
-`batch` requests (1 by default) on the benchmark model (benchmarks/model_core.py) whose first `context` tokens are cached
-synthetically (as `dsaserve bench longctx` does for its decode points), decoded greedily with the sparse backend.
-Past index_topk each full layer's selection runs in Python between the step's native calls; this reports the
-median time of one full layer's selection (the indexer's queries, scoring, top-k: model/decode_calls.py
-`_select`), the time per step spent turning the selections into cache slots (`_decode_slots`, asked once per
-layer and computing once per top-k tensor) and the median step. Run it in two trees taking turns to compare them
-(PYTHONPATH=TREE).
+`batch` requests (1 by default) on the benchmark model (benchmarks/model_core.py) whose first `context` tokens are
+cached synthetically each (as `dsaserve bench longctx` does for its decode points), decoded greedily with the sparse
+backend. Where a full layer's selection runs in Python between the step's native calls, this reports the median
+time of one full layer's selection (the indexer's queries, scoring, top-k: model/decode_calls.py `_select`) and the
+time per step spent turning the selections into cache slots (`_decode_slots`, asked once per layer and computing
+once per top-k tensor); where the step's one native call selects (stop 37 on), it says so; and the median step.
+Run it in two trees taking turns to compare them (PYTHONPATH=TREE).
 """
 
 from __future__ import annotations
@@ -75,11 +75,16 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     steps = len(times["step"])
-    per_step = len(times["slots"]) // steps
-    slots = [sum(times["slots"][i:i + per_step]) for i in range(0, per_step * steps, per_step)]
-    print(f"context {args.context}, batch {args.batch}, indexer keys {args.indexer_cache_dtype}: one full layer's selection, median {statistics.median(times['select']):.0f} µs "
-          f"({len(times['select']) / steps:.0f} a step); slots from the selections {statistics.median(slots):.0f} µs "
-          f"a step; step {statistics.median(times['step']) / 1e3:.2f} ms")
+    line = f"context {args.context}, batch {args.batch}, indexer keys {args.indexer_cache_dtype}: "
+    if "select" in times:  # selections made in Python between the step's native calls
+        per_step = len(times["slots"]) // steps
+        slots = [sum(times["slots"][i:i + per_step]) for i in range(0, per_step * steps, per_step)]
+        line += (f"one full layer's selection, median {statistics.median(times['select']):.0f} µs "
+                 f"({len(times['select']) / steps:.0f} a step); slots from the selections "
+                 f"{statistics.median(slots):.0f} µs a step; ")
+    else:
+        line += "selections made inside the step's native call; "
+    print(line + f"step {statistics.median(times['step']) / 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -70,17 +70,50 @@ def test_gathered_calls_give_the_modules_tokens_and_logprobs(make_checkpoint, mo
     gathered = generate(path, quantization, prompts, indexer_cache_dtype=indexer_keys)
     assert keys_in_call and all(keys_in_call) == (indexer_keys == "int8")  # written in the in half, int8 or bf16
     # Decode steps attend in the out halves (prompt rows never), but where the two requests need different rows;
-    # the slots are chosen once per step and top-k tensor (full layers past index_topk select their own).
-    full, layers = config["indexer_types"].count("full"), config["num_hidden_layers"]
-    per_step = full if lengths == "past index_topk" else 1
-    assert not any(one_call) if lengths == "one past, one within" else sum(one_call) == 9 * per_step
-    # One native call per run of halves: the step's layers in one (every position selected), a run from each full
-    # layer's selection to the next (scores needed), a call per layer where the backend attends.
-    calls = {"within index_topk": 1, "past index_topk": full + 1, "one past, one within": layers}[lengths]
+    # the slots are chosen once per step (within index_topk), or in the call with each full layer's selection (past
+    # it: the backend is never asked).
+    layers = config["num_hidden_layers"]
+    assert not any(one_call) if lengths == "one past, one within" else sum(one_call) == (
+        9 if lengths == "within index_topk" else 0)
+    # One native call per step where every request is within index_topk (every position selected) or past it (the
+    # call selects), a call per layer where the backend attends.
+    calls = {"within index_topk": 1, "past index_topk": 1, "one past, one within": layers}[lengths]
     assert steps[-9:] == [calls] * 9
     monkeypatch.setattr(glm_moe_dsa, "DECODE_CALLS", False)
     steps.clear()
     assert generate(path, quantization, prompts, indexer_cache_dtype=indexer_keys) == gathered and not any(steps)
+
+
+@needs_kernels
+@pytest.mark.parametrize("indexer_keys", ["auto", pytest.param("int8", marks=pytest.mark.skipif(
+    not native_scores.fits_int8(8, 32), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)"))])
+def test_a_step_past_index_topk_selects_in_its_call_as_python_selects_between_runs(make_checkpoint, monkeypatch,
+                                                                                  indexer_keys):
+    """Every request past index_topk: the step is one call that makes each full layer's selection itself; with the
+    selections made in Python between runs of layers instead (one call per full layer, then one), the same tokens
+    and log-probabilities."""
+    path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
+    prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 41)]
+    full = json.loads((Path(path) / "config.json").read_text())["indexer_types"].count("full")
+    steps, real_run_layers, real_op = [], decode_calls.run_layers, torch.ops.dsaserve.decode_layers
+
+    def run_layers(*a):
+        steps.append(0)
+        return real_run_layers(*a)
+
+    class CountedOp:
+        def default(self, *a):
+            steps[-1] += 1
+            return real_op.default(*a)
+
+    monkeypatch.setattr(decode_calls, "run_layers", run_layers)
+    monkeypatch.setattr(torch.ops.dsaserve, "decode_layers", CountedOp())
+    in_call = generate(path, None, prompts, indexer_cache_dtype=indexer_keys)
+    assert steps[-9:] == [1] * 9
+    monkeypatch.setattr(decode_calls, "_selection_in_call", lambda *a: None)
+    steps.clear()
+    assert generate(path, None, prompts, indexer_cache_dtype=indexer_keys) == in_call
+    assert steps[-9:] == [full + 1] * 9
 
 
 @needs_kernels

@@ -7,7 +7,10 @@ argument conversion and dispatch per call. Here a layer gathers its arguments on
 them to a native handle (`BoundLayer`); per step only what depends on the tokens is checked (`applies`) and
 passed. A layer runs as its `in` half (norm, query, latent rows; the indexer's keys in full layers) and its
 `out` half (attention over the slots its backend chose for the step, output projection, norm, MLP), chained in
-C++ (native/decode_layer.cpp): the same bits as its modules. The indexer's selection runs between them in
+C++ (native/decode_layer.cpp): the same bits as its modules. Where every request of a decode batch is past
+index_topk and each full layer's indexer queries are bound too (`_selection_arguments`), one call runs the whole
+step and makes each full layer's selection between its halves (the indexer's queries, the selection and its slots
+as Python would make them: `_selection_in_call`). Otherwise the indexer's selection runs between the halves in
 Python, so `run_layers` hands a whole run of halves to one `decode_layers` call, up to the next full layer
 whose selection needs scores (none while every request sees at most index_topk tokens, nor with the dense
 backend: then one call runs the step's layers). Where the step's rows are not one kernel call's (prompt rows, a
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaserve.attention.indexer import selects_every_position
+from dsaserve.attention.indexer import QUERY_TILE, chunk_and_window, selects_every_position
 from dsaserve.native import torch_ops
 from dsaserve.native.selected_rows import FEW_HEADS_PADDED, fits as attention_fits
 from dsaserve.quantization.quantized_weight import KERNEL_ROWS, PackedMatrix, QuantizedWeight
@@ -40,6 +43,7 @@ class DecodeCalls:
     dense_mlp: tuple | None  # gated_mlp's arguments after x (dense layers)
     out_in_call: bool  # the out half is bound (else the backend and the out's operators run one by one)
     bound: "BoundLayer"  # the layer's weights and constants as a native handle (its halves' arguments)
+    selects_in_call: bool = False  # a full layer's indexer queries are bound: a decode step may select in the call
 
 
 def decode_calls(layer) -> DecodeCalls | None:
@@ -85,24 +89,28 @@ def decode_calls(layer) -> DecodeCalls | None:
                                                           attn.kv_lora_rank + attn.rope_dim, attn.kv_lora_rank)
     index_keys = _index_key_arguments(attn, dtype)
     layer_out = _mlp_arguments(route, experts, dense) if out_fits else None
+    selection = _selection_arguments(attn) if index_keys is not None and layer_out is not None else None
     bound = BoundLayer(layer_in, index_keys, (attn.scale, attn.kv_lora_rank, *output[0], post.weight, post.eps,
                                              *layer_out) if layer_out is not None else None,
-                       (attn.num_heads, attn.kv_lora_rank + attn.rope_dim, query[0].shape[0]))
+                       (attn.num_heads, attn.kv_lora_rank + attn.rope_dim, query[0].shape[0]), selection)
     return DecodeCalls(dtype, index_keys is not None, output[0], (post.weight, post.eps), route, experts, dense,
-                       layer_out is not None, bound)
+                       layer_out is not None, bound, selection is not None)
 
 
 class BoundLayer:
     """A layer's halves' weights and constants bound to a native handle (decode_layer_bind), released with this
     object: decode_layers takes the handle instead of some forty arguments per half."""
 
-    def __init__(self, layer_in: tuple, index_keys: tuple | None, layer_out: tuple | None, shapes: tuple):
+    def __init__(self, layer_in: tuple, index_keys: tuple | None, layer_out: tuple | None, shapes: tuple,
+                 selection: tuple | None = None):
         ops = torch.ops.dsaserve
         head, tail = layer_in
         self.handle = ops.decode_layer_bind(*head, *tail, *(index_keys or ()))
         self._release = ops.decode_layer_release
         if layer_out is not None:
             ops.decode_layer_bind_out(self.handle, *layer_out)
+        if selection is not None:
+            ops.decode_layer_bind_selection(self.handle, *selection)
         torch_ops.BOUND_LAYER_SHAPES[self.handle] = shapes
 
     def __del__(self):
@@ -125,6 +133,19 @@ def _index_key_arguments(attn, dtype: torch.dtype) -> tuple | None:
             and indexer.rope_dim == attn.rope_dim):
         return None
     return wk.qweight, wk.scale, list(wk.args), norm.weight, norm.bias, norm.eps, indexer.rope_interleave
+
+
+def _selection_arguments(attn) -> tuple | None:
+    """decode_layer_bind_selection's (wq_q, wq_s, wq_args, weights_proj, weight_scale, heads, head_dim, interleaved):
+    the indexer's queries as model/indexer.py `queries` makes them, where its wq_b is packed, its weights_proj an
+    fp32 matrix and its rotary the native operator; token top-k only (page selection stays in Python)."""
+    indexer = attn.indexer
+    wq, proj = indexer.wq_b.weight, indexer.weights_proj
+    if not (isinstance(wq, QuantizedWeight) and indexer.wq_b.bias is None and proj.bias is None
+            and proj.weight.dtype == torch.float32 and not indexer.selection.pages and indexer.rope_dim == attn.rope_dim):
+        return None
+    return (wq.qweight, wq.scale, list(wq.args), proj.weight, indexer.weight_scale, indexer.n_heads, indexer.head_dim,
+            indexer.rope_interleave)
 
 
 def _mlp_arguments(route, experts, dense) -> tuple[list, list, float]:
@@ -176,11 +197,16 @@ def run_layers(model, x, cos, sin, meta, kv_caches, indexer_caches) -> torch.Ten
         scales.append(key_scales)
     handles = [calls.bound.handle for _, calls, _ in plan]
     int8_keys = any(s is not None for s in scales)
+    key_scales = scales if int8_keys else []
+    selection = _selection_in_call(plan, groups, meta)
+    if selection is not None:  # the whole step, selections included, in one call
+        return ops.decode_layers.default(handles, x, cos, sin, rows, meta.slot_mapping, groups, key_scales, None, None,
+                                         True, meta.block_tables, meta.seq_lens_host, selection)[0]
 
     def call(run: list[int], x, query, slots, finish: bool = False):
         return ops.decode_layers.default([handles[j] for j in run], x, cos, sin, [rows[j] for j in run],
                                          meta.slot_mapping, [groups[j] for j in run],
-                                         [scales[j] for j in run] if int8_keys else [], query, slots, finish)
+                                         [key_scales[j] for j in run] if key_scales else [], query, slots, finish)
 
     made, run, run_slots, query, topk = {}, [], None, None, None  # query: the run's first layer's, if its in ran
     for i, (layer, calls, _) in enumerate(plan):
@@ -213,6 +239,27 @@ def _layer_calls(layers) -> list | None:
     """Each layer with its gathered calls and a place for its cache's rows view; None where a layer has none."""
     calls = [layer.prepared("decode calls", layer._decode_calls) for layer in layers]
     return None if not calls or any(c is None for c in calls) else [(l, c, [None, None]) for l, c in zip(layers, calls)]
+
+
+def _selection_in_call(plan, groups: list, meta) -> list[int] | None:
+    """decode_layers' (width, chunk_blocks, window_blocks, block_size) where the step's selections can all be made in
+    one call: a decode batch whose every request is past the selection's width, every layer's out bound, and every
+    full layer's queries bound with its keys written by its in half (a packed key cache); else None."""
+    if meta.num_tokens != meta.num_reqs:
+        return None
+    width = heads = None
+    for (layer, calls, _), key_groups in zip(plan, groups):
+        attn = layer.self_attn
+        if not calls.out_in_call:
+            return None
+        if _selects(attn):
+            if not calls.selects_in_call or key_groups is None:
+                return None
+            width, heads = attn.indexer.selection.width(meta.block_size), attn.indexer.n_heads
+    if width is None or min(meta.seq_lens_host) <= width:
+        return None
+    chunk_blocks, window_blocks = chunk_and_window(min(QUERY_TILE, meta.num_tokens), heads, meta.block_size)
+    return [width, chunk_blocks, window_blocks, meta.block_size]
 
 
 def run_layer(layer, calls: DecodeCalls, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk, run_indexer: bool):

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "layer_pieces.h"
+
 namespace {
 
 at::Tensor context_slots(const at::Tensor& block_tables, at::IntArrayRef lens, int64_t block_size) {
@@ -59,6 +61,11 @@ at::Tensor position_slots(const at::Tensor& block_tables, const at::Tensor& posi
 }
 
 }  // namespace
+
+// For decode_layer.cpp (layer_pieces.h).
+at::Tensor dsaserve::position_slots(const at::Tensor& block_tables, const at::Tensor& positions, int64_t block_size) {
+  return ::position_slots(block_tables, positions, block_size);
+}
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("context_slots(Tensor block_tables, int[] lens, int block_size) -> Tensor");

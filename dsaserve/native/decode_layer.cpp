@@ -11,7 +11,9 @@
 //        Gives the layer's output.
 // A layer's weights and constants are bound once (decode_layer_bind, decode_layer_bind_out: a handle, released
 // by decode_layer_release), and one decode_layers call runs a run of layers' halves back to back, up to the next
-// layer whose selection Python makes: a step's Python and argument conversion paid per run, not per half.
+// layer whose selection Python makes: a step's Python and argument conversion paid per run, not per half. Where
+// a full layer's indexer queries are bound too (decode_layer_bind_selection) and every request of a decode step is
+// past index_topk, the call selects between a full layer's halves itself, and a step is one call.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -181,9 +183,21 @@ struct LayerOut {
   double routed_scaling;
 };
 
+// A full layer's indexer queries (model/indexer.py Indexer.queries: wq_b packed, weights_proj in fp32, the rotary
+// on the first dims), bound where decode_layers may select in the call.
+struct LayerSelection {
+  at::Tensor wq_q, wq_s;
+  std::vector<int64_t> wq_args;  // (kind, group, col_offset, N, K)
+  at::Tensor weights_proj;       // fp32 [heads, hidden]
+  double weight_scale;
+  int64_t heads, head_dim;
+  bool interleaved;
+};
+
 struct BoundLayer {
   LayerIn in;
   std::optional<LayerOut> out;
+  std::optional<LayerSelection> selection;
 };
 
 // Bound layers by handle. They hold their weights (tensor references) until released.
@@ -248,7 +262,35 @@ void decode_layer_bind_out(int64_t handle, double scale, int64_t value_dim, cons
                                          post_weight, post_eps, mlp.vec(), ints(mlp_args), routed_scaling};
 }
 
+// Adds a full layer's indexer queries to a bound layer (before any step runs it).
+void decode_layer_bind_selection(int64_t handle, const at::Tensor& wq_q, const at::Tensor& wq_s,
+                                 at::IntArrayRef wq_args, const at::Tensor& weights_proj, double weight_scale,
+                                 int64_t heads, int64_t head_dim, bool interleaved) {
+  TORCH_CHECK(wq_args.size() == 5 && weights_proj.scalar_type() == at::kFloat && weights_proj.dim() == 2 &&
+                  weights_proj.size(0) == heads,
+              "dsaserve decode_layer_bind_selection: wq_args are (kind, group, col_offset, N, K) and weights_proj "
+              "fp32 [heads, hidden]");
+  bindings().get(handle)->selection = LayerSelection{wq_q, wq_s, ints(wq_args), weights_proj, weight_scale, heads,
+                                                     head_dim, interleaved};
+}
+
 void decode_layer_release(int64_t handle) { bindings().release(handle); }
+
+// A decode batch's selection in a full layer and the slots its layers attend to: the indexer's queries from the
+// in half's (h, q_resid) as Indexer.queries makes them, attention/indexer.py select() (decode_selection.cpp), then
+// attention/sparse.py selected_rows' slots. `selection` = (width, chunk_blocks, window_blocks, block_size).
+at::Tensor select_slots(const LayerSelection& l, const at::Tensor& h, const at::Tensor& q_resid,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& groups,
+                        const std::optional<at::Tensor>& scales, const at::Tensor& block_tables,
+                        at::IntArrayRef seq_lens, at::IntArrayRef selection) {
+  const at::Tensor projected = dsaserve::packed_product(q_resid, l.wq_q, l.wq_s, l.wq_args[0], l.wq_args[1],
+                                                        l.wq_args[2], l.wq_args[3], l.wq_args[4]);
+  const at::Tensor q = dsaserve::apply_rope(projected.view({-1, l.heads, l.head_dim}), cos, sin, l.interleaved);
+  const at::Tensor weights = at::linear(h.to(at::kFloat), l.weights_proj) * l.weight_scale;
+  const at::Tensor topk = dsaserve::decode_selection(q.contiguous(), weights.contiguous(), groups, block_tables,
+                                                     seq_lens, selection[0], selection[1], selection[2], scales);
+  return dsaserve::position_slots(block_tables, topk, selection[3]);
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_in(const LayerIn& l, const at::Tensor& x, const at::Tensor& cos,
                                                       const at::Tensor& sin, const at::Tensor& rows,
@@ -277,35 +319,50 @@ at::Tensor run_out(const BoundLayer& layer, int64_t handle, const at::Tensor& qu
 // starts the run. Returns (x, h, query, q_resid): the output of the last out (x itself if none), and the last
 // in's results (undefined if the run ends with an out). rows and key_groups: each layer's cache rows and indexer
 // key groups (None: no keys in the call); key_scales, empty or one per layer: an int8 key cache's scales (its
-// groups then in the int8 layout), None for bf16 keys.
+// groups then in the int8 layout), None for bf16 keys. With block_tables, the run is a whole decode step whose
+// every request is past its selection's width: each layer with a bound selection selects after its in (in its key
+// groups) and the slots follow from it for its out and the shared layers' after it (select_slots).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_layers(
     at::IntArrayRef layers, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList rows,
     const at::Tensor& slot_mapping, const c10::List<std::optional<at::Tensor>>& key_groups,
     const c10::List<std::optional<at::Tensor>>& key_scales, const std::optional<at::Tensor>& query,
-    const std::optional<at::Tensor>& slots, bool finish) {
+    const std::optional<at::Tensor>& slots, bool finish, const std::optional<at::Tensor>& block_tables,
+    at::IntArrayRef seq_lens, at::IntArrayRef selection) {
   const int64_t n = static_cast<int64_t>(layers.size());
+  const bool selects = block_tables.has_value();
+  TORCH_CHECK(!selects || (!query.has_value() && !slots.has_value() && finish && selection.size() == 4),
+              "dsaserve decode_layers: a run that selects is a whole step (no query, no slots, finish) with "
+              "selection = (width, chunk_blocks, window_blocks, block_size)");
   TORCH_CHECK(key_scales.empty() || static_cast<int64_t>(key_scales.size()) == n,
               "dsaserve decode_layers: key_scales are none or one entry per layer; got ", key_scales.size(), " for ", n,
               " layers");
   TORCH_CHECK(n >= 1 && static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(key_groups.size()) == n,
               "dsaserve decode_layers: one cache (rows) and one key-group entry per layer, and a layer at least; got ",
               n, " layers, ", rows.size(), " caches, ", key_groups.size(), " key groups");
-  TORCH_CHECK(slots.has_value() || (!query.has_value() && n == 1 && !finish),
+  TORCH_CHECK(slots.has_value() || selects || (!query.has_value() && n == 1 && !finish),
               "dsaserve decode_layers: a run with an out needs the step's slots");
   std::vector<std::shared_ptr<BoundLayer>> bound;
   bound.reserve(n);
   for (const int64_t handle : layers) bound.push_back(bindings().get(handle));
-  at::Tensor out = x, h, q, q_resid;
+  TORCH_CHECK(!selects || bound[0]->selection.has_value(),
+              "dsaserve decode_layers: a run that selects starts with a layer whose selection is bound");
+  at::Tensor out = x, h, q, q_resid, step_slots = slots.has_value() ? *slots : at::Tensor();
   int64_t i = 0;
   if (query.has_value()) {
-    out = run_out(*bound[0], layers[0], *query, rows[0], *slots, out);
+    out = run_out(*bound[0], layers[0], *query, rows[0], step_slots, out);
     i = 1;
   }
   for (; i < n; ++i) {
-    std::tie(h, q, q_resid) = run_in(bound[i]->in, out, cos, sin, rows[i], slot_mapping, key_groups.get(i),
-                                     key_scales.empty() ? std::nullopt : key_scales.get(i));
+    const std::optional<at::Tensor> scales = key_scales.empty() ? std::nullopt : key_scales.get(i);
+    std::tie(h, q, q_resid) = run_in(bound[i]->in, out, cos, sin, rows[i], slot_mapping, key_groups.get(i), scales);
+    if (selects && bound[i]->selection.has_value()) {
+      const std::optional<at::Tensor> groups = key_groups.get(i);
+      TORCH_CHECK(groups.has_value(), "dsaserve decode_layers: layer ", layers[i], " selects but has no key groups");
+      step_slots = select_slots(*bound[i]->selection, h, q_resid, cos, sin, *groups, scales, *block_tables, seq_lens,
+                                selection);
+    }
     if (i == n - 1 && !finish) return {out, h, q, q_resid};
-    out = run_out(*bound[i], layers[i], q, rows[i], *slots, out);
+    out = run_out(*bound[i], layers[i], q, rows[i], step_slots, out);
   }
   return {out, at::Tensor(), at::Tensor(), at::Tensor()};
 }
@@ -322,10 +379,13 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("decode_layer_bind_out(int layer, float scale, int value_dim, Tensor w_uv_q, Tensor w_uv_s, int[] w_uv_args, "
         "Tensor o_q, Tensor o_s, int[] o_args, Tensor post_weight, float post_eps, Tensor[] mlp, int[] mlp_args, "
         "float routed_scaling) -> ()", &decode_layer_bind_out);
+  m.def("decode_layer_bind_selection(int layer, Tensor wq_q, Tensor wq_s, int[] wq_args, Tensor weights_proj, "
+        "float weight_scale, int heads, int head_dim, bool interleaved) -> ()", &decode_layer_bind_selection);
   m.def("decode_layer_release(int layer) -> ()", &decode_layer_release);
   m.def("decode_layers(int[] layers, Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] rows, Tensor slot_mapping, "
         "Tensor(b!)?[] key_groups, Tensor(c!)?[] key_scales, Tensor? query=None, Tensor? slots=None, "
-        "bool finish=False) -> (Tensor, Tensor, Tensor, Tensor)");
+        "bool finish=False, Tensor? block_tables=None, int[] seq_lens=[], int[] selection=[]) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

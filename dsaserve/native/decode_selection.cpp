@@ -154,6 +154,14 @@ at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, cons
 
 }  // namespace
 
+// For decode_layer.cpp (layer_pieces.h).
+at::Tensor dsaserve::decode_selection(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                                      const at::Tensor& block_tables, at::IntArrayRef seq_lens, int64_t width,
+                                      int64_t chunk_blocks, int64_t window_blocks,
+                                      const std::optional<at::Tensor>& scales) {
+  return ::decode_selection(q, weights, cache, block_tables, seq_lens, width, chunk_blocks, window_blocks, scales);
+}
+
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("decode_selection(Tensor q, Tensor weights, Tensor cache, Tensor block_tables, int[] seq_lens, int width, "
         "int chunk_blocks, int window_blocks, Tensor? scales=None) -> Tensor");

@@ -36,6 +36,10 @@ void index_scores_int8_of_blocks(const c10::BFloat16* q, const float* weights, i
                                  int64_t count, int64_t keys, float* out);
 bool index_scores_int8_fits(int64_t heads, int64_t dim);
 void write_int8_keys(at::Tensor& cache, at::Tensor& scales, const at::Tensor& slots, const at::Tensor& keys);
+at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
+                            const at::Tensor& block_tables, at::IntArrayRef seq_lens, int64_t width,
+                            int64_t chunk_blocks, int64_t window_blocks, const std::optional<at::Tensor>& scales);
+at::Tensor position_slots(const at::Tensor& block_tables, const at::Tensor& positions, int64_t block_size);
 void topk_row(const float* x, int64_t n, int64_t k, uint32_t* scratch, float* values, int64_t* indices);
 void attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots, double scale,
                           at::Tensor& out);

@@ -162,7 +162,8 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("dsaserve::decode_layers")
-    def _(layers, x, cos, sin, rows, slot_mapping, key_groups, key_scales, query=None, slots=None, finish=False):
+    def _(layers, x, cos, sin, rows, slot_mapping, key_groups, key_scales, query=None, slots=None, finish=False,
+          block_tables=None, seq_lens=(), selection=()):
         if finish or (query is not None and len(layers) == 1):  # the run ends with an out
             return torch.empty_like(x), x.new_empty(0), x.new_empty(0), x.new_empty(0)
         heads, width, lora = BOUND_LAYER_SHAPES[layers[-1]]
