@@ -164,8 +164,9 @@ def _weight_kernel_path() -> str:
         else:
             paths.append("fp8 decoded by shifts and masks (no AVX-512 VBMI, or DSASERVE_FP8_VBMI=0)")
         return (f"native AVX-512 BF16 kernels for up to 16 rows (bf16 models and --quantization; {'; '.join(paths)}), "
-                "torch GEMM beyond; a decode step runs its layers in one native call per run between the "
-                "selections Python makes (native/decode_layer.cpp)")
+                "torch GEMM beyond; a decode step runs its layers in one native call, its sparse selections "
+                "included where every request is past index_topk (else one call per run between the selections "
+                "Python makes; native/decode_layer.cpp)")
     return "torch (the packed-weight kernels need a C++ compiler and AVX-512 BF16; quantized weights dequantize)"
 
 
