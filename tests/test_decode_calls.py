@@ -28,6 +28,24 @@ def generate(path, quantization, prompts, attention_backend="sparse", indexer_ca
             for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
 
 
+def count_native_calls(monkeypatch) -> list[int]:
+    """Per run_layers call (a decode step through the gathered calls), its decode_layers calls, appended as they run."""
+    steps, real_run_layers, real_op = [], decode_calls.run_layers, torch.ops.dsaserve.decode_layers
+
+    def run_layers(*a):
+        steps.append(0)
+        return real_run_layers(*a)
+
+    class CountedOp:
+        def default(self, *a):
+            steps[-1] += 1
+            return real_op.default(*a)
+
+    monkeypatch.setattr(decode_calls, "run_layers", run_layers)
+    monkeypatch.setattr(torch.ops.dsaserve, "decode_layers", CountedOp())
+    return steps
+
+
 PROMPTS = {"past index_topk": (70, 41), "within index_topk": (4, 3), "one past, one within": (70, 3)}
 
 
@@ -47,20 +65,7 @@ def test_gathered_calls_give_the_modules_tokens_and_logprobs(make_checkpoint, mo
     prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in PROMPTS[lengths]]
     config = json.loads((Path(path) / "config.json").read_text())
-    steps, one_call, keys_in_call = [], [], []  # steps: per run_layers call, its decode_layers calls
-    real_run_layers, real_op = decode_calls.run_layers, torch.ops.dsaserve.decode_layers
-
-    def run_layers(*a):
-        steps.append(0)
-        return real_run_layers(*a)
-
-    class CountedOp:
-        def default(self, *a):
-            steps[-1] += 1
-            return real_op.default(*a)
-
-    monkeypatch.setattr(decode_calls, "run_layers", run_layers)
-    monkeypatch.setattr(torch.ops.dsaserve, "decode_layers", CountedOp())
+    steps, one_call, keys_in_call = count_native_calls(monkeypatch), [], []
     decode_slots = SparseAttention.decode_slots
     monkeypatch.setattr(SparseAttention, "decode_slots", lambda self, meta, topk: one_call.append(
         (slots := decode_slots(self, meta, topk)) is not None) or slots)
@@ -95,19 +100,7 @@ def test_a_step_past_index_topk_selects_in_its_call_as_python_selects_between_ru
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
     prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 41)]
     full = json.loads((Path(path) / "config.json").read_text())["indexer_types"].count("full")
-    steps, real_run_layers, real_op = [], decode_calls.run_layers, torch.ops.dsaserve.decode_layers
-
-    def run_layers(*a):
-        steps.append(0)
-        return real_run_layers(*a)
-
-    class CountedOp:
-        def default(self, *a):
-            steps[-1] += 1
-            return real_op.default(*a)
-
-    monkeypatch.setattr(decode_calls, "run_layers", run_layers)
-    monkeypatch.setattr(torch.ops.dsaserve, "decode_layers", CountedOp())
+    steps = count_native_calls(monkeypatch)
     in_call = generate(path, None, prompts, indexer_cache_dtype=indexer_keys)
     assert steps[-9:] == [1] * 9
     monkeypatch.setattr(decode_calls, "_selection_in_call", lambda *a: None)
