@@ -59,6 +59,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
     lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
     lines.append(f"indexer kernels: {_index_scores_path(cfg)}")
+    lines.append(f"AMX tiles for those two: {_amx_line(cfg)}")
     lines.append(f"weight products: {_weight_kernel_path()}")
     lines.append(f"weight memory: {_weight_pages()}")
     dense = sum(t == "dense" for t in cfg.mlp_layer_types)
@@ -137,6 +138,22 @@ def _index_scores_path(cfg: ModelConfig) -> str:
         scores += ("; int8 key caches (--indexer-cache-dtype int8) by int8 products on AVX-512 VNNI, the queries "
                    "rounded to int8 per head")
     return f"scores: {scores}; top-k: {'native radix select' if torch_ops.load() else 'torch'}"
+
+
+def _amx_line(cfg: ModelConfig) -> str:
+    """Whether the sparse attention and the indexer's scores take their AMX tile bodies, and for which shapes."""
+    from dsaserve.native import amx, torch_ops
+
+    if not torch_ops.load():
+        return "off (the native operators are not built here)"
+    takes = []
+    if cfg.kv_lora_rank % 64 == 0:
+        takes.append("attention")
+    if cfg.index_n_heads % 16 == 0 and cfg.index_head_dim % 32 == 0:
+        takes.append("indexer scores (bf16 keys)")
+    shapes = (f"this checkpoint's shapes fit: {', '.join(takes)}" if takes else
+              "this checkpoint's shapes fit neither (rank in 64s; indexer heads in 16s and dims in 32s)")
+    return f"{amx.state()}; {shapes}"
 
 
 def _weight_pages() -> str:

@@ -13,6 +13,11 @@
  * (`cache[block][g][p][lane] = key[block_size·block + 16g + lane][2p .. 2p+1]`, attention/indexer_cache.py),
  * following a request's block table: no gathered copy of the keys and no repacking per step.
  *
+ * With AMX tiles (amx_tiles.h; the mode amx.py chose), a pass takes one query's 16 heads against the item's 64
+ * keys, 32 columns per tile product: the query tile is read in place from q and the key tiles in place from the
+ * packed layout, whose 16 keys × pairs of columns is already a tile's layout. Shapes with heads not in 16s or
+ * dims not in 32s keep the AVX-512 body.
+ *
  * Registered as torch.ops.dsaserve.index_scores(_blocks); the AVX-512 BF16 body is compiled for that ISA
  * alone (a target pragma) and runs only where the CPU has it (the caller checks index_scores_fits).
  */
@@ -23,6 +28,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "cpu_features.h"
 #include "layer_pieces.h"
 
@@ -99,7 +105,70 @@ void worker(Job *job) {
 }
 
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
+/* The item's scores with tiles: accumulators 0-3 hold 16 heads × the 4 groups of 16 keys, tile 4 the query's
+ * 16 heads × 32 columns, tiles 5-7 the key groups' 16 column pairs in turn. */
+template <class Tiles>
+void score_item_tiles(const Job *job, int64_t item, float *products /* [4][16 heads][16 keys] */) {
+    const int64_t k0 = item * KEYS_PER_ITEM, steps = job->dim / 32, H = job->heads;
+    const uint32_t *groups[4];
+    for (int g = 0; g < 4; g++) groups[g] = group_of(job, item * 4 + g);
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t i = 0; i < job->n; i++) {
+        __m512 score[4] = {zero, zero, zero, zero};
+        for (int64_t h0 = 0; h0 < H; h0 += 16) {
+            Tiles::template zero<0>();
+            Tiles::template zero<1>();
+            Tiles::template zero<2>();
+            Tiles::template zero<3>();
+            const uint16_t *q = job->q + (i * H + h0) * job->dim;
+            for (int64_t s = 0; s < steps; s++) {
+                Tiles::template load<4>(q + s * 32, job->dim * 2);
+                Tiles::template load<5>(groups[0] + s * 256, 64);
+                Tiles::template dot<0, 4, 5>();
+                Tiles::template load<6>(groups[1] + s * 256, 64);
+                Tiles::template dot<1, 4, 6>();
+                Tiles::template load<7>(groups[2] + s * 256, 64);
+                Tiles::template dot<2, 4, 7>();
+                Tiles::template load<5>(groups[3] + s * 256, 64);
+                Tiles::template dot<3, 4, 5>();
+            }
+            Tiles::template store<0>(products, 64);
+            Tiles::template store<1>(products + 256, 64);
+            Tiles::template store<2>(products + 512, 64);
+            Tiles::template store<3>(products + 768, 64);
+            for (int64_t h = 0; h < 16; h++) {
+                __m512 w = _mm512_set1_ps(job->weights[i * H + h0 + h]);
+                for (int g = 0; g < 4; g++)
+                    score[g] = _mm512_fmadd_ps(_mm512_max_ps(_mm512_load_ps(products + g * 256 + h * 16), zero), w,
+                                               score[g]);
+            }
+        }
+        float *o = job->out + i * job->out_stride + k0;
+        for (int g = 0; g < 4; g++) {
+            int64_t left = job->keys - (k0 + 16 * g);
+            if (left <= 0) break;
+            __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+            _mm512_mask_storeu_ps(o + 16 * g, mask, score[g]);
+        }
+    }
+}
+
+template <class Tiles>
+void worker_tiles(Job *job) {
+    alignas(64) float products[4 * 256];
+    Tiles::configure();
+    int64_t items = (job->keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
+    for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
+        score_item_tiles<Tiles>(job, item, products);
+    Tiles::release();
+}
+#pragma GCC pop_options
 #endif
+
+// Shapes the tile body takes: whole tiles of heads (16) and of columns (32).
+bool tiles_fit(int64_t heads, int64_t dim) { return heads % 16 == 0 && dim % 32 == 0; }
 
 bool fits(int64_t heads, int64_t dim) { return dsaserve::cpu_has_avx512_bf16() && heads % 4 == 0 && dim % 2 == 0; }
 
@@ -118,8 +187,17 @@ void run(Job& job) {
 #if DSASERVE_X86
     const int64_t items = (job.keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+    const auto mode = tiles_fit(job.heads, job.dim) ? dsaserve::amx_mode() : dsaserve::AmxMode::off;
+    if (mode != dsaserve::AmxMode::off) dsaserve::amx_tile_calls()++;
     at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
-        for (int64_t w = a; w < b; ++w) worker(&job);
+        for (int64_t w = a; w < b; ++w) {
+            if (mode == dsaserve::AmxMode::hardware)
+                worker_tiles<dsaserve::HwTiles>(&job);
+            else if (mode == dsaserve::AmxMode::emulated)
+                worker_tiles<dsaserve::EmuTiles>(&job);
+            else
+                worker(&job);
+        }
     });
 #endif
 }

@@ -14,6 +14,10 @@
  * The products use AVX-512 BF16 (vdpbf16ps, 32 multiply-adds per instruction): the score pass holds
  * 16 heads in one register (pairs of q columns against a broadcast pair of row columns), the value
  * pass holds 32 value columns of two rows interleaved against a broadcast pair of probabilities.
+ * With AMX tiles (amx_tiles.h; the mode amx.py chose), a block is AMX_BLOCK rows gathered into one buffer
+ * (a tile reads rows at a fixed stride), scored as rows × heads tiles against the query's column pairs, and
+ * multiplied into the values as heads × columns tiles against the rows interleaved in pairs; the online
+ * softmax, the parts and their merge are the AVX-512 body's own. Value widths not in 64s keep that body.
  * The body is compiled for AVX-512 BF16 alone (a target pragma) and runs only where the CPU has it;
  * without it, or for other shapes (see selected_rows_fits), the caller keeps its torch path.
  * Registered as torch.ops.dsaserve.attend_selected_rows.
@@ -29,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "cpu_features.h"
 #include "layer_pieces.h"
 
@@ -40,6 +45,7 @@ namespace {
 
 #define BLOCK 64     /* rows per online-softmax step (64 latent rows of 576 bf16: 72 KiB, in L2) */
 #define MAX_DIM 4096 /* bound on the row width, for the zero row standing in for empty entries */
+#define AMX_BLOCK 128 /* rows per online-softmax step with tiles: 128 gathered rows of 576 bf16, 144 KiB */
 
 typedef struct {
     const uint16_t *q;     /* [n, heads, dim] */
@@ -240,12 +246,14 @@ void attend_range(const Job *job, int64_t i, int64_t k_begin, int64_t k_end, Scr
 
 int64_t partial_floats(const Job *job) { return job->heads * (job->value_dim + 2); }
 
-/* Work item `item`: a whole query written out, or one part of a query kept in job->partial. */
-void attend_item(const Job *job, int64_t item, Scratch *s) {
+/* Work item `item`: a whole query written out, or one part of a query kept in job->partial. `attend(i, begin,
+ * end)` leaves query i's running maximum, sum and accumulator over those rows in s. */
+template <class Attend>
+void attend_item(const Job *job, int64_t item, Scratch *s, Attend attend) {
     const int64_t i = item / job->parts, part = item % job->parts;
     const int64_t k_begin = part * job->part_rows;
     const int64_t k_end = job->parts == 1 ? job->width : std::min(job->width, k_begin + job->part_rows);
-    attend_range(job, i, k_begin, k_end, s);
+    attend(i, k_begin, k_end);
     if (job->parts == 1) {
         finish_bf16(job, i, s);
         return;
@@ -302,9 +310,180 @@ bool worker(Job *job) {
         s.rescale = static_cast<float *>(mem[6]);
         const int64_t items = job->n * job->parts;
         for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
-            attend_item(job, item, &s);
+            attend_item(job, item, &s, [&](int64_t i, int64_t a, int64_t b) { attend_range(job, i, a, b, &s); });
     }
     for (int k = 0; k < 7; k++) free(mem[k]);
+    return ok;
+}
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
+
+/* The tile body's buffers, beyond the running maximum, sum and accumulator in `s` (Scratch's, so that the
+ * parts' merge and finish_bf16 read them as they do the AVX-512 body's). */
+typedef struct {
+    Scratch s;
+    int64_t padded_dim;  /* dim in 32s: the columns of a row's tiles */
+    uint16_t *rows;      /* [AMX_BLOCK][padded_dim]: the block's rows, zero past dim and for empty entries */
+    uint16_t *values;    /* [AMX_BLOCK / 2][2 * value_dim]: row pairs' value columns interleaved, unpack order */
+    uint32_t *q_pairs;   /* [heads / 16][padded_dim / 2][16]: lane h holds (q[h][2p], q[h][2p+1]) */
+    float *scores;       /* [heads / 16][AMX_BLOCK][16] */
+    uint32_t *p_tiles;   /* [AMX_BLOCK / 32][16][16]: row h holds (p[h][2j], p[h][2j+1]) for 16 pairs of rows */
+} TileScratch;
+
+/* The block's rows, gathered, and their value columns interleaved in pairs as value_block interleaves them. */
+void gather_block(const Job *job, int64_t i, int64_t k0, int64_t count, int64_t padded, TileScratch *t,
+                  int *valid) {
+    const int64_t D = job->dim, DP = t->padded_dim, V = job->value_dim;
+    for (int64_t r = 0; r < padded; r++) {
+        const uint16_t *src = r < count ? row_of(job, i, k0 + r) : NULL;
+        valid[r] = src != NULL;
+        memcpy(t->rows + r * DP, src ? src : zero_row, D * sizeof(uint16_t));
+    }
+    for (int64_t j = 0; j < padded / 2; j++) {
+        const uint16_t *x = t->rows + 2 * j * DP, *y = x + DP;
+        uint16_t *dst = t->values + j * 2 * V;
+        for (int64_t d0 = 0; d0 < V; d0 += 32) {
+            __m512i a = _mm512_loadu_si512(x + d0), b = _mm512_loadu_si512(y + d0);
+            _mm512_storeu_si512(dst + 2 * d0, _mm512_unpacklo_epi16(a, b));
+            _mm512_storeu_si512(dst + 2 * d0 + 32, _mm512_unpackhi_epi16(a, b));
+        }
+    }
+}
+
+/* scores[g][r][h] = scale · rows[r] · q[16g + h] for 64 rows at a time: accumulators 0-3 are 4 tiles of 16 rows
+ * × 16 heads, tile 4 the heads' column pairs, tiles 5-7 the rows' columns in turn. */
+template <class Tiles>
+void score_tiles(const Job *job, int64_t padded, TileScratch *t) {
+    const int64_t DP = t->padded_dim, steps = DP / 32, stride = DP * 2;
+    for (int64_t g = 0; g < job->heads / 16; g++) {
+        float *scores = t->scores + g * AMX_BLOCK * 16;
+        for (int64_t r0 = 0; r0 < padded; r0 += 64) {
+            Tiles::template zero<0>();
+            Tiles::template zero<1>();
+            Tiles::template zero<2>();
+            Tiles::template zero<3>();
+            const uint16_t *rows = t->rows + r0 * DP;
+            for (int64_t step = 0; step < steps; step++) {
+                Tiles::template load<4>(t->q_pairs + (g * DP / 2 + step * 16) * 16, 64);
+                Tiles::template load<5>(rows + step * 32, stride);
+                Tiles::template dot<0, 5, 4>();
+                Tiles::template load<6>(rows + 16 * DP + step * 32, stride);
+                Tiles::template dot<1, 6, 4>();
+                Tiles::template load<7>(rows + 32 * DP + step * 32, stride);
+                Tiles::template dot<2, 7, 4>();
+                Tiles::template load<5>(rows + 48 * DP + step * 32, stride);
+                Tiles::template dot<3, 5, 4>();
+            }
+            Tiles::template store<0>(scores + r0 * 16, 64);
+            Tiles::template store<1>(scores + (r0 + 16) * 16, 64);
+            Tiles::template store<2>(scores + (r0 + 32) * 16, 64);
+            Tiles::template store<3>(scores + (r0 + 48) * 16, 64);
+        }
+        const __m512 scale = _mm512_set1_ps(job->scale);
+        for (int64_t r = 0; r < padded; r++) _mm512_store_ps(scores + r * 16, _mm512_mul_ps(_mm512_load_ps(scores + r * 16), scale));
+    }
+}
+
+/* acc[16g + h] = acc[16g + h] · rescale[h] + Σ_r p[h][r] · rows[r][:V]: accumulators 0-3 are 4 tiles of 16 heads
+ * × 16 value columns (loaded from and stored back to acc), tile 4 the probabilities of 32 rows, tiles 5-7 the
+ * rows' interleaved value columns in turn. */
+template <class Tiles>
+void value_tiles(const Job *job, int64_t g, int64_t padded, TileScratch *t) {
+    const int64_t V = job->value_dim, stride = V * 4;
+    float *acc = t->s.acc + g * 16 * V;
+    bool rescaled = false;
+    for (int h = 0; h < 16; h++) rescaled |= t->s.rescale[h] != 1.f;
+    if (rescaled)
+        for (int64_t h = 0; h < 16; h++) {
+            const __m512 r = _mm512_set1_ps(t->s.rescale[h]);
+            for (int64_t d = 0; d < V; d += 16)
+                _mm512_store_ps(acc + h * V + d, _mm512_mul_ps(_mm512_load_ps(acc + h * V + d), r));
+        }
+    for (int64_t c0 = 0; c0 < V / 16; c0 += 4) { /* tiles of 16 columns, in unpack order (see finish_bf16) */
+        Tiles::template load<0>(acc + c0 * 16, stride);
+        Tiles::template load<1>(acc + (c0 + 1) * 16, stride);
+        Tiles::template load<2>(acc + (c0 + 2) * 16, stride);
+        Tiles::template load<3>(acc + (c0 + 3) * 16, stride);
+        for (int64_t k = 0; k < padded / 32; k++) {
+            const uint16_t *values = t->values + k * 16 * 2 * V + c0 * 32;
+            Tiles::template load<4>(t->p_tiles + k * 256, 64);
+            Tiles::template load<5>(values, stride);
+            Tiles::template dot<0, 4, 5>();
+            Tiles::template load<6>(values + 32, stride);
+            Tiles::template dot<1, 4, 6>();
+            Tiles::template load<7>(values + 64, stride);
+            Tiles::template dot<2, 4, 7>();
+            Tiles::template load<5>(values + 96, stride);
+            Tiles::template dot<3, 4, 5>();
+        }
+        Tiles::template store<0>(acc + c0 * 16, stride);
+        Tiles::template store<1>(acc + (c0 + 1) * 16, stride);
+        Tiles::template store<2>(acc + (c0 + 2) * 16, stride);
+        Tiles::template store<3>(acc + (c0 + 3) * 16, stride);
+    }
+}
+
+/* attend_range with tiles: query i over its selected rows [k_begin, k_end), AMX_BLOCK rows a step. */
+template <class Tiles>
+void attend_range_tiles(const Job *job, int64_t i, int64_t k_begin, int64_t k_end, TileScratch *t) {
+    const int64_t H = job->heads, D = job->dim, DP = t->padded_dim, V = job->value_dim;
+    const uint16_t *q = job->q + i * job->q_stride;
+    memset(t->q_pairs, 0, (H / 16) * (DP / 2) * 64);
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t p = 0; p < D / 2; p++)
+            t->q_pairs[((h / 16) * (DP / 2) + p) * 16 + h % 16] = ((const uint32_t *)(q + h * D))[p];
+    for (int64_t h = 0; h < H; h++) {
+        t->s.maximum[h] = -INFINITY;
+        t->s.total[h] = 0.f;
+    }
+    memset(t->s.acc, 0, H * V * sizeof(float));
+    int valid[AMX_BLOCK];
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += AMX_BLOCK) {
+        const int64_t count = std::min<int64_t>(k_end - k0, AMX_BLOCK), padded = (count + 63) & ~(int64_t)63;
+        gather_block(job, i, k0, count, padded, t, valid);
+        for (int64_t r = 0; r < count && k0 + AMX_BLOCK + r < k_end; r++) { /* the next block's rows, ahead */
+            const char *next = (const char *)row_of(job, i, k0 + AMX_BLOCK + r);
+            if (next)
+                for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+        }
+        score_tiles<Tiles>(job, padded, t);
+        for (int64_t g = 0; g < H / 16; g++) {
+            softmax_block(t->scores + g * AMX_BLOCK * 16, valid, padded, t->s.maximum + g * 16, t->s.total + g * 16,
+                          t->s.pairs, t->s.rescale);
+            for (int64_t k = 0; k < padded / 32; k++) /* probabilities as heads × row pairs */
+                for (int64_t j = 0; j < 16; j++)
+                    for (int64_t h = 0; h < 16; h++) t->p_tiles[(k * 16 + h) * 16 + j] = t->s.pairs[(k * 16 + j) * 16 + h];
+            value_tiles<Tiles>(job, g, padded, t);
+        }
+    }
+}
+
+template <class Tiles>
+bool worker_tiles(Job *job) {
+    TileScratch t = {};
+    t.padded_dim = (job->dim + 31) / 32 * 32;
+    const int64_t H = job->heads, V = job->value_dim;
+    const size_t sizes[9] = {(size_t)H * V * 4, (size_t)H * 4, (size_t)H * 4, (size_t)AMX_BLOCK / 2 * 16 * 4, 64,
+                             (size_t)AMX_BLOCK * t.padded_dim * 2, (size_t)AMX_BLOCK * V * 2,
+                             (size_t)(H / 16) * (t.padded_dim / 2) * 64, (size_t)(H / 16) * AMX_BLOCK * 16 * 4};
+    void *mem[10] = {0};
+    bool ok = true;
+    for (int k = 0; k < 9; k++) ok = ok && !posix_memalign(&mem[k], 64, sizes[k]);
+    ok = ok && !posix_memalign(&mem[9], 64, AMX_BLOCK / 32 * 256 * 4);
+    if (ok) {
+        t.s.acc = (float *)mem[0], t.s.maximum = (float *)mem[1], t.s.total = (float *)mem[2];
+        t.s.pairs = (uint32_t *)mem[3], t.s.rescale = (float *)mem[4];
+        t.rows = (uint16_t *)mem[5], t.values = (uint16_t *)mem[6], t.q_pairs = (uint32_t *)mem[7];
+        t.scores = (float *)mem[8], t.p_tiles = (uint32_t *)mem[9];
+        memset(t.rows, 0, sizes[5]); /* the columns past dim stay zero */
+        Tiles::configure();
+        const int64_t items = job->n * job->parts;
+        for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
+            attend_item(job, item, &t.s, [&](int64_t i, int64_t a, int64_t b) { attend_range_tiles<Tiles>(job, i, a, b, &t); });
+        Tiles::release();
+    }
+    for (int k = 0; k < 10; k++) free(mem[k]);
     return ok;
 }
 #pragma GCC pop_options
@@ -343,9 +522,15 @@ void attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at:
                part_rows, parts > 1 ? partial.data_ptr<float>() : nullptr, 0};
     std::atomic<bool> failed{false};
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n * parts));
+    const auto mode = value_dim % 64 == 0 ? dsaserve::amx_mode() : dsaserve::AmxMode::off;
+    if (mode != dsaserve::AmxMode::off) dsaserve::amx_tile_calls()++;
     at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
-        for (int64_t w = a; w < b; ++w)
-            if (!worker(&job)) failed = true;
+        for (int64_t w = a; w < b; ++w) {
+            bool ok = mode == dsaserve::AmxMode::hardware   ? worker_tiles<dsaserve::HwTiles>(&job)
+                      : mode == dsaserve::AmxMode::emulated ? worker_tiles<dsaserve::EmuTiles>(&job)
+                                                            : worker(&job);
+            if (!ok) failed = true;
+        }
     });
     TORCH_CHECK(!failed, "attend_selected_rows: could not allocate scratch memory");
     if (parts > 1)

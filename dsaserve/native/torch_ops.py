@@ -7,8 +7,9 @@ the CPU: the packed-weight products (quant_linear.cpp), the sparse per-query att
 top-k (topk.cpp) and a decode batch's selection made of them (decode_selection.cpp), the small per-token
 operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp, latent_write.cpp, moe_route.cpp,
 mla_projections.cpp, context_slots.cpp), and a decoder layer's decode step chained from those in two
-halves, with runs of layers in one call (decode_layer.cpp). The sources pick their AVX-512 bodies at run time from the CPU's flags and have
-portable ones for other CPUs. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False and
+halves, with runs of layers in one call (decode_layer.cpp). The sources pick their AVX-512 bodies at run time
+from the CPU's flags and have portable ones for other CPUs; the sparse attention and indexer scores also have
+AMX tile bodies, which amx.py turns on at load where the CPU has AMX and they agree with the AVX-512 ones. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False and
 callers keep their torch path.
 """
 
@@ -64,6 +65,9 @@ def load() -> bool:
         return False
     _register_fakes()
     _loaded = True
+    from dsaserve.native import amx
+
+    amx.choose_at_load()
     return True
 
 

@@ -1,0 +1,110 @@
+"""Whether the sparse path's kernels use AMX tiles in this process (native/amx_tiles.h).
+
+Where the CPU has AMX-BF16 (and Linux grants the tile registers), the selected-rows attention and the
+indexer's scores take their tile bodies, but only after those have been compared here, once, with their
+AVX-512 bodies on small problems: a CPU or kernel that disagrees keeps the AVX-512 bodies, with a warning.
+DSASERVE_AMX=0 keeps them off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from dsaserve.native.index_scores import pack_keys, packed_size
+
+logger = logging.getLogger(__name__)
+
+# How far the tile bodies may be from the AVX-512 ones: both add bf16 products in fp32, in different orders.
+CHECK_TOLERANCE = 2e-2
+_state: str | None = None
+
+
+def mode() -> str:
+    """'hardware', 'emulated' (tests only) or 'off'; 'off' when the operators are not built."""
+    from dsaserve.native import torch_ops
+
+    return torch.ops.dsaserve.amx_mode() if torch_ops.load() else "off"
+
+
+def set_mode(name: str) -> str:
+    """Sets the mode ('off', 'hardware', 'emulated') and returns the previous one."""
+    return torch.ops.dsaserve.set_amx_mode(name)
+
+
+def state() -> str:
+    """What `dsaserve doctor` says: why the tile bodies run or not (after choose_at_load)."""
+    return _state or "not chosen (operators not loaded)"
+
+
+def choose_at_load() -> None:
+    """Called once when the operators load: the hardware tile bodies where available and in agreement."""
+    global _state
+    if os.environ.get("DSASERVE_AMX", "1") == "0":
+        _state = "off (DSASERVE_AMX=0)"
+        return
+    if not torch.ops.dsaserve.amx_available():
+        _state = "off (no AMX-BF16 on this CPU, or Linux did not grant the tile registers)"
+        return
+    disagreement = tile_disagreement("hardware")
+    if disagreement is None:
+        set_mode("hardware")
+        _state = "on (AMX-BF16 tiles, checked against the AVX-512 kernels at load)"
+        logger.info("sparse kernels: using AMX tiles")
+        return
+    _state = f"off (the AMX tile kernels disagreed with the AVX-512 ones at load: {disagreement})"
+    logger.warning("sparse kernels: %s", _state)
+
+
+def tile_disagreement(tiles: str) -> str | None:
+    """Runs both kernels in mode `tiles` and in 'off' on small seeded problems; None when they agree within
+    CHECK_TOLERANCE, else which kernel differed and by how much. Leaves the mode as it found it."""
+    generator = torch.Generator().manual_seed(0)
+    problems = {"attend_selected_rows": _attention_problem(generator), "index_scores": _index_problem(generator)}
+    previous = set_mode("off")
+    try:
+        for name, run in problems.items():
+            reference = run()
+            set_mode(tiles)
+            try:
+                result = run()
+            finally:
+                set_mode("off")
+            error = float((result.float() - reference.float()).abs().max() / reference.float().abs().max())
+            if not error <= CHECK_TOLERANCE:
+                return f"{name} off by {error:.3g} of its largest value"
+        return None
+    finally:
+        set_mode(previous)
+
+
+def _attention_problem(generator: torch.Generator):
+    heads, dim, value_dim, width = 32, 96, 64, 200
+    q = torch.randn(3, heads, dim, generator=generator).bfloat16()
+    rows = torch.randn(500, dim, generator=generator).bfloat16()
+    slots = torch.randint(0, 500, (3, width), generator=generator)
+    slots[1, 7] = -1
+
+    def run():
+        out = torch.empty(3, heads, value_dim, dtype=torch.bfloat16)
+        torch.ops.dsaserve.attend_selected_rows(q, rows, slots, dim ** -0.5, out)
+        return out
+
+    return run
+
+
+def _index_problem(generator: torch.Generator):
+    heads, dim, keys = 32, 64, 300
+    q = torch.randn(2, heads, dim, generator=generator).bfloat16()
+    weights = torch.rand(2, heads, generator=generator)
+    key_rows = torch.randn(keys, dim, generator=generator).bfloat16()
+    packed = pack_keys(key_rows, torch.empty(packed_size(keys, dim), dtype=torch.int32))
+
+    def run():
+        out = torch.zeros(2, keys)
+        torch.ops.dsaserve.index_scores(q, weights, packed, keys, out)
+        return out
+
+    return run

@@ -1,0 +1,192 @@
+// AMX tiles for the sparse path's kernels (selected_rows.cpp, index_scores.cpp): eight registers of 16 rows ×
+// 64 bytes and one instruction, tdpbf16ps, that adds the product of a 16 × 32 bf16 tile and a 32 × 16 one (kept
+// as 16 rows of column pairs) into a 16 × 16 fp32 tile.
+//
+// The kernels are templates over a Tiles type with one interface in two forms: HwTiles issues the instructions;
+// EmuTiles computes the same products in plain C++ on a per-thread copy of the registers and checks each
+// operation's shapes as the CPU would. The emulated form lets the kernels' layouts and loops run, and be
+// tested, on CPUs without AMX; it is never chosen by default. Which form runs (or neither) is a process-wide
+// mode (amx_mode.cpp's operators): `off` until dsaserve/native/amx.py has compared the hardware form with the
+// AVX-512 kernels on this CPU.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_features.h"
+
+#if DSASERVE_X86
+#include <immintrin.h>
+#endif
+
+namespace dsaserve {
+
+enum class AmxMode : int { off = 0, hardware = 1, emulated = 2 };
+
+inline std::atomic<int>& amx_mode_slot() {
+    static std::atomic<int> mode{static_cast<int>(AmxMode::off)};
+    return mode;
+}
+
+inline AmxMode amx_mode() { return static_cast<AmxMode>(amx_mode_slot().load(std::memory_order_relaxed)); }
+
+// Kernel calls that took a tile body (either form) since load: what tests and doctor read to see them used.
+inline std::atomic<int64_t>& amx_tile_calls() {
+    static std::atomic<int64_t> calls{0};
+    return calls;
+}
+
+// LDTILECFG's 64 bytes: palette 1, then bytes per row and rows for each of up to 16 tiles.
+struct TileConfig {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+// Every kernel uses all eight tiles at full size: 16 rows of 64 bytes (16 fp32, or 16 pairs of bf16).
+inline TileConfig full_tiles() {
+    TileConfig c;
+    std::memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    return c;
+}
+
+constexpr int kTileRows = 16;
+constexpr int kTileBytes = 64;
+
+#if DSASERVE_X86
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
+// The instructions take tile numbers as immediates: each operation is a switch the compiler folds away.
+#define DSASERVE_TILES_0_7(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+struct HwTiles {
+    static void configure() {
+        const TileConfig c = full_tiles();
+        _tile_loadconfig(&c);
+    }
+    static void release() { _tile_release(); }
+    template <int T>
+    static void zero() {
+        switch (T) {
+#define DSASERVE_ZERO(t) case t: _tile_zero(t); break;
+            DSASERVE_TILES_0_7(DSASERVE_ZERO)
+#undef DSASERVE_ZERO
+        }
+    }
+    template <int T>
+    static void load(const void* base, int64_t stride) {
+        switch (T) {
+#define DSASERVE_LOAD(t) case t: _tile_loadd(t, base, stride); break;
+            DSASERVE_TILES_0_7(DSASERVE_LOAD)
+#undef DSASERVE_LOAD
+        }
+    }
+    template <int T>
+    static void store(void* base, int64_t stride) {
+        switch (T) {
+#define DSASERVE_STORE(t) case t: _tile_stored(t, base, stride); break;
+            DSASERVE_TILES_0_7(DSASERVE_STORE)
+#undef DSASERVE_STORE
+        }
+    }
+    // C += A · B: the kernels' accumulators are tiles 0-3, one operand is tile 4 and the other 5, 6 or 7.
+    template <int C, int A, int B>
+    static void dot() {
+        static_assert(C >= 0 && C < 4 && ((A == 4 && B >= 5 && B < 8) || (B == 4 && A >= 5 && A < 8)),
+                      "the kernels' tile roles: accumulators 0-3, operands 4 and 5-7");
+        switch (C * 64 + A * 8 + B) {
+#define DSASERVE_DOT(c, a, b) case c * 64 + a * 8 + b: _tile_dpbf16ps(c, a, b); break;
+#define DSASERVE_DOTS(c) DSASERVE_DOT(c, 4, 5) DSASERVE_DOT(c, 4, 6) DSASERVE_DOT(c, 4, 7) \
+                         DSASERVE_DOT(c, 5, 4) DSASERVE_DOT(c, 6, 4) DSASERVE_DOT(c, 7, 4)
+            DSASERVE_DOTS(0) DSASERVE_DOTS(1) DSASERVE_DOTS(2) DSASERVE_DOTS(3)
+#undef DSASERVE_DOTS
+#undef DSASERVE_DOT
+        }
+    }
+};
+#undef DSASERVE_TILES_0_7
+#pragma GCC pop_options
+#endif
+
+// The same operations on a per-thread copy of the registers, with the CPU's shape rules checked (a breach
+// would fault on the hardware): tdpbf16ps as the instruction set reference gives it, each pair of products
+// added in fp32 (the hardware also treats bf16 denormals as zero; the kernels' tests allow for rounding).
+struct EmuTiles {
+    struct State {
+        alignas(64) uint8_t tile[8][kTileRows][kTileBytes];
+        TileConfig config;
+        bool configured = false;
+    };
+    static State& state() {
+        thread_local State s;
+        return s;
+    }
+    static void require(bool ok, const char* what);
+    static void configure() {
+        State& s = state();
+        s.config = full_tiles();
+        s.configured = true;
+        std::memset(s.tile, 0, sizeof(s.tile));
+    }
+    static void release() { state().configured = false; }
+    template <int T>
+    static void zero() {
+        require(state().configured, "tile zero before configure");
+        std::memset(state().tile[T], 0, sizeof(state().tile[T]));
+    }
+    template <int T>
+    static void load(const void* base, int64_t stride) {
+        State& s = state();
+        require(s.configured, "tile load before configure");
+        for (int r = 0; r < s.config.rows[T]; ++r)
+            std::memcpy(s.tile[T][r], static_cast<const uint8_t*>(base) + r * stride, s.config.colsb[T]);
+    }
+    template <int T>
+    static void store(void* base, int64_t stride) {
+        State& s = state();
+        require(s.configured, "tile store before configure");
+        for (int r = 0; r < s.config.rows[T]; ++r)
+            std::memcpy(static_cast<uint8_t*>(base) + r * stride, s.tile[T][r], s.config.colsb[T]);
+    }
+    template <int C, int A, int B>
+    static void dot() {
+        static_assert(C != A && C != B && A != B, "tdpbf16ps needs three different tiles");
+        State& s = state();
+        const TileConfig& c = s.config;
+        require(s.configured, "tile product before configure");
+        require(c.rows[A] == c.rows[C] && c.colsb[A] / 4 == c.rows[B] && c.colsb[B] == c.colsb[C],
+                "tile product with shapes that do not fit");
+        for (int m = 0; m < c.rows[C]; ++m)
+            for (int n = 0; n < c.colsb[C] / 4; ++n) {
+                float acc;
+                std::memcpy(&acc, &s.tile[C][m][4 * n], 4);
+                for (int k = 0; k < c.colsb[A] / 4; ++k) {
+                    acc += bf16(s.tile[A][m] + 4 * k) * bf16(s.tile[B][k] + 4 * n);
+                    acc += bf16(s.tile[A][m] + 4 * k + 2) * bf16(s.tile[B][k] + 4 * n + 2);
+                }
+                std::memcpy(&s.tile[C][m][4 * n], &acc, 4);
+            }
+    }
+    static float bf16(const uint8_t* p) {
+        uint16_t h;
+        std::memcpy(&h, p, 2);
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        return f;
+    }
+};
+
+// True where the CPU has AMX-BF16 and the kernel lets this process use the tile registers (asked once).
+bool amx_available();
+
+}  // namespace dsaserve
