@@ -11,6 +11,9 @@
   from a paged key cache kept in their kernel's layout: a prefill tile (64 queries × 2,048 keys) and a decode
   query (1 × 32,768 keys); the two kernels take turns.
 - top-k: 64 rows of 16K fp32 scores, k = 2,048, unsorted.
+- AMX tiles (only on a CPU with AMX-BF16): the tile bodies of the selected rows (GLM-5.2's 64 heads, a prefill
+  tile of 64 queries and a decode query, 2,048 rows each) and of the indexer scores (a prefill tile and a decode
+  query, keys read in place) against the AVX-512 bodies, taking turns.
 Medians of repeated calls; it prints ms per call (µs per query for selected rows).
 """
 
@@ -113,6 +116,46 @@ def bench_topk(g: torch.Generator) -> None:
     print(f"top-k           native {native:7.2f} ms         torch {median_ms(lambda: scores.topk(2048, dim=1, sorted=False)):7.2f} ms")
 
 
+def bench_amx_tiles(g: torch.Generator) -> None:
+    from dsaserve.attention.indexer_cache import IndexerKeyCache
+    from dsaserve.native import amx
+
+    if not torch.ops.dsaserve.amx_available():
+        print("AMX tiles: no AMX-BF16 on this CPU (or Linux did not grant the tile registers)")
+        return
+    heads, dim, value_dim, width, pool = 64, 576, 512, 2048, 32768
+    rows = torch.randn(pool, dim, generator=g).bfloat16()
+    paths = {}
+    for n in (64, 1):
+        q = torch.randn(n, heads, dim, generator=g).bfloat16()
+        slots = torch.stack([torch.randperm(pool, generator=g)[:width] for _ in range(n)])
+        out = torch.empty(n, heads, value_dim, dtype=torch.bfloat16)
+        paths[f"selected rows, {n} x {width} rows (us/query)"] = (
+            n, lambda q=q, slots=slots, out=out: selected_rows.attend_selected_rows(q, rows, slots, 0.04, out))
+    index_heads, index_dim, block_size = 32, 128, 64
+    for t, keys in ((64, 2048), (1, 32768)):
+        cache = IndexerKeyCache(keys // block_size, block_size, index_dim, "auto", torch.bfloat16, torch.device("cpu"),
+                                packed=True)
+        cache.write(torch.arange(keys), torch.randn(keys, index_dim, generator=g).bfloat16())
+        q = torch.randn(t, index_heads, index_dim, generator=g).bfloat16()
+        weights, table, out = torch.rand(t, index_heads, generator=g), torch.randperm(keys // block_size), torch.empty(t, keys)
+        paths[f"indexer scores, {t} x {keys} keys (ms)"] = (
+            0, lambda q=q, weights=weights, cache=cache, table=table, keys=keys, out=out:
+            index_scores.index_scores_blocks(q, weights, cache.groups, table, keys, out))
+    previous = amx.set_mode("off")
+    try:
+        for name, (per, fn) in paths.items():
+            times = {"avx512": [], "tiles": []}
+            for turn in range(10):  # taking turns, so that both see the same minutes of a noisy machine
+                for form in (("avx512", "tiles") if turn % 2 else ("tiles", "avx512")):
+                    amx.set_mode("hardware" if form == "tiles" else "off")
+                    times[form].append(median_ms(fn, repeats=3) * (1e3 / per if per else 1))
+            avx512, tiles = statistics.median(times["avx512"]), statistics.median(times["tiles"])
+            print(f"AMX tiles       {name}: AVX-512 {avx512:8.2f}, tiles {tiles:8.2f} ({avx512 / tiles:.2f}x)")
+    finally:
+        amx.set_mode(previous)
+
+
 def main() -> None:
     if not (selected_rows.has_bf16_kernel() and index_scores.fits(32, 128)):
         raise SystemExit("the native kernels are not built here (they need a C compiler and AVX-512 BF16)")
@@ -122,6 +165,7 @@ def main() -> None:
     bench_index_scores(g)
     bench_index_scores_int8(g)
     bench_topk(g)
+    bench_amx_tiles(g)
 
 
 if __name__ == "__main__":
