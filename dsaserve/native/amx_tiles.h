@@ -67,10 +67,14 @@ constexpr int kTileBytes = 64;
 #pragma GCC target("amx-tile,amx-bf16")
 
 // The instructions take tile numbers as immediates: each operation is a switch the compiler folds away.
+// GCC's tile load (and ldtilecfg, which it tells reads 8 of the 64 bytes) has no memory clobber: nothing stops
+// the compiler from delaying or dropping stores that only the tile load reads (a buffer filled just before). A
+// compiler barrier before each makes every earlier store land first; the tile store has its own.
 #define DSASERVE_TILES_0_7(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 struct HwTiles {
     static void configure() {
-        const TileConfig c = full_tiles();
+        alignas(64) TileConfig c = full_tiles();
+        __asm__ volatile("" ::: "memory");
         _tile_loadconfig(&c);
     }
     static void release() { _tile_release(); }
@@ -84,6 +88,7 @@ struct HwTiles {
     }
     template <int T>
     static void load(const void* base, int64_t stride) {
+        __asm__ volatile("" ::: "memory");
         switch (T) {
 #define DSASERVE_LOAD(t) case t: _tile_loadd(t, base, stride); break;
             DSASERVE_TILES_0_7(DSASERVE_LOAD)
