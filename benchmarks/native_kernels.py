@@ -11,9 +11,9 @@
   from a paged key cache kept in their kernel's layout: a prefill tile (64 queries × 2,048 keys) and a decode
   query (1 × 32,768 keys); the two kernels take turns.
 - top-k: 64 rows of 16K fp32 scores, k = 2,048, unsorted.
-- AMX tiles (only on a CPU with AMX-BF16): the tile bodies of the selected rows (GLM-5.2's 64 heads, a prefill
+- AMX tiles (only on a CPU with AMX-BF16 and AMX-INT8): the tile bodies of the selected rows (GLM-5.2's 64 heads, a prefill
   tile of 64 queries and a decode query, 2,048 rows each) and of the indexer scores (a prefill tile and a decode
-  query, keys read in place) against the AVX-512 bodies, taking turns.
+  query, bf16 and int8 keys read in place) against the AVX-512 bodies, taking turns.
 Medians of repeated calls; it prints ms per call (µs per query for selected rows).
 """
 
@@ -121,7 +121,7 @@ def bench_amx_tiles(g: torch.Generator) -> None:
     from dsaserve.native import amx
 
     if not torch.ops.dsaserve.amx_available():
-        print("AMX tiles: no AMX-BF16 on this CPU (or Linux did not grant the tile registers)")
+        print("AMX tiles: no AMX-BF16 and AMX-INT8 on this CPU (or Linux did not grant the tile registers)")
         return
     heads, dim, value_dim, width, pool = 64, 576, 512, 2048, 32768
     rows = torch.randn(pool, dim, generator=g).bfloat16()
@@ -142,6 +142,12 @@ def bench_amx_tiles(g: torch.Generator) -> None:
         paths[f"indexer scores, {t} x {keys} keys (ms)"] = (
             0, lambda q=q, weights=weights, cache=cache, table=table, keys=keys, out=out:
             index_scores.index_scores_blocks(q, weights, cache.groups, table, keys, out))
+        int8 = IndexerKeyCache(keys // block_size, block_size, index_dim, "int8", torch.bfloat16, torch.device("cpu"),
+                               packed=True)
+        int8.write(torch.arange(keys), torch.randn(keys, index_dim, generator=g).bfloat16())
+        paths[f"indexer scores, int8 keys, {t} x {keys} keys (ms)"] = (
+            0, lambda q=q, weights=weights, cache=int8, table=table, keys=keys, out=out:
+            index_scores.index_scores_int8_blocks(q, weights, cache.int8_groups, cache.scale, table, keys, out))
     previous = amx.set_mode("off")
     try:
         for name, (per, fn) in paths.items():

@@ -59,7 +59,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
     lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
     lines.append(f"indexer kernels: {_index_scores_path(cfg)}")
-    lines.append(f"AMX tiles for those two: {_amx_line(cfg)}")
+    lines.append(f"AMX tiles for those kernels: {_amx_line(cfg)}")
     lines.append(f"weight products: {_weight_kernel_path()}")
     lines.append(f"weight memory: {_weight_pages()}")
     dense = sum(t == "dense" for t in cfg.mlp_layer_types)
@@ -151,8 +151,10 @@ def _amx_line(cfg: ModelConfig) -> str:
         takes.append("attention")
     if cfg.index_n_heads % 16 == 0 and cfg.index_head_dim % 32 == 0:
         takes.append("indexer scores (bf16 keys)")
+    if cfg.index_n_heads % 16 == 0 and cfg.index_head_dim % 64 == 0:
+        takes.append("int8 indexer keys")
     shapes = (f"this checkpoint's shapes fit: {', '.join(takes)}" if takes else
-              "this checkpoint's shapes fit neither (rank in 64s; indexer heads in 16s and dims in 32s)")
+              "this checkpoint's shapes fit none (rank in 64s; indexer heads in 16s and dims in 32s, 64s for int8 keys)")
     return f"{amx.state()}; {shapes}"
 
 

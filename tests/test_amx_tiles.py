@@ -1,7 +1,7 @@
 """The AMX tile bodies of the sparse kernels (native/amx_tiles.h, selected_rows.cpp, index_scores.cpp).
 
 Each test runs them emulated (the tile operations in C++, their shape rules checked; any CPU with AVX-512 BF16)
-and on the hardware (skipped with the reason on a CPU without AMX-BF16), against fp32 computations and against
+and on the hardware (skipped with the reason on a CPU without AMX-BF16 and AMX-INT8), against fp32 computations and against
 the AVX-512 bodies, and checks which shapes keep the AVX-512 bodies and how the mode is chosen at load."""
 
 import contextlib
@@ -20,21 +20,26 @@ pytestmark = pytest.mark.skipif(not has_bf16_kernel(), reason="the tile bodies' 
 
 TILE_FORMS = ["emulated", pytest.param("hardware", marks=pytest.mark.skipif(
     not (torch_ops.load() and torch.ops.dsaserve.amx_available()),
-    reason="no AMX-BF16 on this CPU (lscpu: amx_bf16), or Linux did not grant the tile registers"))]
+    reason="no AMX-BF16 and AMX-INT8 on this CPU (lscpu: amx_bf16, amx_int8), or Linux did not grant the "
+           "tile registers"))]
 
 
 @contextlib.contextmanager
-def tiles(form: str):
+def tiles(form: str, expect_tiles: bool = True):
+    """Runs the block with the kernels in `form`; checks that a tile body ran in it (or, for 'off' or
+    expect_tiles=False, that none did), so that no test passes by never reaching the tiles."""
     previous = amx.set_mode(form)
+    calls = torch.ops.dsaserve.amx_tile_calls()
     try:
         yield
     finally:
         amx.set_mode(previous)
+    assert (torch.ops.dsaserve.amx_tile_calls() > calls) == (expect_tiles and form != "off")
 
 
 def attend(form, query, rows, slots, value_dim, scale=0.2):
     out = torch.zeros(query.shape[0], query.shape[1], query.shape[2], dtype=torch.bfloat16)
-    with tiles(form):
+    with tiles(form, expect_tiles=value_dim % 64 == 0):
         assert attend_selected_rows(query, rows, slots, scale, out[..., :value_dim])
     return out
 
@@ -117,6 +122,38 @@ def test_tile_index_scores_read_a_paged_cache_in_place(form):
     assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
+def int8_cache(seed, dim, keys, block_size=64):
+    from dsaserve.attention.indexer_cache import IndexerKeyCache
+
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-keys // block_size) + 3
+    cache = IndexerKeyCache(blocks, block_size, dim, "int8", torch.bfloat16, torch.device("cpu"), packed=True)
+    table = torch.randperm(blocks, generator=g)[: -(-keys // block_size)]  # scrambled, the last block partly filled
+    positions = torch.arange(keys)
+    cache.write(table[positions // block_size] * block_size + positions % block_size,
+                torch.randn(keys, dim, generator=g).bfloat16())
+    return cache, table
+
+
+@pytest.mark.skipif(not native_scores.fits_int8(16, 64), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)")
+@pytest.mark.parametrize("form", TILE_FORMS)
+@pytest.mark.parametrize("heads, dim, keys, n", [(16, 64, 300, 3), (32, 128, 1000, 2), (16, 128, 4100, 1)])
+def test_tile_int8_index_scores_are_the_vnni_bodys_bits(form, heads, dim, keys, n):
+    """Integer sums are exact and the heads are added in the same order: the tile body's scores are the VNNI
+    body's, bit for bit (which tests/test_long_context.py checks against the rounded-query formula)."""
+    cache, table = int8_cache(heads + keys, dim, keys)
+    g = torch.Generator().manual_seed(keys)
+    q = (torch.randn(n, heads, dim, generator=g) * torch.rand(n, heads, 1, generator=g)).bfloat16()
+    weights = torch.rand(n, heads, generator=g)
+    outs = {}
+    for each in (form, "off"):
+        outs[each] = torch.full((n, keys + 3), -7.0)
+        with tiles(each):
+            native_scores.index_scores_int8_blocks(q, weights, cache.int8_groups, cache.scale, table, keys, outs[each])
+    assert torch.equal(outs[form], outs["off"])
+    assert (outs[form][:, keys:] == -7).all() and outs[form][:, :keys].abs().sum() > 0
+
+
 def test_index_shapes_not_in_whole_tiles_keep_the_avx512_body():
     for heads, dim in ((8, 64), (16, 48)):
         q, weights, key_rows, _ = index_case(2, 2, heads, dim, 100)
@@ -124,7 +161,7 @@ def test_index_shapes_not_in_whole_tiles_keep_the_avx512_body():
         outs = []
         for form in ("emulated", "off"):
             outs.append(torch.empty(2, 100))
-            with tiles(form):
+            with tiles(form, expect_tiles=False):
                 native_scores.index_scores(q, weights, packed, 100, outs[-1])
         assert torch.equal(*outs), (heads, dim)
 
@@ -166,10 +203,7 @@ def test_a_bf16_engine_generates_with_tile_kernels_what_it_generates_without(mak
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         return [o.outputs[0] for o in outs]
 
-    calls = torch.ops.dsaserve.amx_tile_calls()
-    with_tiles = run("emulated")
-    assert torch.ops.dsaserve.amx_tile_calls() > calls
-    without = run("off")
+    with_tiles, without = run("emulated"), run("off")  # tiles() checks that the tile bodies ran, or did not
     for a, b in zip(with_tiles, without):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs):

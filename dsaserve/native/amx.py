@@ -1,7 +1,7 @@
 """Whether the sparse path's kernels use AMX tiles in this process (native/amx_tiles.h).
 
-Where the CPU has AMX-BF16 (and Linux grants the tile registers), the selected-rows attention and the
-indexer's scores take their tile bodies, but only after those have been compared here, once, with their
+Where the CPU has AMX-BF16 and AMX-INT8 (and Linux grants the tile registers), the selected-rows attention
+and the indexer's scores (bf16 keys, and int8 keys kept in the int8 kernel's layout) take their tile bodies, but only after those have been compared here, once, with their
 AVX-512 bodies on small problems: a CPU or kernel that disagrees keeps the AVX-512 bodies, with a warning.
 DSASERVE_AMX=0 keeps them off.
 """
@@ -46,12 +46,12 @@ def choose_at_load() -> None:
         _state = "off (DSASERVE_AMX=0)"
         return
     if not torch.ops.dsaserve.amx_available():
-        _state = "off (no AMX-BF16 on this CPU, or Linux did not grant the tile registers)"
+        _state = "off (no AMX-BF16 and AMX-INT8 on this CPU, or Linux did not grant the tile registers)"
         return
     disagreement = tile_disagreement("hardware")
     if disagreement is None:
         set_mode("hardware")
-        _state = "on (AMX-BF16 tiles, checked against the AVX-512 kernels at load)"
+        _state = "on (AMX tiles, checked against the AVX-512 kernels at load)"
         logger.info("sparse kernels: using AMX tiles")
         return
     _state = f"off (the AMX tile kernels disagreed with the AVX-512 ones at load: {disagreement})"
@@ -63,6 +63,8 @@ def tile_disagreement(tiles: str) -> str | None:
     CHECK_TOLERANCE, else which kernel differed and by how much. Leaves the mode as it found it."""
     generator = torch.Generator().manual_seed(0)
     problems = {"attend_selected_rows": _attention_problem(generator), "index_scores": _index_problem(generator)}
+    if torch.ops.dsaserve.index_scores_int8_fits(16, 128):
+        problems["index_scores_int8_blocks"] = _int8_index_problem(generator)
     previous = set_mode("off")
     try:
         for name, run in problems.items():
@@ -105,6 +107,25 @@ def _index_problem(generator: torch.Generator):
     def run():
         out = torch.zeros(2, keys)
         torch.ops.dsaserve.index_scores(q, weights, packed, keys, out)
+        return out
+
+    return run
+
+
+def _int8_index_problem(generator: torch.Generator):
+    from dsaserve.attention.indexer_cache import IndexerKeyCache
+
+    heads, dim, block_size, keys = 16, 128, 64, 300
+    blocks = -(-keys // block_size)
+    cache = IndexerKeyCache(blocks, block_size, dim, "int8", torch.bfloat16, torch.device("cpu"), packed=True)
+    cache.write(torch.arange(keys), torch.randn(keys, dim, generator=generator).bfloat16())
+    q = torch.randn(2, heads, dim, generator=generator).bfloat16()
+    weights = torch.rand(2, heads, generator=generator)
+    table = torch.randperm(blocks, generator=generator)
+
+    def run():
+        out = torch.zeros(2, keys)
+        torch.ops.dsaserve.index_scores_int8_blocks(q, weights, cache.int8_groups, cache.scale, table, keys, out)
         return out
 
     return run

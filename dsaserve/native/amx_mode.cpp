@@ -40,8 +40,8 @@ std::string set_amx_mode(const std::string& mode) {
     if (mode == "off") {
         next = dsaserve::AmxMode::off;
     } else if (mode == "hardware") {
-        TORCH_CHECK(dsaserve::amx_available(), "set_amx_mode: 'hardware' needs a CPU with AMX-BF16 whose kernel "
-                    "grants the tile registers (lscpu: amx_bf16; Linux 5.16 or later)");
+        TORCH_CHECK(dsaserve::amx_available(), "set_amx_mode: 'hardware' needs a CPU with AMX-BF16 and AMX-INT8 whose "
+                    "kernel grants the tile registers (lscpu: amx_bf16, amx_int8; Linux 5.16 or later)");
         next = dsaserve::AmxMode::hardware;
     } else if (mode == "emulated") {
         TORCH_CHECK(dsaserve::cpu_has_avx512_bf16(), "set_amx_mode: 'emulated' runs the kernels' AVX-512 BF16 "
@@ -61,7 +61,7 @@ bool dsaserve::amx_available() {
     // The CPU's flag, and Linux's permission for this process to use the tile data (without it, the first
     // tile instruction faults).
     static const bool granted = cpu_has_avx512_bf16() && __builtin_cpu_supports("amx-tile") &&
-                                __builtin_cpu_supports("amx-bf16") &&
+                                __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-int8") &&
                                 syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
     return granted;
 #else

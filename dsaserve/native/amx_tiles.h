@@ -1,6 +1,7 @@
-// AMX tiles for the sparse path's kernels (selected_rows.cpp, index_scores.cpp): eight registers of 16 rows ×
-// 64 bytes and one instruction, tdpbf16ps, that adds the product of a 16 × 32 bf16 tile and a 32 × 16 one (kept
-// as 16 rows of column pairs) into a 16 × 16 fp32 tile.
+// AMX tiles for the sparse path's kernels (selected_rows.cpp, index_scores.cpp, index_scores_int8.cpp): eight
+// registers of 16 rows × 64 bytes, and the instructions that add the product of two of them into a third:
+// tdpbf16ps (a 16 × 32 bf16 tile by a 32 × 16 one kept as 16 rows of column pairs, into 16 × 16 fp32) and
+// tdpbsud (16 × 64 signed bytes by 64 × 16 unsigned bytes kept as 16 rows of column quads, into 16 × 16 int32).
 //
 // The kernels are templates over a Tiles type with one interface in two forms: HwTiles issues the instructions;
 // EmuTiles computes the same products in plain C++ on a per-thread copy of the registers and checks each
@@ -64,7 +65,7 @@ constexpr int kTileBytes = 64;
 
 #if DSASERVE_X86
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16")
+#pragma GCC target("amx-tile,amx-bf16,amx-int8")
 
 // The instructions take tile numbers as immediates: each operation is a switch the compiler folds away.
 // GCC's tile load (and ldtilecfg, which it tells reads 8 of the 64 bytes) has no memory clobber: nothing stops
@@ -104,19 +105,31 @@ struct HwTiles {
         }
     }
     // C += A · B: the kernels' accumulators are tiles 0-3, one operand is tile 4 and the other 5, 6 or 7.
+#define DSASERVE_DOTS(op, c) DSASERVE_DOT(op, c, 4, 5) DSASERVE_DOT(op, c, 4, 6) DSASERVE_DOT(op, c, 4, 7) \
+                             DSASERVE_DOT(op, c, 5, 4) DSASERVE_DOT(op, c, 6, 4) DSASERVE_DOT(op, c, 7, 4)
+#define DSASERVE_DOT(op, c, a, b) case c * 64 + a * 8 + b: op(c, a, b); break;
+#define DSASERVE_ROLES_CHECK                                                                                     \
+    static_assert(C >= 0 && C < 4 && ((A == 4 && B >= 5 && B < 8) || (B == 4 && A >= 5 && A < 8)),            \
+                  "the kernels' tile roles: accumulators 0-3, operands 4 and 5-7")
     template <int C, int A, int B>
-    static void dot() {
-        static_assert(C >= 0 && C < 4 && ((A == 4 && B >= 5 && B < 8) || (B == 4 && A >= 5 && A < 8)),
-                      "the kernels' tile roles: accumulators 0-3, operands 4 and 5-7");
+    static void dot_bf16() {
+        DSASERVE_ROLES_CHECK;
         switch (C * 64 + A * 8 + B) {
-#define DSASERVE_DOT(c, a, b) case c * 64 + a * 8 + b: _tile_dpbf16ps(c, a, b); break;
-#define DSASERVE_DOTS(c) DSASERVE_DOT(c, 4, 5) DSASERVE_DOT(c, 4, 6) DSASERVE_DOT(c, 4, 7) \
-                         DSASERVE_DOT(c, 5, 4) DSASERVE_DOT(c, 6, 4) DSASERVE_DOT(c, 7, 4)
-            DSASERVE_DOTS(0) DSASERVE_DOTS(1) DSASERVE_DOTS(2) DSASERVE_DOTS(3)
-#undef DSASERVE_DOTS
-#undef DSASERVE_DOT
+            DSASERVE_DOTS(_tile_dpbf16ps, 0) DSASERVE_DOTS(_tile_dpbf16ps, 1)
+            DSASERVE_DOTS(_tile_dpbf16ps, 2) DSASERVE_DOTS(_tile_dpbf16ps, 3)
         }
     }
+    template <int C, int A, int B>
+    static void dot_s8u8() {
+        DSASERVE_ROLES_CHECK;
+        switch (C * 64 + A * 8 + B) {
+            DSASERVE_DOTS(_tile_dpbsud, 0) DSASERVE_DOTS(_tile_dpbsud, 1)
+            DSASERVE_DOTS(_tile_dpbsud, 2) DSASERVE_DOTS(_tile_dpbsud, 3)
+        }
+    }
+#undef DSASERVE_ROLES_CHECK
+#undef DSASERVE_DOT
+#undef DSASERVE_DOTS
 };
 #undef DSASERVE_TILES_0_7
 #pragma GCC pop_options
@@ -163,13 +176,9 @@ struct EmuTiles {
             std::memcpy(static_cast<uint8_t*>(base) + r * stride, s.tile[T][r], s.config.colsb[T]);
     }
     template <int C, int A, int B>
-    static void dot() {
-        static_assert(C != A && C != B && A != B, "tdpbf16ps needs three different tiles");
+    static void dot_bf16() {
+        const TileConfig& c = check_dot<C, A, B>();
         State& s = state();
-        const TileConfig& c = s.config;
-        require(s.configured, "tile product before configure");
-        require(c.rows[A] == c.rows[C] && c.colsb[A] / 4 == c.rows[B] && c.colsb[B] == c.colsb[C],
-                "tile product with shapes that do not fit");
         for (int m = 0; m < c.rows[C]; ++m)
             for (int n = 0; n < c.colsb[C] / 4; ++n) {
                 float acc;
@@ -181,6 +190,32 @@ struct EmuTiles {
                 std::memcpy(&s.tile[C][m][4 * n], &acc, 4);
             }
     }
+    // tdpbsud: A's bytes signed, B's unsigned, four products a lane added into int32.
+    template <int C, int A, int B>
+    static void dot_s8u8() {
+        const TileConfig& c = check_dot<C, A, B>();
+        State& s = state();
+        for (int m = 0; m < c.rows[C]; ++m)
+            for (int n = 0; n < c.colsb[C] / 4; ++n) {
+                int32_t acc;
+                std::memcpy(&acc, &s.tile[C][m][4 * n], 4);
+                for (int k = 0; k < c.colsb[A] / 4; ++k)
+                    for (int i = 0; i < 4; ++i)
+                        acc += static_cast<int32_t>(static_cast<int8_t>(s.tile[A][m][4 * k + i])) *
+                               static_cast<int32_t>(s.tile[B][k][4 * n + i]);
+                std::memcpy(&s.tile[C][m][4 * n], &acc, 4);
+            }
+    }
+    template <int C, int A, int B>
+    static const TileConfig& check_dot() {
+        static_assert(C != A && C != B && A != B, "a tile product needs three different tiles");
+        State& s = state();
+        const TileConfig& c = s.config;
+        require(s.configured, "tile product before configure");
+        require(c.rows[A] == c.rows[C] && c.colsb[A] / 4 == c.rows[B] && c.colsb[B] == c.colsb[C],
+                "tile product with shapes that do not fit");
+        return c;
+    }
     static float bf16(const uint8_t* p) {
         uint16_t h;
         std::memcpy(&h, p, 2);
@@ -191,7 +226,7 @@ struct EmuTiles {
     }
 };
 
-// True where the CPU has AMX-BF16 and the kernel lets this process use the tile registers (asked once).
+// True where the CPU has AMX-BF16 and AMX-INT8 and the kernel lets this process use the tile registers (asked once).
 bool amx_available();
 
 }  // namespace dsaserve

@@ -126,13 +126,13 @@ void score_item_tiles(const Job *job, int64_t item, float *products /* [4][16 he
             for (int64_t s = 0; s < steps; s++) {
                 Tiles::template load<4>(q + s * 32, job->dim * 2);
                 Tiles::template load<5>(groups[0] + s * 256, 64);
-                Tiles::template dot<0, 4, 5>();
+                Tiles::template dot_bf16<0, 4, 5>();
                 Tiles::template load<6>(groups[1] + s * 256, 64);
-                Tiles::template dot<1, 4, 6>();
+                Tiles::template dot_bf16<1, 4, 6>();
                 Tiles::template load<7>(groups[2] + s * 256, 64);
-                Tiles::template dot<2, 4, 7>();
+                Tiles::template dot_bf16<2, 4, 7>();
                 Tiles::template load<5>(groups[3] + s * 256, 64);
-                Tiles::template dot<3, 4, 5>();
+                Tiles::template dot_bf16<3, 4, 5>();
             }
             Tiles::template store<0>(products, 64);
             Tiles::template store<1>(products + 256, 64);

@@ -11,6 +11,10 @@
  * positive), the key's after the head sum. Work items are 64 keys × 4 heads at a time, shared out over torch's
  * threads, as in index_scores.cpp.
  *
+ * With AMX tiles (amx_tiles.h; the mode amx.py chose), tdpbsud takes 16 heads × 64 keys × 64 columns per
+ * product, the query tile read from the rounded queries and the key tiles in place (16 keys × column quads is a
+ * tile's layout); same bits. Heads not in 16s or dims not in 64s keep the VNNI body.
+ *
  * Registered as torch.ops.dsaserve.index_scores_int8_blocks (and write_int8_keys, portable C++, which rounds keys
  * and stores them in the layout); the scoring body is compiled for AVX-512 VNNI alone and runs only where the CPU
  * has it (the caller checks index_scores_int8_fits).
@@ -25,6 +29,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "cpu_features.h"
 #include "layer_pieces.h"
 
@@ -59,17 +64,34 @@ const uint32_t* group_of(const Job* job, int64_t j) {
 #if DSASERVE_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
-void score_item(const Job* job, int64_t item) {
-    const int64_t quads = job->dim / 4, k0 = item * kKeysPerItem, per = job->groups_per_block;
-    const __m512i* groups[4];
-    __m512 key_scale[4];
+// The scales of the item's 4 groups of 16 keys (zero past the last block).
+void key_scales_of(const Job* job, int64_t item, __m512* key_scale) {
+    const int64_t per = job->groups_per_block;
     for (int g = 0; g < 4; g++) {
         const int64_t j = item * 4 + g;
-        groups[g] = reinterpret_cast<const __m512i*>(group_of(job, j));
         key_scale[g] = j < job->groups ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
                                              job->scales + job->blocks[j / per] * per * 16 + (j % per) * 16)))
                                        : _mm512_setzero_ps();
     }
+}
+
+// Query i's head sums for the item's 64 keys, times the keys' scales, into out (columns < keys).
+void store_scores(const Job* job, int64_t i, int64_t k0, const __m512* score, const __m512* key_scale) {
+    float* o = job->out + i * job->out_stride + k0;
+    for (int g = 0; g < 4; g++) {
+        const int64_t left = job->keys - (k0 + 16 * g);
+        if (left <= 0) break;
+        const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+        _mm512_mask_storeu_ps(o + 16 * g, mask, _mm512_mul_ps(score[g], key_scale[g]));
+    }
+}
+
+void score_item(const Job* job, int64_t item) {
+    const int64_t quads = job->dim / 4, k0 = item * kKeysPerItem;
+    const __m512i* groups[4];
+    __m512 key_scale[4];
+    for (int g = 0; g < 4; g++) groups[g] = reinterpret_cast<const __m512i*>(group_of(job, item * 4 + g));
+    key_scales_of(job, item, key_scale);
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t i = 0; i < job->n; i++) {
         __m512 score[4] = {zero, zero, zero, zero};
@@ -94,13 +116,7 @@ void score_item(const Job* job, int64_t item) {
                     score[g] = _mm512_fmadd_ps(_mm512_max_ps(_mm512_cvtepi32_ps(a[j][g]), zero), w, score[g]);
             }
         }
-        float* o = job->out + i * job->out_stride + k0;
-        for (int g = 0; g < 4; g++) {
-            const int64_t left = job->keys - (k0 + 16 * g);
-            if (left <= 0) break;
-            const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-            _mm512_mask_storeu_ps(o + 16 * g, mask, _mm512_mul_ps(score[g], key_scale[g]));
-        }
+        store_scores(job, i, k0, score, key_scale);
     }
 }
 
@@ -134,7 +150,70 @@ void worker(Job* job) {
     for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;) score_item(job, item);
 }
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,amx-tile,amx-int8,amx-bf16")
+/* The item's scores with tiles: accumulators 0-3 hold 16 heads × the 4 groups of 16 keys as int32 sums, tile 4
+ * the query's 16 heads × 64 rounded columns, tiles 5-7 the key groups' 16 column quads in turn (the cache's
+ * layout is a tile's). The sums' start, -128 · Σ q, is added after; integer sums are exact and the heads are
+ * summed in the same order, so the scores are score_item's bits. */
+template <class Tiles>
+void score_item_tiles(const Job* job, int64_t item, int32_t* products /* [4][16 heads][16 keys] */) {
+    const int64_t steps = job->dim / 64, k0 = item * kKeysPerItem, H = job->heads;
+    const uint32_t* groups[4];
+    __m512 key_scale[4];
+    for (int g = 0; g < 4; g++) groups[g] = group_of(job, item * 4 + g);
+    key_scales_of(job, item, key_scale);
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t i = 0; i < job->n; i++) {
+        __m512 score[4] = {zero, zero, zero, zero};
+        for (int64_t h0 = 0; h0 < H; h0 += 16) {
+            Tiles::template zero<0>();
+            Tiles::template zero<1>();
+            Tiles::template zero<2>();
+            Tiles::template zero<3>();
+            const int8_t* q = job->q + (i * H + h0) * job->dim;
+            for (int64_t s = 0; s < steps; s++) {
+                Tiles::template load<4>(q + s * 64, job->dim);
+                Tiles::template load<5>(groups[0] + s * 256, 64);
+                Tiles::template dot_s8u8<0, 4, 5>();
+                Tiles::template load<6>(groups[1] + s * 256, 64);
+                Tiles::template dot_s8u8<1, 4, 6>();
+                Tiles::template load<7>(groups[2] + s * 256, 64);
+                Tiles::template dot_s8u8<2, 4, 7>();
+                Tiles::template load<5>(groups[3] + s * 256, 64);
+                Tiles::template dot_s8u8<3, 4, 5>();
+            }
+            Tiles::template store<0>(products, 64);
+            Tiles::template store<1>(products + 256, 64);
+            Tiles::template store<2>(products + 512, 64);
+            Tiles::template store<3>(products + 768, 64);
+            for (int64_t h = 0; h < 16; h++) {
+                const __m512i start = _mm512_set1_epi32(job->offset[i * H + h0 + h]);
+                const __m512 w = _mm512_set1_ps(job->weight[i * H + h0 + h]);
+                for (int g = 0; g < 4; g++) {
+                    const __m512i sum = _mm512_add_epi32(_mm512_load_si512(products + g * 256 + h * 16), start);
+                    score[g] = _mm512_fmadd_ps(_mm512_max_ps(_mm512_cvtepi32_ps(sum), zero), w, score[g]);
+                }
+            }
+        }
+        store_scores(job, i, k0, score, key_scale);
+    }
+}
+
+template <class Tiles>
+void worker_tiles(Job* job) {
+    alignas(64) int32_t products[4 * 256];
+    Tiles::configure();
+    const int64_t items = (job->keys + kKeysPerItem - 1) / kKeysPerItem;
+    for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
+        score_item_tiles<Tiles>(job, item, products);
+    Tiles::release();
+}
+#pragma GCC pop_options
 #endif
+
+// Shapes the tile body takes: whole tiles of heads (16) and of columns (64 bytes).
+bool tiles_fit(int64_t heads, int64_t dim) { return heads % 16 == 0 && dim % 64 == 0; }
 
 bool fits(int64_t heads, int64_t dim) { return dsaserve::cpu_has_avx512_vnni() && heads % 4 == 0 && dim % 4 == 0; }
 
@@ -179,8 +258,17 @@ void run(Job& job) {
 #if DSASERVE_X86
     const int64_t items = (job.keys + kKeysPerItem - 1) / kKeysPerItem;
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+    const auto mode = tiles_fit(job.heads, job.dim) ? dsaserve::amx_mode() : dsaserve::AmxMode::off;
+    if (mode != dsaserve::AmxMode::off) dsaserve::amx_tile_calls()++;
     at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
-        for (int64_t w = a; w < b; ++w) worker(&job);
+        for (int64_t w = a; w < b; ++w) {
+            if (mode == dsaserve::AmxMode::hardware)
+                worker_tiles<dsaserve::HwTiles>(&job);
+            else if (mode == dsaserve::AmxMode::emulated)
+                worker_tiles<dsaserve::EmuTiles>(&job);
+            else
+                worker(&job);
+        }
     });
 #endif
 }

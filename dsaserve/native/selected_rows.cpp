@@ -367,13 +367,13 @@ void score_tiles(const Job *job, int64_t padded, TileScratch *t) {
             for (int64_t step = 0; step < steps; step++) {
                 Tiles::template load<4>(t->q_pairs + (g * DP / 2 + step * 16) * 16, 64);
                 Tiles::template load<5>(rows + step * 32, stride);
-                Tiles::template dot<0, 5, 4>();
+                Tiles::template dot_bf16<0, 5, 4>();
                 Tiles::template load<6>(rows + 16 * DP + step * 32, stride);
-                Tiles::template dot<1, 6, 4>();
+                Tiles::template dot_bf16<1, 6, 4>();
                 Tiles::template load<7>(rows + 32 * DP + step * 32, stride);
-                Tiles::template dot<2, 7, 4>();
+                Tiles::template dot_bf16<2, 7, 4>();
                 Tiles::template load<5>(rows + 48 * DP + step * 32, stride);
-                Tiles::template dot<3, 5, 4>();
+                Tiles::template dot_bf16<3, 5, 4>();
             }
             Tiles::template store<0>(scores + r0 * 16, 64);
             Tiles::template store<1>(scores + (r0 + 16) * 16, 64);
@@ -409,13 +409,13 @@ void value_tiles(const Job *job, int64_t g, int64_t padded, TileScratch *t) {
             const uint16_t *values = t->values + k * 16 * 2 * V + c0 * 32;
             Tiles::template load<4>(t->p_tiles + k * 256, 64);
             Tiles::template load<5>(values, stride);
-            Tiles::template dot<0, 4, 5>();
+            Tiles::template dot_bf16<0, 4, 5>();
             Tiles::template load<6>(values + 32, stride);
-            Tiles::template dot<1, 4, 6>();
+            Tiles::template dot_bf16<1, 4, 6>();
             Tiles::template load<7>(values + 64, stride);
-            Tiles::template dot<2, 4, 7>();
+            Tiles::template dot_bf16<2, 4, 7>();
             Tiles::template load<5>(values + 96, stride);
-            Tiles::template dot<3, 4, 5>();
+            Tiles::template dot_bf16<3, 4, 5>();
         }
         Tiles::template store<0>(acc + c0 * 16, stride);
         Tiles::template store<1>(acc + (c0 + 1) * 16, stride);
