@@ -13,8 +13,6 @@ import os
 
 import torch
 
-from dsaserve.native.index_scores import pack_keys, packed_size
-
 logger = logging.getLogger(__name__)
 
 # How far the tile bodies may be from the AVX-512 ones: both add bf16 products in fp32, in different orders.
@@ -22,11 +20,12 @@ CHECK_TOLERANCE = 2e-2
 _state: str | None = None
 
 
-def mode() -> str:
-    """'hardware', 'emulated' (tests only) or 'off'; 'off' when the operators are not built."""
-    from dsaserve.native import torch_ops
+# torch_ops.load() calls choose_at_load: this module uses the operators directly and imports nothing of dsaserve.
 
-    return torch.ops.dsaserve.amx_mode() if torch_ops.load() else "off"
+
+def mode() -> str:
+    """'hardware', 'emulated' (tests only) or 'off'; the operators must be loaded (torch_ops.load())."""
+    return torch.ops.dsaserve.amx_mode()
 
 
 def set_mode(name: str) -> str:
@@ -98,34 +97,46 @@ def _attention_problem(generator: torch.Generator):
 
 
 def _index_problem(generator: torch.Generator):
-    heads, dim, keys = 32, 64, 300
+    heads, dim, block_size, keys = 32, 64, 64, 300
+    cache, table = _key_cache(generator, block_size, dim // 2, keys)
+    torch.ops.dsaserve.write_packed_keys(cache, _slots(table, block_size, keys),
+                                         torch.randn(keys, dim, generator=generator).bfloat16())
     q = torch.randn(2, heads, dim, generator=generator).bfloat16()
     weights = torch.rand(2, heads, generator=generator)
-    key_rows = torch.randn(keys, dim, generator=generator).bfloat16()
-    packed = pack_keys(key_rows, torch.empty(packed_size(keys, dim), dtype=torch.int32))
 
     def run():
         out = torch.zeros(2, keys)
-        torch.ops.dsaserve.index_scores(q, weights, packed, keys, out)
+        torch.ops.dsaserve.index_scores_blocks(q, weights, cache, table, keys, out)
         return out
 
     return run
 
 
 def _int8_index_problem(generator: torch.Generator):
-    from dsaserve.attention.indexer_cache import IndexerKeyCache
-
     heads, dim, block_size, keys = 16, 128, 64, 300
-    blocks = -(-keys // block_size)
-    cache = IndexerKeyCache(blocks, block_size, dim, "int8", torch.bfloat16, torch.device("cpu"), packed=True)
-    cache.write(torch.arange(keys), torch.randn(keys, dim, generator=generator).bfloat16())
+    cache, table = _key_cache(generator, block_size, dim // 4, keys)
+    scales = torch.zeros(cache.shape[0], block_size, dtype=torch.float16)
+    torch.ops.dsaserve.write_int8_keys(cache, scales, _slots(table, block_size, keys),
+                                       torch.randn(keys, dim, generator=generator).bfloat16())
     q = torch.randn(2, heads, dim, generator=generator).bfloat16()
     weights = torch.rand(2, heads, generator=generator)
-    table = torch.randperm(blocks, generator=generator)
 
     def run():
         out = torch.zeros(2, keys)
-        torch.ops.dsaserve.index_scores_int8_blocks(q, weights, cache.int8_groups, cache.scale, table, keys, out)
+        torch.ops.dsaserve.index_scores_int8_blocks(q, weights, cache, scales, table, keys, out)
         return out
 
     return run
+
+
+def _key_cache(generator: torch.Generator, block_size: int, lanes_per_key: int, keys: int):
+    """A paged key cache in the kernels' layout [blocks, block_size / 16, lanes_per_key, 16] and a scrambled block
+    table for `keys` keys."""
+    blocks = -(-keys // block_size)
+    cache = torch.zeros(blocks + 2, block_size // 16, lanes_per_key, 16, dtype=torch.int32)
+    return cache, torch.randperm(blocks + 2, generator=generator)[:blocks]
+
+
+def _slots(table: torch.Tensor, block_size: int, keys: int) -> torch.Tensor:
+    positions = torch.arange(keys)
+    return table[positions // block_size] * block_size + positions % block_size

@@ -226,6 +226,40 @@ struct EmuTiles {
     }
 };
 
+#if DSASERVE_X86
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,amx-int8")
+// The indexer kernels' tile step: accumulators 0-3 = a (tile 4: 16 rows, 64 bytes a step, rows a_stride bytes
+// apart) times each of four column groups (tiles 5-7 in turn: group t's step s is 16 rows of 64 bytes at
+// b[t] + 1024 s), over `steps` steps, stored to products [4][16][16] (fp32 for bf16 products, int32 for
+// signed × unsigned bytes).
+template <class Tiles, bool kBytes>
+inline void products_of_four_groups(const uint8_t* a, int64_t a_stride, const uint8_t* const* b, int64_t steps,
+                                    void* products) {
+    Tiles::template zero<0>();
+    Tiles::template zero<1>();
+    Tiles::template zero<2>();
+    Tiles::template zero<3>();
+    for (int64_t s = 0; s < steps; s++) {
+        Tiles::template load<4>(a + s * 64, a_stride);
+        Tiles::template load<5>(b[0] + s * 1024, 64);
+        if constexpr (kBytes) Tiles::template dot_s8u8<0, 4, 5>(); else Tiles::template dot_bf16<0, 4, 5>();
+        Tiles::template load<6>(b[1] + s * 1024, 64);
+        if constexpr (kBytes) Tiles::template dot_s8u8<1, 4, 6>(); else Tiles::template dot_bf16<1, 4, 6>();
+        Tiles::template load<7>(b[2] + s * 1024, 64);
+        if constexpr (kBytes) Tiles::template dot_s8u8<2, 4, 7>(); else Tiles::template dot_bf16<2, 4, 7>();
+        Tiles::template load<5>(b[3] + s * 1024, 64);
+        if constexpr (kBytes) Tiles::template dot_s8u8<3, 4, 5>(); else Tiles::template dot_bf16<3, 4, 5>();
+    }
+    auto* out = static_cast<uint8_t*>(products);
+    Tiles::template store<0>(out, 64);
+    Tiles::template store<1>(out + 1024, 64);
+    Tiles::template store<2>(out + 2048, 64);
+    Tiles::template store<3>(out + 3072, 64);
+}
+#pragma GCC pop_options
+#endif
+
 // True where the CPU has AMX-BF16 and AMX-INT8 and the kernel lets this process use the tile registers (asked once).
 bool amx_available();
 

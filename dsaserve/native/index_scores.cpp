@@ -64,6 +64,17 @@ const uint32_t *group_of(const Job *job, int64_t j) {
 #if DSASERVE_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+/* Query i's head sums for the item's 64 keys into out (columns < keys). */
+void store_scores(const Job *job, int64_t i, int64_t k0, const __m512 *score) {
+    float *o = job->out + i * job->out_stride + k0;
+    for (int g = 0; g < 4; g++) {
+        int64_t left = job->keys - (k0 + 16 * g);
+        if (left <= 0) break;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        _mm512_mask_storeu_ps(o + 16 * g, mask, score[g]);
+    }
+}
+
 void score_item(const Job *job, int64_t item) {
     const int64_t pairs = job->dim / 2, k0 = item * KEYS_PER_ITEM;
     const __m512i *groups[4];
@@ -89,13 +100,7 @@ void score_item(const Job *job, int64_t item) {
                 for (int g = 0; g < 4; g++) score[g] = _mm512_fmadd_ps(_mm512_max_ps(a[j][g], zero), w, score[g]);
             }
         }
-        float *o = job->out + i * job->out_stride + k0;
-        for (int g = 0; g < 4; g++) {
-            int64_t left = job->keys - (k0 + 16 * g);
-            if (left <= 0) break;
-            __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-            _mm512_mask_storeu_ps(o + 16 * g, mask, score[g]);
-        }
+        store_scores(job, i, k0, score);
     }
 }
 
@@ -106,38 +111,20 @@ void worker(Job *job) {
 
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16,amx-int8")
 /* The item's scores with tiles: accumulators 0-3 hold 16 heads × the 4 groups of 16 keys, tile 4 the query's
  * 16 heads × 32 columns, tiles 5-7 the key groups' 16 column pairs in turn. */
 template <class Tiles>
 void score_item_tiles(const Job *job, int64_t item, float *products /* [4][16 heads][16 keys] */) {
     const int64_t k0 = item * KEYS_PER_ITEM, steps = job->dim / 32, H = job->heads;
-    const uint32_t *groups[4];
-    for (int g = 0; g < 4; g++) groups[g] = group_of(job, item * 4 + g);
+    const uint8_t *groups[4];
+    for (int g = 0; g < 4; g++) groups[g] = (const uint8_t *)group_of(job, item * 4 + g);
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t i = 0; i < job->n; i++) {
         __m512 score[4] = {zero, zero, zero, zero};
         for (int64_t h0 = 0; h0 < H; h0 += 16) {
-            Tiles::template zero<0>();
-            Tiles::template zero<1>();
-            Tiles::template zero<2>();
-            Tiles::template zero<3>();
             const uint16_t *q = job->q + (i * H + h0) * job->dim;
-            for (int64_t s = 0; s < steps; s++) {
-                Tiles::template load<4>(q + s * 32, job->dim * 2);
-                Tiles::template load<5>(groups[0] + s * 256, 64);
-                Tiles::template dot_bf16<0, 4, 5>();
-                Tiles::template load<6>(groups[1] + s * 256, 64);
-                Tiles::template dot_bf16<1, 4, 6>();
-                Tiles::template load<7>(groups[2] + s * 256, 64);
-                Tiles::template dot_bf16<2, 4, 7>();
-                Tiles::template load<5>(groups[3] + s * 256, 64);
-                Tiles::template dot_bf16<3, 4, 5>();
-            }
-            Tiles::template store<0>(products, 64);
-            Tiles::template store<1>(products + 256, 64);
-            Tiles::template store<2>(products + 512, 64);
-            Tiles::template store<3>(products + 768, 64);
+            dsaserve::products_of_four_groups<Tiles, false>((const uint8_t *)q, job->dim * 2, groups, steps, products);
             for (int64_t h = 0; h < 16; h++) {
                 __m512 w = _mm512_set1_ps(job->weights[i * H + h0 + h]);
                 for (int g = 0; g < 4; g++)
@@ -145,13 +132,7 @@ void score_item_tiles(const Job *job, int64_t item, float *products /* [4][16 he
                                                score[g]);
             }
         }
-        float *o = job->out + i * job->out_stride + k0;
-        for (int g = 0; g < 4; g++) {
-            int64_t left = job->keys - (k0 + 16 * g);
-            if (left <= 0) break;
-            __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-            _mm512_mask_storeu_ps(o + 16 * g, mask, score[g]);
-        }
+        store_scores(job, i, k0, score);
     }
 }
 

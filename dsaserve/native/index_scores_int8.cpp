@@ -159,34 +159,17 @@ void worker(Job* job) {
 template <class Tiles>
 void score_item_tiles(const Job* job, int64_t item, int32_t* products /* [4][16 heads][16 keys] */) {
     const int64_t steps = job->dim / 64, k0 = item * kKeysPerItem, H = job->heads;
-    const uint32_t* groups[4];
+    const uint8_t* groups[4];
     __m512 key_scale[4];
-    for (int g = 0; g < 4; g++) groups[g] = group_of(job, item * 4 + g);
+    for (int g = 0; g < 4; g++) groups[g] = reinterpret_cast<const uint8_t*>(group_of(job, item * 4 + g));
     key_scales_of(job, item, key_scale);
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t i = 0; i < job->n; i++) {
         __m512 score[4] = {zero, zero, zero, zero};
         for (int64_t h0 = 0; h0 < H; h0 += 16) {
-            Tiles::template zero<0>();
-            Tiles::template zero<1>();
-            Tiles::template zero<2>();
-            Tiles::template zero<3>();
             const int8_t* q = job->q + (i * H + h0) * job->dim;
-            for (int64_t s = 0; s < steps; s++) {
-                Tiles::template load<4>(q + s * 64, job->dim);
-                Tiles::template load<5>(groups[0] + s * 256, 64);
-                Tiles::template dot_s8u8<0, 4, 5>();
-                Tiles::template load<6>(groups[1] + s * 256, 64);
-                Tiles::template dot_s8u8<1, 4, 6>();
-                Tiles::template load<7>(groups[2] + s * 256, 64);
-                Tiles::template dot_s8u8<2, 4, 7>();
-                Tiles::template load<5>(groups[3] + s * 256, 64);
-                Tiles::template dot_s8u8<3, 4, 5>();
-            }
-            Tiles::template store<0>(products, 64);
-            Tiles::template store<1>(products + 256, 64);
-            Tiles::template store<2>(products + 512, 64);
-            Tiles::template store<3>(products + 768, 64);
+            dsaserve::products_of_four_groups<Tiles, true>(reinterpret_cast<const uint8_t*>(q), job->dim, groups, steps,
+                                                           products);
             for (int64_t h = 0; h < 16; h++) {
                 const __m512i start = _mm512_set1_epi32(job->offset[i * H + h0 + h]);
                 const __m512 w = _mm512_set1_ps(job->weight[i * H + h0 + h]);

@@ -317,7 +317,7 @@ bool worker(Job *job) {
 }
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16,amx-int8")
 
 /* The tile body's buffers, beyond the running maximum, sum and accumulator in `s` (Scratch's, so that the
  * parts' merge and finish_bf16 read them as they do the AVX-512 body's). */
@@ -381,7 +381,8 @@ void score_tiles(const Job *job, int64_t padded, TileScratch *t) {
             Tiles::template store<3>(scores + (r0 + 48) * 16, 64);
         }
         const __m512 scale = _mm512_set1_ps(job->scale);
-        for (int64_t r = 0; r < padded; r++) _mm512_store_ps(scores + r * 16, _mm512_mul_ps(_mm512_load_ps(scores + r * 16), scale));
+        for (int64_t r = 0; r < padded; r++)
+            _mm512_store_ps(scores + r * 16, _mm512_mul_ps(_mm512_load_ps(scores + r * 16), scale));
     }
 }
 
