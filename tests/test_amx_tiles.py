@@ -189,6 +189,25 @@ def test_load_turns_tiles_on_only_where_available_and_in_agreement(monkeypatch):
         amx.set_mode(previous)
 
 
+@pytest.mark.parametrize("check", ["disagrees", "raises"])
+def test_tiles_that_fail_the_load_check_stay_off(monkeypatch, caplog, check):
+    def disagreement(form):
+        if check == "raises":
+            raise RuntimeError("a tile fault")
+        return "index_scores off by 0.5 of its largest value"
+
+    previous = amx.set_mode("off")
+    try:
+        monkeypatch.setattr(torch.ops.dsaserve, "amx_available", lambda: True)  # as on an AMX CPU
+        monkeypatch.setattr(amx, "tile_disagreement", disagreement)
+        amx.choose_at_load()
+        assert amx.mode() == "off"
+        assert amx.state().startswith("off (the AMX tile kernels disagreed") and "sparse kernels" in caplog.text
+        assert ("a tile fault" if check == "raises" else "off by 0.5") in amx.state()
+    finally:
+        amx.set_mode(previous)
+
+
 def test_a_bf16_engine_generates_with_tile_kernels_what_it_generates_without(make_checkpoint):
     """A checkpoint whose shapes the tile bodies take (value width 64, 16 indexer heads of 32 columns): prompts
     past index_topk run the tile attention and scores in prefill and decode, emulated; greedy tokens and top

@@ -1,9 +1,10 @@
 """Whether the sparse path's kernels use AMX tiles in this process (native/amx_tiles.h).
 
-Where the CPU has AMX-BF16 and AMX-INT8 (and Linux grants the tile registers), the selected-rows attention
-and the indexer's scores (bf16 keys, and int8 keys kept in the int8 kernel's layout) take their tile bodies, but only after those have been compared here, once, with their
-AVX-512 bodies on small problems: a CPU or kernel that disagrees keeps the AVX-512 bodies, with a warning.
-DSASERVE_AMX=0 keeps them off.
+Where the CPU has AMX-BF16 and AMX-INT8 (and Linux grants the tile registers), the selected-rows attention and
+the indexer's scores (bf16 keys, and int8 keys kept in the int8 kernel's layout) take their tile bodies, but only
+after those have been compared here, once, with their AVX-512 bodies on small problems: a CPU or kernel that
+disagrees keeps the AVX-512 bodies, with a warning. DSASERVE_AMX=0 keeps them off. torch_ops.load() calls
+choose_at_load, so this module calls the operators directly and imports nothing of dsaserve.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ logger = logging.getLogger(__name__)
 # How far the tile bodies may be from the AVX-512 ones: both add bf16 products in fp32, in different orders.
 CHECK_TOLERANCE = 2e-2
 _state: str | None = None
-
-
-# torch_ops.load() calls choose_at_load: this module uses the operators directly and imports nothing of dsaserve.
 
 
 def mode() -> str:
@@ -47,7 +45,10 @@ def choose_at_load() -> None:
     if not torch.ops.dsaserve.amx_available():
         _state = "off (no AMX-BF16 and AMX-INT8 on this CPU, or Linux did not grant the tile registers)"
         return
-    disagreement = tile_disagreement("hardware")
+    try:
+        disagreement = tile_disagreement("hardware")
+    except Exception as e:  # an operator's error: the tiles stay off rather than the operators failing to load
+        disagreement = f"error {str(e).strip()[:300]}"
     if disagreement is None:
         set_mode("hardware")
         _state = "on (AMX tiles, checked against the AVX-512 kernels at load)"
@@ -82,7 +83,7 @@ def tile_disagreement(tiles: str) -> str | None:
 
 
 def _attention_problem(generator: torch.Generator):
-    heads, dim, value_dim, width = 32, 96, 64, 200
+    heads, dim, value_dim, width = 32, 80, 64, 200  # columns padded to 96, a whole block and a ragged one
     q = torch.randn(3, heads, dim, generator=generator).bfloat16()
     rows = torch.randn(500, dim, generator=generator).bfloat16()
     slots = torch.randint(0, 500, (3, width), generator=generator)
