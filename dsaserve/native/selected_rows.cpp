@@ -331,6 +331,33 @@ typedef struct {
     uint32_t *p_tiles;   /* [AMX_BLOCK / 32][16][16]: row h holds (p[h][2j], p[h][2j+1]) for 16 pairs of rows */
 } TileScratch;
 
+/* dst[c][r] = src[r][c] for 16 × 16 32-bit values: interleaves of 32 and 64 bits within 128-bit lanes, then
+ * two rounds of lane shuffles. */
+void transpose_16x16(const uint32_t *src, uint32_t *dst) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(src + 16 * i);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane L: column 4L + c of rows i .. i + 3 */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i x = _mm512_shuffle_i32x4(r[c], r[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i y = _mm512_shuffle_i32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512i z = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i w = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        _mm512_store_si512(dst + 16 * c, _mm512_shuffle_i32x4(x, z, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_store_si512(dst + 16 * (8 + c), _mm512_shuffle_i32x4(x, z, _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm512_store_si512(dst + 16 * (4 + c), _mm512_shuffle_i32x4(y, w, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_store_si512(dst + 16 * (12 + c), _mm512_shuffle_i32x4(y, w, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+}
+
 /* The block's rows, gathered, and their value columns interleaved in pairs as value_block interleaves them. */
 void gather_block(const Job *job, int64_t i, int64_t k0, int64_t count, int64_t padded, TileScratch *t,
                   int *valid) {
@@ -453,8 +480,7 @@ void attend_range_tiles(const Job *job, int64_t i, int64_t k_begin, int64_t k_en
             softmax_block(t->scores + g * AMX_BLOCK * 16, valid, padded, t->s.maximum + g * 16, t->s.total + g * 16,
                           t->s.pairs, t->s.rescale);
             for (int64_t k = 0; k < padded / 32; k++) /* probabilities as heads × row pairs */
-                for (int64_t j = 0; j < 16; j++)
-                    for (int64_t h = 0; h < 16; h++) t->p_tiles[(k * 16 + h) * 16 + j] = t->s.pairs[(k * 16 + j) * 16 + h];
+                transpose_16x16(t->s.pairs + k * 256, t->p_tiles + k * 256);
             value_tiles<Tiles>(job, g, padded, t);
         }
     }
