@@ -260,6 +260,24 @@ inline void products_of_four_groups(const uint8_t* a, int64_t a_stride, const ui
 #pragma GCC pop_options
 #endif
 
+#if DSASERVE_X86
+// The form a kernel call takes: the mode's where the call's shapes fit its tile body (counted in amx_tile_calls),
+// else off.
+inline AmxMode tile_form(bool shapes_fit) {
+    const AmxMode mode = shapes_fit ? amx_mode() : AmxMode::off;
+    if (mode != AmxMode::off) amx_tile_calls()++;
+    return mode;
+}
+
+// with_tiles(HwTiles{}) or with_tiles(EmuTiles{}) as the form says, plain() when it is off.
+template <class WithTiles, class Plain>
+inline auto by_form(AmxMode form, WithTiles with_tiles, Plain plain) {
+    if (form == AmxMode::hardware) return with_tiles(HwTiles{});
+    if (form == AmxMode::emulated) return with_tiles(EmuTiles{});
+    return plain();
+}
+#endif
+
 // True where the CPU has AMX-BF16 and AMX-INT8 and the kernel lets this process use the tile registers (asked once).
 bool amx_available();
 

@@ -168,17 +168,10 @@ void run(Job& job) {
 #if DSASERVE_X86
     const int64_t items = (job.keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-    const auto mode = tiles_fit(job.heads, job.dim) ? dsaserve::amx_mode() : dsaserve::AmxMode::off;
-    if (mode != dsaserve::AmxMode::off) dsaserve::amx_tile_calls()++;
+    const auto form = dsaserve::tile_form(tiles_fit(job.heads, job.dim));
     at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
-        for (int64_t w = a; w < b; ++w) {
-            if (mode == dsaserve::AmxMode::hardware)
-                worker_tiles<dsaserve::HwTiles>(&job);
-            else if (mode == dsaserve::AmxMode::emulated)
-                worker_tiles<dsaserve::EmuTiles>(&job);
-            else
-                worker(&job);
-        }
+        for (int64_t w = a; w < b; ++w)
+            dsaserve::by_form(form, [&](auto tiles) { worker_tiles<decltype(tiles)>(&job); }, [&] { worker(&job); });
     });
 #endif
 }

@@ -549,15 +549,12 @@ void attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at:
                part_rows, parts > 1 ? partial.data_ptr<float>() : nullptr, 0};
     std::atomic<bool> failed{false};
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n * parts));
-    const auto mode = value_dim % 64 == 0 ? dsaserve::amx_mode() : dsaserve::AmxMode::off;
-    if (mode != dsaserve::AmxMode::off) dsaserve::amx_tile_calls()++;
+    const auto form = dsaserve::tile_form(value_dim % 64 == 0);
     at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
-        for (int64_t w = a; w < b; ++w) {
-            bool ok = mode == dsaserve::AmxMode::hardware   ? worker_tiles<dsaserve::HwTiles>(&job)
-                      : mode == dsaserve::AmxMode::emulated ? worker_tiles<dsaserve::EmuTiles>(&job)
-                                                            : worker(&job);
-            if (!ok) failed = true;
-        }
+        for (int64_t w = a; w < b; ++w)
+            if (!dsaserve::by_form(form, [&](auto tiles) { return worker_tiles<decltype(tiles)>(&job); },
+                                   [&] { return worker(&job); }))
+                failed = true;
     });
     TORCH_CHECK(!failed, "attend_selected_rows: could not allocate scratch memory");
     if (parts > 1)
