@@ -1,8 +1,9 @@
 """The AMX tile bodies of the sparse kernels (native/amx_tiles.h, selected_rows.cpp, index_scores.cpp).
 
 Each test runs them emulated (the tile operations in C++, their shape rules checked; any CPU with AVX-512 BF16)
-and on the hardware (skipped with the reason on a CPU without AMX-BF16 and AMX-INT8), against fp32 computations and against
-the AVX-512 bodies, and checks which shapes keep the AVX-512 bodies and how the mode is chosen at load."""
+and on the hardware (skipped with the reason on a CPU without AMX-BF16 and AMX-INT8), against fp32 computations
+and against the AVX-512 bodies, and checks which shapes keep the AVX-512 bodies and how the mode is chosen at
+load."""
 
 import contextlib
 

@@ -9,8 +9,8 @@ operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp, latent_wr
 mla_projections.cpp, context_slots.cpp), and a decoder layer's decode step chained from those in two
 halves, with runs of layers in one call (decode_layer.cpp). The sources pick their AVX-512 bodies at run time
 from the CPU's flags and have portable ones for other CPUs; the sparse attention and indexer scores also have
-AMX tile bodies, which amx.py turns on at load where the CPU has AMX and they agree with the AVX-512 ones. Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False and
-callers keep their torch path.
+AMX tile bodies, which amx.py turns on at load where the CPU has AMX and they agree with the AVX-512 ones.
+Without a compiler, or with DSASERVE_NATIVE=0, `load()` is False and callers keep their torch path.
 """
 
 from __future__ import annotations
