@@ -457,7 +457,6 @@ template <class Tiles>
 void attend_range_tiles(const Job *job, int64_t i, int64_t k_begin, int64_t k_end, TileScratch *t) {
     const int64_t H = job->heads, D = job->dim, DP = t->padded_dim, V = job->value_dim;
     const uint16_t *q = job->q + i * job->q_stride;
-    memset(t->q_pairs, 0, (H / 16) * (DP / 2) * 64);
     for (int64_t h = 0; h < H; h++)
         for (int64_t p = 0; p < D / 2; p++)
             t->q_pairs[((h / 16) * (DP / 2) + p) * 16 + h % 16] = ((const uint32_t *)(q + h * D))[p];
@@ -503,7 +502,10 @@ bool worker_tiles(Job *job) {
         t.s.pairs = (uint32_t *)mem[3], t.s.rescale = (float *)mem[4];
         t.rows = (uint16_t *)mem[5], t.values = (uint16_t *)mem[6], t.q_pairs = (uint32_t *)mem[7];
         t.scores = (float *)mem[8], t.p_tiles = (uint32_t *)mem[9];
-        memset(t.rows, 0, sizes[5]); /* the columns past dim stay zero */
+        if (t.padded_dim != job->dim) { /* the columns past dim: zero once, never written after */
+            memset(t.rows, 0, sizes[5]);
+            memset(t.q_pairs, 0, sizes[7]);
+        }
         Tiles::configure();
         const int64_t items = job->n * job->parts;
         for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
