@@ -6,6 +6,7 @@ and against the AVX-512 bodies, and checks which shapes keep the AVX-512 bodies 
 load."""
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -180,31 +181,47 @@ def test_load_turns_tiles_on_only_where_available_and_in_agreement(monkeypatch):
     previous = amx.set_mode("off")
     try:
         monkeypatch.setenv("DSASERVE_AMX", "0")
-        amx.choose_at_load()
+        amx.choose_at_load(str(torch_ops.library_path()))
         assert amx.mode() == "off" and "DSASERVE_AMX=0" in amx.state()
         monkeypatch.delenv("DSASERVE_AMX")
-        amx.choose_at_load()
+        amx.choose_at_load(str(torch_ops.library_path()))
         assert amx.mode() == ("hardware" if torch.ops.dsaserve.amx_available() else "off")
-        assert amx.tile_disagreement("emulated") is None
     finally:
         amx.set_mode(previous)
 
 
-@pytest.mark.parametrize("check", ["disagrees", "raises"])
-def test_tiles_that_fail_the_load_check_stay_off(monkeypatch, caplog, check):
-    def disagreement(form):
-        if check == "raises":
-            raise RuntimeError("a tile fault")
-        return "index_scores off by 0.5 of its largest value"
+def test_the_load_check_runs_the_tile_bodies_in_a_child_process():
+    """The child loads the library, runs the tile bodies (emulated here) against the AVX-512 ones and reports
+    agreement; this process's mode is untouched."""
+    assert amx.check_in_child(str(torch_ops.library_path()), "emulated") is None
+    assert amx.mode() in ("off", "hardware")
+    # A check whose kernels never reach a tile body proves nothing, and says so.
+    assert amx.tile_disagreement("off") == "attend_selected_rows did not take its tile body"
 
+
+CHILDREN = {
+    "disagrees": ("print('{\"disagreement\": \"index_scores off by 0.5 of its largest value\"}')", "off by 0.5"),
+    "raises": ("raise RuntimeError('a tile fault')", "exit status 1: RuntimeError: a tile fault"),
+    "faults": ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "killed by SIGSEGV"),
+    "hangs": ("import time; time.sleep(60)", "did not finish in 2 s"),
+    "prints no verdict": ("print('loaded')", "printed no verdict: 'loaded'"),
+}
+
+
+@pytest.mark.parametrize("child", sorted(CHILDREN))
+def test_tiles_that_fail_the_load_check_stay_off(monkeypatch, caplog, child):
+    """On an AMX CPU (faked) whose check disagrees, raises, kills its process, hangs or says nothing, the
+    tiles stay off with the reason, and this process goes on."""
+    code, reason = CHILDREN[child]
     previous = amx.set_mode("off")
     try:
         monkeypatch.setattr(torch.ops.dsaserve, "amx_available", lambda: True)  # as on an AMX CPU
-        monkeypatch.setattr(amx, "tile_disagreement", disagreement)
-        amx.choose_at_load()
+        monkeypatch.setattr(amx, "_check_command", lambda library, tiles: [sys.executable, "-c", code])
+        monkeypatch.setattr(amx, "CHECK_TIMEOUT_S", 2)
+        amx.choose_at_load(str(torch_ops.library_path()))
         assert amx.mode() == "off"
-        assert amx.state().startswith("off (the AMX tile kernels disagreed") and "sparse kernels" in caplog.text
-        assert ("a tile fault" if check == "raises" else "off by 0.5") in amx.state()
+        assert amx.state().startswith("off (the AMX tile kernels failed their check") and "sparse kernels" in caplog.text
+        assert reason in amx.state(), amx.state()
     finally:
         amx.set_mode(previous)
 

@@ -463,7 +463,8 @@ def test_a_build_killed_halfway_does_not_block_the_next_start(monkeypatch, tmp_p
     import torch.utils.cpp_extension as cpp_extension
 
     monkeypatch.setenv("DSASERVE_CACHE", str(tmp_path))
-    final = torch_ops._build_dir()
+    library = torch_ops.library_path()
+    final = library.parent
     final.mkdir(parents=True)
     (final / "lock").write_text("")  # what the interrupted build left behind
     used = []
@@ -474,8 +475,7 @@ def test_a_build_killed_halfway_does_not_block_the_next_start(monkeypatch, tmp_p
         open(os.path.join(build_directory, f"{name}.so"), "w").close()
 
     monkeypatch.setattr(cpp_extension, "load", fake_build)
-    library = final / f"dsaserve_{final.name}.so"
-    torch_ops._build(f"dsaserve_{final.name}", library)
+    torch_ops._build(library.stem, library)
     assert used and used[0] != str(final) and library.exists() and not os.path.exists(used[0])
 
 

@@ -2,15 +2,21 @@
 
 Where the CPU has AMX-BF16 and AMX-INT8 (and Linux grants the tile registers), the selected-rows attention and
 the indexer's scores (bf16 keys, and int8 keys kept in the int8 kernel's layout) take their tile bodies, but only
-after those have been compared here, once, with their AVX-512 bodies on small problems: a CPU or kernel that
-disagrees keeps the AVX-512 bodies, with a warning. DSASERVE_AMX=0 keeps them off. torch_ops.load() calls
-choose_at_load, so this module calls the operators directly and imports nothing of dsaserve.
+after those have been compared, once, with their AVX-512 bodies on small problems in a child process: a CPU or
+kernel that disagrees, faults or hangs keeps the AVX-512 bodies, with a warning, and the process that loads the
+operators never runs a tile instruction before that check has passed. DSASERVE_AMX=0 keeps them off.
+torch_ops.load() calls choose_at_load, so this module calls the operators directly and imports nothing of
+dsaserve; the child runs this file as a script.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 
 import torch
 
@@ -18,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 # How far the tile bodies may be from the AVX-512 ones: both add bf16 products in fp32, in different orders.
 CHECK_TOLERANCE = 2e-2
+# The check takes about a second plus torch's import; a child still running after this is taken as hung.
+CHECK_TIMEOUT_S = 120
 _state: str | None = None
 
 
@@ -36,8 +44,9 @@ def state() -> str:
     return _state or "not chosen (operators not loaded)"
 
 
-def choose_at_load() -> None:
-    """Called once when the operators load: the hardware tile bodies where available and in agreement."""
+def choose_at_load(library: str) -> None:
+    """Called once when the operators load (from `library`): the hardware tile bodies where available and in
+    agreement."""
     global _state
     if os.environ.get("DSASERVE_AMX", "1") == "0":
         _state = "off (DSASERVE_AMX=0)"
@@ -45,17 +54,46 @@ def choose_at_load() -> None:
     if not torch.ops.dsaserve.amx_available():
         _state = "off (no AMX-BF16 and AMX-INT8 on this CPU, or Linux did not grant the tile registers)"
         return
-    try:
-        disagreement = tile_disagreement("hardware")
-    except Exception as e:  # an operator's error: the tiles stay off rather than the operators failing to load
-        disagreement = f"error {str(e).strip()[:300]}"
+    disagreement = check_in_child(library, "hardware")
     if disagreement is None:
         set_mode("hardware")
         _state = "on (AMX tiles, checked against the AVX-512 kernels at load)"
         logger.info("sparse kernels: using AMX tiles")
         return
-    _state = f"off (the AMX tile kernels disagreed with the AVX-512 ones at load: {disagreement})"
+    _state = f"off (the AMX tile kernels failed their check against the AVX-512 ones at load: {disagreement})"
     logger.warning("sparse kernels: %s", _state)
+
+
+def check_in_child(library: str, tiles: str) -> str | None:
+    """tile_disagreement(tiles) run by a child process that loads `library`: None when the tiles agree, else
+    what went wrong. The hardware form has run on no CPU before the one it meets here, so a fault in it (a
+    tile configuration or stride the CPU refuses) must cost the tiles, not the process."""
+    try:
+        done = subprocess.run(_check_command(library, tiles), capture_output=True, text=True,
+                              timeout=CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"the check did not finish in {CHECK_TIMEOUT_S} s"
+    if done.returncode < 0:
+        return f"the check was killed by {_signal_name(-done.returncode)}"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"the check failed with exit status {done.returncode}: {last[:300]}"
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])["disagreement"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        return f"the check printed no verdict: {done.stdout.strip()[-300:]!r}"
+
+
+def _check_command(library: str, tiles: str) -> list[str]:
+    # -P: the script's folder (this package's modules) stays off the child's import path.
+    return [sys.executable, "-P", os.path.abspath(__file__), library, tiles]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def tile_disagreement(tiles: str) -> str | None:
@@ -70,10 +108,13 @@ def tile_disagreement(tiles: str) -> str | None:
         for name, run in problems.items():
             reference = run()
             set_mode(tiles)
+            calls = torch.ops.dsaserve.amx_tile_calls()
             try:
                 result = run()
             finally:
                 set_mode("off")
+            if torch.ops.dsaserve.amx_tile_calls() == calls:
+                return f"{name} did not take its tile body"
             error = float((result.float() - reference.float()).abs().max() / reference.float().abs().max())
             if not error <= CHECK_TOLERANCE:
                 return f"{name} off by {error:.3g} of its largest value"
@@ -141,3 +182,8 @@ def _key_cache(generator: torch.Generator, block_size: int, lanes_per_key: int, 
 def _slots(table: torch.Tensor, block_size: int, keys: int) -> torch.Tensor:
     positions = torch.arange(keys)
     return table[positions // block_size] * block_size + positions % block_size
+
+
+if __name__ == "__main__":  # the child of check_in_child: python amx.py LIBRARY FORM
+    torch.ops.load_library(sys.argv[1])
+    print(json.dumps({"disagreement": tile_disagreement(sys.argv[2])}))

@@ -44,6 +44,12 @@ def _build_dir() -> Path:
     return native.cache_dir() / f"torch_ops_{key}"
 
 
+def library_path() -> Path:
+    """Where this machine's build of the operators is (or will be) kept."""
+    build_dir = _build_dir()
+    return build_dir / f"dsaserve_{build_dir.name}.so"
+
+
 def load() -> bool:
     """Build (the first time on this machine) and load the operators; False where that is not possible."""
     global _loaded
@@ -52,14 +58,12 @@ def load() -> bool:
     _loaded = False
     if os.environ.get("DSASERVE_NATIVE", "1") == "0":
         return False
-    build_dir = _build_dir()
-    name = "dsaserve_" + build_dir.name
-    library = build_dir / f"{name}.so"
+    library = library_path()
     try:
         if library.exists():
             torch.ops.load_library(str(library))
         else:
-            _build(name, library)
+            _build(library.stem, library)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch paths remain
         logger.warning("dsaserve's torch operators are unavailable, using torch: %s", str(e).strip()[:500])
         return False
@@ -67,7 +71,7 @@ def load() -> bool:
     _loaded = True
     from dsaserve.native import amx
 
-    amx.choose_at_load()
+    amx.choose_at_load(str(library))
     return True
 
 
