@@ -17,8 +17,20 @@
 
 namespace {
 
+constexpr long kArchGetXcompPerm = 0x1022;  // arch_prctl: the extended state components this process may use
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an extended state component
 constexpr long kXfeatureXtiledata = 18;     // the tile registers' data
+
+#if DSASERVE_X86
+// Asks Linux for the tile data, then reads the permission back: a kernel that accepted the request is not
+// taken at its word.
+bool tile_data_permitted() {
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+    unsigned long long permitted = 0;
+    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &permitted) != 0) return false;
+    return (permitted >> kXfeatureXtiledata) & 1;
+}
+#endif
 
 const char* name_of(dsaserve::AmxMode mode) {
     switch (mode) {
@@ -62,7 +74,7 @@ bool dsaserve::amx_available() {
     // tile instruction faults).
     static const bool granted = cpu_has_avx512_bf16() && __builtin_cpu_supports("amx-tile") &&
                                 __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-int8") &&
-                                syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+                                tile_data_permitted();
     return granted;
 #else
     return false;

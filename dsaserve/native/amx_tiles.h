@@ -69,8 +69,10 @@ constexpr int kTileBytes = 64;
 
 // The instructions take tile numbers as immediates: each operation is a switch the compiler folds away.
 // GCC's tile load (and ldtilecfg, which it tells reads 8 of the 64 bytes) has no memory clobber: nothing stops
-// the compiler from delaying or dropping stores that only the tile load reads (a buffer filled just before). A
-// compiler barrier before each makes every earlier store land first; the tile store has its own.
+// the compiler from delaying or dropping stores that only the tile load reads (a buffer filled just before), or
+// from hoisting a later store (the next fill of that buffer) above it. A compiler barrier on both sides of each
+// load keeps its buffer's stores in program order; the store gets the same, as not every GCC's header gives it
+// a memory clobber.
 #define DSASERVE_TILES_0_7(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 struct HwTiles {
     static void configure() {
@@ -95,14 +97,17 @@ struct HwTiles {
             DSASERVE_TILES_0_7(DSASERVE_LOAD)
 #undef DSASERVE_LOAD
         }
+        __asm__ volatile("" ::: "memory");
     }
     template <int T>
     static void store(void* base, int64_t stride) {
+        __asm__ volatile("" ::: "memory");
         switch (T) {
 #define DSASERVE_STORE(t) case t: _tile_stored(t, base, stride); break;
             DSASERVE_TILES_0_7(DSASERVE_STORE)
 #undef DSASERVE_STORE
         }
+        __asm__ volatile("" ::: "memory");
     }
     // C += A · B: the kernels' accumulators are tiles 0-3, one operand is tile 4 and the other 5, 6 or 7.
 #define DSASERVE_DOTS(op, c) DSASERVE_DOT(op, c, 4, 5) DSASERVE_DOT(op, c, 4, 6) DSASERVE_DOT(op, c, 4, 7) \
@@ -224,6 +229,16 @@ struct EmuTiles {
         std::memcpy(&f, &bits, 4);
         return f;
     }
+};
+
+// A worker's hold on the tiles: configured for its lifetime, released however it ends (an emulated tile's
+// shape check throws; a thread left configured would pass the next call's "before configure" checks).
+template <class Tiles>
+struct TileSession {
+    TileSession() { Tiles::configure(); }
+    ~TileSession() { Tiles::release(); }
+    TileSession(const TileSession&) = delete;
+    TileSession& operator=(const TileSession&) = delete;
 };
 
 #if DSASERVE_X86

@@ -139,11 +139,10 @@ void score_item_tiles(const Job *job, int64_t item, float *products /* [4][16 he
 template <class Tiles>
 void worker_tiles(Job *job) {
     alignas(64) float products[4 * 256];
-    Tiles::configure();
+    const dsaserve::TileSession<Tiles> session;
     int64_t items = (job->keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
     for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
         score_item_tiles<Tiles>(job, item, products);
-    Tiles::release();
 }
 #pragma GCC pop_options
 #endif

@@ -186,11 +186,10 @@ void score_item_tiles(const Job* job, int64_t item, int32_t* products /* [4][16 
 template <class Tiles>
 void worker_tiles(Job* job) {
     alignas(64) int32_t products[4 * 256];
-    Tiles::configure();
+    const dsaserve::TileSession<Tiles> session;
     const int64_t items = (job->keys + kKeysPerItem - 1) / kKeysPerItem;
     for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
         score_item_tiles<Tiles>(job, item, products);
-    Tiles::release();
 }
 #pragma GCC pop_options
 #endif

@@ -60,6 +60,19 @@ typedef struct {
     int64_t next;       /* next work item to take, shared by the workers */
 } Job;
 
+/* A worker's 64-byte-aligned scratch buffers, freed however the worker ends. */
+template <int N>
+struct AlignedBuffers {
+    void *ptr[N] = {};
+    AlignedBuffers() = default;
+    AlignedBuffers(const AlignedBuffers &) = delete;
+    AlignedBuffers &operator=(const AlignedBuffers &) = delete;
+    ~AlignedBuffers() {
+        for (void *p : ptr) free(p);
+    }
+    void *&operator[](int k) { return ptr[k]; }
+};
+
 #if DSASERVE_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
@@ -295,7 +308,7 @@ void merge_parts(const Job *job, int64_t i) {
 
 bool worker(Job *job) {
     Scratch s;
-    void *mem[7] = {0};
+    AlignedBuffers<7> mem;
     int ok = !posix_memalign(&mem[0], 64, (job->heads / 16) * (job->dim / 2) * 64) &&
              !posix_memalign(&mem[1], 64, job->heads * job->value_dim * sizeof(float)) &&
              !posix_memalign(&mem[2], 64, job->heads * sizeof(float)) &&
@@ -312,7 +325,6 @@ bool worker(Job *job) {
         for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
             attend_item(job, item, &s, [&](int64_t i, int64_t a, int64_t b) { attend_range(job, i, a, b, &s); });
     }
-    for (int k = 0; k < 7; k++) free(mem[k]);
     return ok;
 }
 #pragma GCC pop_options
@@ -493,7 +505,7 @@ bool worker_tiles(Job *job) {
     const size_t sizes[9] = {(size_t)H * V * 4, (size_t)H * 4, (size_t)H * 4, (size_t)AMX_BLOCK / 2 * 16 * 4, 64,
                              (size_t)AMX_BLOCK * t.padded_dim * 2, (size_t)AMX_BLOCK * V * 2,
                              (size_t)(H / 16) * (t.padded_dim / 2) * 64, (size_t)(H / 16) * AMX_BLOCK * 16 * 4};
-    void *mem[10] = {0};
+    AlignedBuffers<10> mem;
     bool ok = true;
     for (int k = 0; k < 9; k++) ok = ok && !posix_memalign(&mem[k], 64, sizes[k]);
     ok = ok && !posix_memalign(&mem[9], 64, AMX_BLOCK / 32 * 256 * 4);
@@ -506,13 +518,11 @@ bool worker_tiles(Job *job) {
             memset(t.rows, 0, sizes[5]);
             memset(t.q_pairs, 0, sizes[7]);
         }
-        Tiles::configure();
+        const dsaserve::TileSession<Tiles> session;
         const int64_t items = job->n * job->parts;
         for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
             attend_item(job, item, &t.s, [&](int64_t i, int64_t a, int64_t b) { attend_range_tiles<Tiles>(job, i, a, b, &t); });
-        Tiles::release();
     }
-    for (int k = 0; k < 10; k++) free(mem[k]);
     return ok;
 }
 #pragma GCC pop_options
