@@ -1,10 +1,12 @@
-"""Two builds' batch-1 decode steps taking turns a few steps at a time, each in its own live process.
+"""Two builds' decode steps taking turns a few steps at a time, each in its own live process.
 
-    python benchmarks/ab_steps.py --a /tmp/before --b . [--quantization int4] [--checkpoint DIR] [--turns 60]
+    python benchmarks/ab_steps.py --a /tmp/before --b . [--quantization int4] [--batch 1] [--checkpoint DIR]
+                                  [--turns 60]
 
 This machine's speed moves by 1.5x between minutes, so two builds timed one after the other (or one process
 after another) differ by more than most changes do. Here both builds are loaded at once, each in a process of
-its own (PYTHONPATH set to its tree), decoding from the same 128-token prompt; they take turns of --steps steps
+its own (PYTHONPATH set to its tree), decoding --batch requests of the same 128-token prompt (a request
+replaced by a new one as it ends); they take turns of --steps steps
 (the other process waits), --turns times, so both meet the same minutes. Reports each build's median step over
 all its turns and how many turns each won (the same turn index, compared step medians).
 """
@@ -17,15 +19,18 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 WORKER = r"""
 import json, statistics, sys, time
-from dsaserve.engine.engine import LLMEngine
+try:
+    from dsaserve.engine.llm_engine import LLMEngine
+except ImportError:  # a build from before engine/ was split by concern
+    from dsaserve.engine.engine import LLMEngine
 from dsaserve.engine_args import EngineArgs
 from dsaserve.sampling_params import SamplingParams
 checkpoint, quantization = sys.argv[1], (None if sys.argv[2] == "none" else sys.argv[2])
-engine = LLMEngine(EngineArgs(model=checkpoint, kv_cache_memory="256MiB", max_model_len=4096, progress=False,
+batch = int(sys.argv[3])
+engine = LLMEngine(EngineArgs(model=checkpoint, kv_cache_memory="512MiB", max_model_len=4096, progress=False,
                               quantization=quantization))
 prompt = list(range(10, 138))
 def request(i):
@@ -33,12 +38,13 @@ def request(i):
     for _ in range(5):
         engine.step()
 count = 0
-request(count)
+for count in range(batch):
+    request(count)
 print("ready", flush=True)
 for line in sys.stdin:
     steps, times = int(line), []
     for _ in range(steps):
-        if not engine.has_unfinished_requests():  # (400 tokens: the context stays short)
+        while len(engine.scheduler.requests) < batch:  # (400 tokens: the context stays short)
             count += 1
             request(count)
         start = time.perf_counter()
@@ -48,9 +54,9 @@ for line in sys.stdin:
 """
 
 
-def start(tree: str, checkpoint: str, quantization: str, settings: list[str]) -> subprocess.Popen:
+def start(tree: str, checkpoint: str, quantization: str, batch: int, settings: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), **dict(s.split("=", 1) for s in settings))
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, checkpoint, quantization], env=env, text=True,
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, checkpoint, quantization, str(batch)], env=env, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert worker.stdout.readline().strip() == "ready"
     return worker
@@ -63,6 +69,7 @@ def main() -> None:
     parser.add_argument("--a-env", nargs="*", default=[], help="NAME=VALUE settings for a's process")
     parser.add_argument("--b-env", nargs="*", default=[], help="NAME=VALUE settings for b's process")
     parser.add_argument("--quantization", default="int4", help="int4, int8, fp8 or none")
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding together")
     parser.add_argument("--checkpoint", default=None, help="default: benchmarks/model_core.py's model")
     parser.add_argument("--turns", type=int, default=60)
     parser.add_argument("--steps", type=int, default=20)
@@ -71,7 +78,7 @@ def main() -> None:
         sys.path.insert(0, os.path.dirname(__file__))
         from model_core import checkpoint_dir
         args.checkpoint = str(checkpoint_dir())
-    workers = {name: start(tree, args.checkpoint, args.quantization, settings)
+    workers = {name: start(tree, args.checkpoint, args.quantization, args.batch, settings)
                for name, tree, settings in (("a", args.a, args.a_env), ("b", args.b, args.b_env))}
     medians = {name: [] for name in workers}
     for turn in range(args.turns):

@@ -21,11 +21,11 @@ import time
 import torch
 
 from dsaserve.attention import make_attention_backend
-from dsaserve.attention.indexer import Selection, select
+from dsaserve.attention.indexer_selection import Selection, select
 from dsaserve.attention.metadata import BatchMetadata
-from dsaserve.demo.checkpoint_builder import small_config
 from dsaserve.config import ModelConfig
-from dsaserve.engine.kv_cache import KVCache
+from dsaserve.demo.checkpoint_builder import small_config
+from dsaserve.engine.workers.kv_cache import KVCache
 from dsaserve.model.layers import RotaryEmbedding
 from dsaserve.model.mla import MLAAttention
 

@@ -67,8 +67,10 @@ def converse(page, url: str, messages: tuple[str, ...]) -> list[str]:
     for n, text in enumerate(messages, 1):
         page.find_element("id", "input").send_keys(text)
         page.find_element("id", "send").click()
-        done = lambda: (page.find_element("tag name", "body").get_attribute("data-state") == "idle"
-                        and len(answers(page)) == n and "finish:" in answers(page)[-1])
+
+        def done():
+            return (page.find_element("tag name", "body").get_attribute("data-state") == "idle"
+                    and len(answers(page)) == n and "finish:" in answers(page)[-1])
         wait_for(done, 120, f"the answer to {text!r}")
         replies.append(answers(page)[-1])
     return replies

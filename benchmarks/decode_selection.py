@@ -6,9 +6,9 @@
 `batch` requests (1 by default) on the benchmark model (benchmarks/model_core.py) whose first `context` tokens are
 cached synthetically each (as `dsaserve bench longctx` does for its decode points), decoded greedily with the sparse
 backend. Where a full layer's selection runs in Python between the step's native calls, this reports the median
-time of one full layer's selection (the indexer's queries, scoring, top-k: model/decode_calls.py `_select`) and the
-time per step spent turning the selections into cache slots (`_decode_slots`, asked once per layer and computing
-once per top-k tensor); where the step's one native call selects (stop 37 on), it says so; and the median step.
+time of one full layer's selection (the indexer's queries, scoring, top-k: Indexer.select) and the time per step
+spent turning the selections into cache slots (the backend's decode_slots, once per selection); where the step's one
+native call selects, it says so; and the median step.
 Run it in two trees taking turns to compare them (PYTHONPATH=TREE).
 """
 
@@ -33,12 +33,14 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--indexer-cache-dtype", default="auto")
     args = parser.parse_args()
-    from dsaserve.bench.longctx import fill_synthetic_prefix
-    from dsaserve.engine.engine import LLMEngine
-    from dsaserve.engine_args import EngineArgs
-    from dsaserve.model import decode_calls
-    from dsaserve.sampling_params import SamplingParams
     from model_core import checkpoint_dir
+
+    from dsaserve.attention.sparse import SparseAttention
+    from dsaserve.bench.longctx import fill_synthetic_prefix
+    from dsaserve.engine.llm_engine import LLMEngine
+    from dsaserve.engine_args import EngineArgs
+    from dsaserve.model.indexer import Indexer
+    from dsaserve.sampling_params import SamplingParams
 
     cache_mib = 900 * -(-args.batch * (args.context + args.steps + 40) // 32768)  # 900 MiB hold 32K tokens
     engine = LLMEngine(EngineArgs(model=args.checkpoint or checkpoint_dir(), kv_cache_memory=f"{cache_mib}MiB",
@@ -66,8 +68,8 @@ def main() -> None:
 
         setattr(owner, name, call)
 
-    timed(decode_calls, "_select", "select")
-    timed(decode_calls, "_decode_slots", "slots")
+    timed(Indexer, "select", "select")
+    timed(SparseAttention, "decode_slots", "slots")
     timed(engine, "step", "step")
     for _ in range(20):
         engine.step()

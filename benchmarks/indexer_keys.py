@@ -94,12 +94,13 @@ def write_alone(repeats: int = 200) -> dict:
 
 
 def engine(backend: str, packed: bool, context: int):
-    import dsaserve.engine.kv_cache as kv_cache
+    from model_core import checkpoint_dir
+
+    import dsaserve.engine.workers.kv_cache as kv_cache
     from dsaserve.bench.longctx import fill_synthetic_prefix
-    from dsaserve.engine.engine import LLMEngine
+    from dsaserve.engine.llm_engine import LLMEngine
     from dsaserve.engine_args import EngineArgs
     from dsaserve.sampling_params import SamplingParams
-    from model_core import checkpoint_dir
 
     real = kv_cache.packs_indexer_keys
     if not packed:

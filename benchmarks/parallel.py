@@ -36,8 +36,8 @@ from dsaserve.config import ModelConfig  # noqa: E402
 from dsaserve.distributed.communicator import Communicator  # noqa: E402
 from dsaserve.distributed.parallel_config import ParallelConfig  # noqa: E402
 from dsaserve.distributed.parallel_context import ParallelContext  # noqa: E402
-from dsaserve.engine.engine import LLMEngine  # noqa: E402
-from dsaserve.engine.kv_cache import KVCacheLayout  # noqa: E402
+from dsaserve.engine.llm_engine import LLMEngine  # noqa: E402
+from dsaserve.engine.workers.kv_cache import KVCacheLayout  # noqa: E402
 from dsaserve.engine_args import EngineArgs  # noqa: E402
 from dsaserve.model import load_model  # noqa: E402
 from dsaserve.model.checkpoint_layout import checkpoint_shapes  # noqa: E402
@@ -53,8 +53,8 @@ def shard_bytes(path: str) -> dict:
     layout = KVCacheLayout.of(cfg, torch.bfloat16)
     out = {}
     for name, (tp, ep, dcp) in LAYOUTS.items():
-        predicted = rank_shares(cfg, ParallelConfig(tp, ep, dcp), {n: (s, 2) for n, s in checkpoint_shapes(cfg).items()},
-                                resident_item=2)
+        predicted = rank_shares(cfg, ParallelConfig(tp, ep, dcp),
+                                {n: (s, 2) for n, s in checkpoint_shapes(cfg).items()}, resident_item=2)
         ranks = []
         for rank in range(tp):
             parallel = ParallelContext(Communicator(None, tuple(range(tp)), rank), expert_parallel=ep)
@@ -131,7 +131,8 @@ def _collectives(rank: int, port: int, queue) -> None:
         n = 200 if rows <= 16 else 30
         result[f"{rows} rows"] = {
             "all_reduce_us": per_call(lambda: dist.all_reduce(x), n),
-            "all_gather_and_sum_us": per_call(lambda: (dist.all_gather_into_tensor(flat, x), flat.view(2, rows, -1).sum(0)), n)}
+            "all_gather_and_sum_us": per_call(lambda: (dist.all_gather_into_tensor(flat, x),
+                                                       flat.view(2, rows, -1).sum(0)), n)}
     dist.destroy_process_group()
     if rank == 0:
         queue.put(result)
@@ -140,7 +141,7 @@ def _collectives(rank: int, port: int, queue) -> None:
 def collective_latency() -> dict:
     import torch.multiprocessing as mp
 
-    from dsaserve.engine.executor import free_port
+    from dsaserve.engine.workers.executor import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port("127.0.0.1")

@@ -4,7 +4,7 @@
 
 The prefix is filled with synthetic latents and indexer keys (as `dsaserve bench longctx` does for
 its decode points), so the chunk measured is the last one of a (prefix + chunk)-token prefill without
-running the ones before it. Set DSASERVE_NATIVE=0 to time the torch paths instead of the native kernels.
+running the ones before it. --native-kernels off times the torch paths instead of the native kernels.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from dsaserve.attention.dense import DenseAttention
 from dsaserve.attention.sparse import SparseAttention
 from dsaserve.bench.longctx import fill_synthetic_prefix
-from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine_args import EngineArgs
 from dsaserve.model.indexer import Indexer
 from dsaserve.model.moe import MoE
@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--backends", default="sparse,dense")
     parser.add_argument("--kv-cache-memory", default="900MiB")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--native-kernels", default="auto")
     args = parser.parse_args()
     for cls in (SparseAttention, DenseAttention):
         timed(cls, "forward", "attention")
@@ -68,7 +69,8 @@ def main() -> None:
     timed(MoE, "forward", "moe")
     engines = {b: LLMEngine(EngineArgs(args.model, attention_backend=b, progress=False, enable_prefix_caching=False,
                                        max_model_len=args.prefix + args.chunk + 1, kv_cache_memory=args.kv_cache_memory,
-                                       max_num_batched_tokens=args.chunk)) for b in args.backends.split(",")}
+                                       max_num_batched_tokens=args.chunk, native_kernels=args.native_kernels))
+               for b in args.backends.split(",")}
     for repeat in range(args.repeats):
         for backend, engine in engines.items():
             sections.clear()

@@ -1,15 +1,15 @@
 """The packed-weight kernels alone: GB/s of weights read by one [8192, 4096] product, per form and row count.
 
-    python benchmarks/quant_kernels.py [--warm]
+    python benchmarks/quant_kernels.py [--warm] [--native-kernels auto|avx512]
 
 Against torch's bf16 F.linear on the same weight and this machine's copy bandwidth (bytes copied per
 second, 1 GiB buffers). The weight is 64 MiB in bf16 (32, 16 MiB packed in 8, 4 bits); each measurement
 cycles through copies of it, 256 MiB in all, so that every product reads its weight from memory as decode
 does, not from a 32 MiB L3 that still holds it from the previous call.
-int4 runs on the path this CPU takes for bf16 activations (printed); `DSASERVE_INT4_VNNI=0 python
-benchmarks/quant_kernels.py` measures the bf16 one where the VNNI path is the default.
+int4 runs on the path this CPU takes for bf16 activations (printed); `--native-kernels avx512` measures the bf16
+one where the VNNI path is the default, and puts fp8 on its shift decode where VBMI lookups are.
 `--warm`: each kernel's own pace instead (one thread, a 2-4 MiB weight kept in cache, 1-8 rows), where the
-decoding of the weights, not memory, sets the speed; DSASERVE_FP8_VBMI=0 puts fp8 on its shift decode.
+decoding of the weights, not memory, sets the speed.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Callable
 
 import torch
 
-from dsaserve.model.fp8_blocks import fp8_row_scales, quantize_fp8
 from dsaserve.native import torch_ops
 from dsaserve.quantization import formats
+from dsaserve.quantization.fp8_blocks import fp8_row_scales, quantize_fp8
 
 N, K = 8192, 4096
 COLD_BYTES = 256 << 20  # weight copies cycled through per measurement
@@ -77,6 +77,8 @@ def warm() -> None:
 
 
 def main() -> None:
+    if "--native-kernels" in sys.argv[1:]:
+        torch_ops.configure(sys.argv[sys.argv.index("--native-kernels") + 1])
     if torch_ops.cpu_kernels() != "avx512_bf16":
         raise SystemExit(f"the kernels do not run here ({torch_ops.cpu_kernels()})")
     if "--warm" in sys.argv[1:]:

@@ -3,12 +3,13 @@
     python benchmarks/quantized_decode.py [--out docs/quantized_decode.json]
 
 On the checkpoint benchmarks/model_core.py builds (GLM-5.2 per-head geometry, 214M parameters, bf16),
-each weight form in its own process, the forms taking turns for three rounds (medians reported): bf16 through torch's matmuls (the kernels off), bf16 packed for
+each weight form in its own process, the forms taking turns for three rounds (medians reported): bf16 through
+torch's matmuls (the kernels off), bf16 packed for
 the bandwidth kernel (the default on a CPU with AVX-512 BF16), and --quantization fp8, int8, int4; int8 and int4
 twice where the CPU has AVX-512 VNNI: as served (activations rounded to int8 per row and 128-column group, integer
-dot products) and `int8-bf16act`, `int4-bf16act` (DSASERVE_INT8_VNNI=0, DSASERVE_INT4_VNNI=0: the products in
-bf16, exact in the activations); fp8 twice where the CPU has AVX-512 VBMI: as served (its bytes decoded by table
-lookups) and `fp8-shifts` (DSASERVE_FP8_VBMI=0: by shifts and masks).
+dot products) and `int8-bf16act`, `int4-bf16act` (native_kernels 'avx512': the products in bf16, exact in the
+activations); fp8 twice where the CPU has AVX-512 VBMI: as served (its bytes decoded by table lookups) and
+`fp8-shifts` (native_kernels 'avx512': by shifts and masks).
 For each: batch-1 decode (median step, 128-token prompts), batch-16 output tokens/s, a 2,048-token
 prefill, the weight bytes one decode token reads (every projection once, the shared expert, and 4 of
 the 8 routed experts per MoE layer), and the resident bytes. The bound is those bytes ÷ this machine's
@@ -76,24 +77,22 @@ def active_bytes(engine) -> tuple[int, int, int]:
 
 
 def measure(form: str) -> dict:
-    from parallel import decode_steps
     from model_core import checkpoint_dir
+    from parallel import decode_steps
 
     import dsaserve.quantization.apply as apply
-    from dsaserve.engine.engine import LLMEngine
+    from dsaserve.engine.llm_engine import LLMEngine
     from dsaserve.engine_args import EngineArgs
     from dsaserve.sampling_params import SamplingParams
 
     if form == "torch-bf16":
         apply.kernels_here = lambda device: False
-    if form.endswith("-bf16act"):  # read by the kernels once, at their first product of that kind
-        os.environ[f"DSASERVE_{form.split('-')[0].upper()}_VNNI"] = "0"
-    if form == "fp8-shifts":  # fp8 decoded by shifts and masks where the CPU would look it up (VBMI)
-        os.environ["DSASERVE_FP8_VBMI"] = "0"
+    # The AVX-512 bodies alone: int8 and int4 products in bf16, fp8 decoded by shifts and masks.
+    native_kernels = "avx512" if form.endswith("-bf16act") or form == "fp8-shifts" else "auto"
     quantization = {"fp8": "fp8", "fp8-shifts": "fp8", "int8": "int8", "int8-bf16act": "int8", "int4": "int4",
                     "int4-bf16act": "int4"}.get(form)
     engine = LLMEngine(EngineArgs(model=checkpoint_dir(), kv_cache_memory="512MiB", max_model_len=4096,
-                                  progress=False, quantization=quantization))
+                                  progress=False, quantization=quantization, native_kernels=native_kernels))
     decode_steps(engine, 1, steps=4)  # warm-up
     copy_before = copy_bandwidth()
     step_1, _ = decode_steps(engine, 1, steps=32)

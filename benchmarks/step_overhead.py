@@ -1,14 +1,14 @@
-"""What a batch-1 decode step costs besides streaming weights, and what gathering a layer's calls saves.
+"""What a batch-1 decode step costs besides streaming weights, and what the decode plan saves.
 
     python benchmarks/step_overhead.py [--quantization int4|int8|fp8|none] [--checkpoint DIR]
 
 By default builds (once) a checkpoint with benchmarks/model_core.py's layers, heads, indexer and experts but
 hidden 256 and every projection a few hundred KB, so a step's time is nearly all fixed costs: Python,
 operator dispatch, the threads' fork and join (--checkpoint takes another, e.g. the benchmark model).
-Reports the median decode step (128-token prompt) with the layers' gathered native calls
-(model/decode_calls.py: runs of layers in one native call) and through their modules, the same engine
-alternating step by step; then one shared MoE layer three ways, taking turns: through its modules, through its gathered calls, and as its
-native operators called directly with slots made beforehand (all three checked to give the same bits).
+Reports the median decode step (128-token prompt) through the decode plan (model/decode_plan.py: the layers'
+native pieces in one call) and through the modules, the same engine alternating step by step; then one shared MoE
+layer three ways, taking turns: through its modules, through a plan of that layer alone, and as its native operators
+called directly with slots made beforehand (all three checked to give the same bits).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ TINY_WIDTHS = dict(vocab_size=2048, hidden_size=256, intermediate_size=256, moe_
 
 
 def checkpoint() -> str:
-    from dsaserve.demo.checkpoint_builder import build_checkpoint
     from model_core import BENCH_CONFIG
+
+    from dsaserve.demo.checkpoint_builder import build_checkpoint
 
     path = os.path.join(os.environ.get("DSASERVE_BENCH_DIR", "/tmp/dsaserve-bench"), "glm52-structure-tiny")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
@@ -40,31 +41,32 @@ def checkpoint() -> str:
 def direct_layer(model, layer: int, x, cos, sin, meta, cache):
     """Layer `layer` (shared attention, MoE) as its native operators called one after another."""
     from dsaserve.quantization.packed_experts import routed_expert_args
+    from dsaserve.quantization.quantized_weight import packed_args
 
     block = model.model.layers[layer]
     attn = block.self_attn
     ops = torch.ops.dsaserve
     norm, post = block.input_layernorm, block.post_attention_layernorm
-    _, query_weights, query_shape = attn.prepared("query", attn._query_call)
-    kv_weight, _, latent_norm, latent_eps = attn.prepared("latents", attn._latents_call)
-    output_weights, _ = attn.prepared("output", attn._output_call)
-    gate, gate_up, down, shared, _, _ = block.mlp.prepared("parts", block.mlp._parts)
-    route = gate.prepared("route", gate._route_call)
-    experts, expert_tail = routed_expert_args(gate_up, down, shared)
+    q = attn.query_binding()
+    latents, output = attn.latents_binding(), attn.output_binding()
+    mlp = block.mlp
+    route = mlp.gate.binding().native_args()
+    experts, expert_tail = routed_expert_args(mlp.experts_gate_up, mlp.experts_down, mlp.shared_experts)
     rows = cache.view(-1, cache.shape[-1])
     slots = next(v for k, v in meta.derived.items() if k[0] == "causal rows").slots.contiguous()
-    kv_args = (kv_weight.qweight, kv_weight.scale, *kv_weight.args)
+    kv_args = (latents.kv.qweight, latents.kv.scale, *latents.kv.args)
 
     def run():
         h = ops.rms_norm.default(x, norm.weight, norm.eps)
-        query, _ = ops.mla_query.default(h, *query_weights, cos, sin, *query_shape)
+        query, _ = ops.mla_query.default(h, *packed_args(q.q_a), q.q_norm, q.q_eps, *packed_args(q.q_b),
+                                         *packed_args(q.w_uk), cos, sin, q.interleaved, q.heads, q.nope, q.rope)
         kv = ops.quant_linear.default(h, *kv_args)
-        ops.write_latent_rows.default(kv, latent_norm, latent_eps, cos, sin, attn.rope_interleave, rows,
+        ops.write_latent_rows.default(kv, latents.norm, latents.eps, cos, sin, attn.rope_interleave, rows,
                                       meta.slot_mapping)
         wide = query.new_empty(query.shape[0], query.shape[1], rows.shape[1])
         out = wide[..., : attn.kv_lora_rank]
         ops.attend_selected_rows.default(query, rows, slots, attn.scale, out)
-        y = ops.mla_output.default(out, *output_weights)
+        y = ops.mla_output.default(out, *output.native_args())
         h2, x2 = ops.add_rms_norm.default(y, x, post.weight, post.eps)
         weights, ids = ops.moe_route.default(h2, *route)
         moe = torch.empty_like(h2)
@@ -74,16 +76,14 @@ def direct_layer(model, layer: int, x, cos, sin, meta, cache):
     return run
 
 
-def through_modules(layers, on: bool, model=None) -> None:
-    """Whether the layers take their modules' path (their gathered calls set aside) or their gathered calls;
-    with the model (GlmMoeDsaModel), its plan of every layer's calls (model/decode_calls.py run_layers) too."""
-    for layer in layers + ([model] if model is not None else []):
-        cache = layer.__dict__.setdefault("_prepared_calls", {})
-        if on:
-            cache.setdefault("set aside", cache["decode calls"])
-            cache["decode calls"] = None
-        elif "set aside" in cache:
-            cache["decode calls"] = cache.pop("set aside")
+def through_modules(model, on: bool) -> None:
+    """Whether the model (GlmMoeDsaModel) steps through its modules (its decode plan set aside) or its plan."""
+    cache = model.__dict__.setdefault("_prepared_calls", {})
+    if on:
+        cache.setdefault("set aside", cache["decode plan"])
+        cache["decode plan"] = None
+    elif "set aside" in cache:
+        cache["decode plan"] = cache.pop("set aside")
 
 
 def main() -> None:
@@ -91,8 +91,9 @@ def main() -> None:
     parser.add_argument("--quantization", default="int4")
     parser.add_argument("--checkpoint", default=None)
     args = parser.parse_args()
-    from dsaserve.engine.engine import LLMEngine
+    from dsaserve.engine.llm_engine import LLMEngine
     from dsaserve.engine_args import EngineArgs
+    from dsaserve.model.decode_plan import DecodePlan
     from dsaserve.sampling_params import SamplingParams
 
     quantization = None if args.quantization == "none" else args.quantization
@@ -106,16 +107,15 @@ def main() -> None:
     engine.add_request("decode", prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
     for _ in range(10):
         engine.step()
-    layers = model.model.layers
-    assert all(layer.__dict__["_prepared_calls"]["decode calls"] is not None for layer in layers), "not packed here"
-    steps = {"gathered calls": [], "modules": []}
+    assert model.model.__dict__["_prepared_calls"]["decode plan"] is not None, "no decode plan here (not packed?)"
+    steps = {"decode plan": [], "modules": []}
     for _ in range(150):
         for name in steps:
-            through_modules(list(layers), name == "modules", model.model)
+            through_modules(model.model, name == "modules")
             start = time.perf_counter()
             engine.step()
             steps[name].append((time.perf_counter() - start) * 1e3)
-    through_modules(list(layers), False, model.model)
+    through_modules(model.model, False)
     for name, t in steps.items():
         quartiles = statistics.quantiles(t)
         print(f"decode step, batch 1, {name}: median {statistics.median(t):.2f} ms (quartiles {quartiles[0]:.2f}–"
@@ -127,15 +127,13 @@ def main() -> None:
         cos, sin = model.rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
         _, topk = model.model.layers[layer - 1](x, cos, sin, meta, kv[layer - 1], ic.get(layer - 1), None)
         block = model.model.layers[layer]
+        plan = DecodePlan.build([block])
+
         def modules():
-            through_modules([block], True)
-            try:
-                return block(x, cos, sin, meta, kv[layer], None, topk)[0]
-            finally:
-                through_modules([block], False)
+            return block(x, cos, sin, meta, kv[layer], None, topk)[0]
 
         ways = {"through the modules": modules,
-                "gathered calls": lambda: block(x, cos, sin, meta, kv[layer], None, topk)[0],
+                "a plan of the layer": lambda: plan.run(x, cos, sin, meta, [kv[layer]], {}, topk)[0],
                 "operators called directly": direct_layer(model, layer, x, cos, sin, meta, kv[layer])}
         first = modules()
         assert all(torch.equal(first, way()) for way in ways.values())

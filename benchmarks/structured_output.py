@@ -27,7 +27,7 @@ import time
 import torch
 
 from dsaserve.demo import demo_model_dir
-from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine_args import EngineArgs
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.structured_output import StructuredOutputsParams
@@ -70,7 +70,7 @@ class GrammarClock:
 
 
 def engine_part(model: str, batch: int, steps: int, repeats: int) -> dict:
-    import dsaserve.engine.logits_processors as processors
+    import dsaserve.sampling.logits_processors as processors
 
     engine = LLMEngine(EngineArgs(model=model, max_num_seqs=batch, progress=False))
     clock = GrammarClock()
@@ -137,7 +137,8 @@ def big_vocab_part(size: int, batch: int, steps: int) -> dict:
         for grammar, token in zip(grammars, tokens):
             assert grammar.accept(token)
         times.append(masked + time.perf_counter() - start)
-    return {"vocab": size, "batch": batch, "compile_s": compile_s, "grammar_ms_per_step": statistics.median(times) * 1e3}
+    return {"vocab": size, "batch": batch, "compile_s": compile_s,
+            "grammar_ms_per_step": statistics.median(times) * 1e3}
 
 
 def main() -> None:

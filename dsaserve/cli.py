@@ -40,7 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dsaserve.distributed.node import torchrun_overrides, torchrun_rank
+    from dsaserve.engine.workers.node import torchrun_overrides, torchrun_rank
     from dsaserve.server.launcher import serve
     from dsaserve.server.state import ServerConfig
 
@@ -52,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              f"{overrides['tensor_parallel_size']} ranks; they must agree")
         rank, local_rank = launched
         if rank != 0:
-            from dsaserve.engine.worker_process import run_worker
+            from dsaserve.engine.workers.worker_process import run_worker
 
             return run_worker(rank, local_rank, overrides["master_addr"], overrides["master_port"], args.model,
                               world_size=overrides["tensor_parallel_size"])
@@ -70,8 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from dsaserve.distributed.node import run_node
     from dsaserve.distributed.parallel_config import ParallelConfig
+    from dsaserve.engine.workers.node import run_node
 
     parallel = ParallelConfig(args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
                               master_addr=args.master_addr, master_port=args.master_port)
@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
     srv.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="a client that has not sent its whole request body by then gets 408")
-    srv.add_argument("--allowed-origins", type=json_list, default=["*"], help='CORS origins, a JSON list (default ["*"])')
+    srv.add_argument("--allowed-origins", type=json_list, default=["*"],
+                     help='CORS origins, a JSON list (default ["*"])')
     srv.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS methods, a JSON list")
     srv.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS headers, a JSON list")
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
@@ -170,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     wrk = sub.add_parser("worker", help="run the ranks of one more node for a server started with --nnodes "
                                         "(the engine's other arguments come from node 0)")
-    wrk.add_argument("model", nargs="?", default=None, help="this node's copy of the checkpoint (default: node 0's path)")
+    wrk.add_argument("model", nargs="?", default=None,
+                     help="this node's copy of the checkpoint (default: node 0's path)")
     wrk.add_argument("--tensor-parallel-size", type=int, required=True)
     wrk.add_argument("--nnodes", type=int, required=True)
     wrk.add_argument("--node-rank", type=int, required=True)
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from dsaserve.distributed.process_group import RankFailure
-    from dsaserve.engine.executor import ExecutorFailure
+    from dsaserve.engine.workers.executor import ExecutorFailure
 
     try:
         return args.func(args)

@@ -20,6 +20,10 @@ FULL, SHARED = "full", "shared"
 _LETTER_TO_TYPE = {"F": FULL, "S": SHARED, FULL: FULL, SHARED: SHARED}
 
 
+class CheckpointError(ValueError):
+    """The checkpoint's files or tensors do not match what the config describes."""
+
+
 class ConfigError(ValueError):
     """A config.json field is missing, malformed or inconsistent."""
 
@@ -207,7 +211,8 @@ class ModelConfig:
             raise ConfigError("each expert group needs at least 2 experts (group score = sum of its top-2)")
         if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
             raise ConfigError(
-                f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in topk_group={self.topk_group} groups"
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in "
+                f"topk_group={self.topk_group} groups"
             )
         if self.index_topk < 1:
             raise ConfigError(f"index_topk={self.index_topk} must be positive")
@@ -294,7 +299,8 @@ def resolve_indexer_types(raw: dict, num_layers: int) -> IndexerSchedule:
             f"{source} has {len(types)} entries but num_hidden_layers={num_layers}; give one entry per layer"
         )
     if types[0] != FULL:
-        raise ConfigError(f"{source}: layer 0 is {types[0]!r} but must be 'full' (a shared layer needs a full layer before it)")
+        raise ConfigError(f"{source}: layer 0 is {types[0]!r} but must be 'full' "
+                          "(a shared layer needs a full layer before it)")
 
     if explicit is not None and pattern is not None:
         other = _parse_types(pattern, "index_topk_pattern")
@@ -305,7 +311,8 @@ def resolve_indexer_types(raw: dict, num_layers: int) -> IndexerSchedule:
             raise ConfigError(
                 f"indexer_types and index_topk_pattern disagree at layer {first} "
                 f"(indexer_types says {ours!r}, index_topk_pattern says {got!r}); "
-                f"remove one or pin the schedule with --hf-overrides '{json.dumps({'index_topk_pattern': _pattern_string(types)})}'"
+                "remove one or pin the schedule with --hf-overrides "
+                f"'{json.dumps({'index_topk_pattern': _pattern_string(types)})}'"
             )
     if explicit is not None and pattern is None and "index_topk_pattern" in raw:
         warnings.append(

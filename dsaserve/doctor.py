@@ -14,9 +14,12 @@ import torch
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_config import ParallelConfig
-from dsaserve.engine.kv_cache import KVCacheLayout
-from dsaserve.model.loader import CheckpointError, check_tensors, checkpoint_files, read_tensor_infos
+from dsaserve.engine.workers.kv_cache import KVCacheLayout
+from dsaserve.model import huge_pages
 from dsaserve.model.checkpoint_layout import checkpoint_shapes, component_of, is_mtp_tensor
+from dsaserve.model.loader import CheckpointError, check_tensors, checkpoint_files, read_tensor_infos
+from dsaserve.model.weight_bytes import resident_bytes
+from dsaserve.native import amx, index_scores, selected_rows, torch_ops
 from dsaserve.parallel_plan import plan_lines, stored_items
 
 _BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "U8": 1, "I8": 1}
@@ -57,6 +60,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     for warning in sched.warnings:
         lines.append(f"  WARNING: {warning}")
     lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
+    lines.append(f"native kernels: {_native_line()}")
     lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
     lines.append(f"indexer kernels: {_index_scores_path(cfg)}")
     lines.append(f"AMX tiles for those kernels: {_amx_line(cfg)}")
@@ -65,11 +69,13 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     dense = sum(t == "dense" for t in cfg.mlp_layer_types)
     lines.append(f"mlp layers: {dense} dense + {cfg.num_hidden_layers - dense} MoE")
     rope = cfg.rope
-    lines.append(f"rope: {rope.rope_type}, theta {rope.theta:g}" + (f", factor {rope.factor:g}" if rope.rope_type == "yarn" else ""))
+    lines.append(f"rope: {rope.rope_type}, theta {rope.theta:g}"
+                 + (f", factor {rope.factor:g}" if rope.rope_type == "yarn" else ""))
     lines.append(f"eos token ids: {list(cfg.eos_token_ids)}")
     if cfg.quantization_config:
         qc = cfg.quantization_config
-        lines.append(f"quantization: {qc.get('quant_method')} blocks {qc.get('weight_block_size')} (dequantized at load)")
+        lines.append(f"quantization: {qc.get('quant_method')} blocks {qc.get('weight_block_size')} "
+                     "(dequantized at load)")
 
     ok = True
     files = checkpoint_files(model_dir)
@@ -118,23 +124,20 @@ def _mtp_line(cfg: ModelConfig, infos: dict) -> str:
 
 def _selected_rows_path(cfg: ModelConfig) -> str:
     """Which implementation the sparse backend uses for queries whose selections hardly overlap."""
-    from dsaserve.native.selected_rows import fits, has_bf16_kernel
-
-    if fits(cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank):
+    heads = max(cfg.num_attention_heads, selected_rows.FEW_HEADS_PADDED)  # fewer heads are padded to the kernel's
+    if selected_rows.fits(heads, cfg.kv_cache_dim, cfg.kv_lora_rank):
         return "native AVX-512 BF16 kernel (bf16 models on this CPU)"
-    if has_bf16_kernel():
-        return f"torch ({cfg.num_attention_heads} heads, rank {cfg.kv_lora_rank}: the native kernel needs heads in 16s, rank in 32s)"
-    return "torch (no native kernel here: it needs a C++ compiler and AVX-512 BF16; DSASERVE_NATIVE=0 turns it off)"
+    if selected_rows.has_bf16_kernel():
+        return (f"torch ({cfg.num_attention_heads} heads, rank {cfg.kv_lora_rank}: "
+                "the native kernel needs heads in 16s, rank in 32s)")
+    return "torch (no native kernel here: it needs a C++ compiler and AVX-512 BF16; --native-kernels off turns it off)"
 
 
 def _index_scores_path(cfg: ModelConfig) -> str:
     """Which implementations the indexer uses for its scores and its running top-k."""
-    from dsaserve.native import torch_ops
-    from dsaserve.native.index_scores import fits, fits_int8
-
     scores = ("native AVX-512 BF16 kernel (bf16 models; their key caches kept in its layout, scored in place)"
-              if fits(cfg.index_n_heads, cfg.index_head_dim) else "torch")
-    if fits_int8(cfg.index_n_heads, cfg.index_head_dim):
+              if index_scores.fits(cfg.index_n_heads, cfg.index_head_dim) else "torch")
+    if index_scores.fits_int8(cfg.index_n_heads, cfg.index_head_dim):
         scores += ("; int8 key caches (--indexer-cache-dtype int8) by int8 products on AVX-512 VNNI, the queries "
                    "rounded to int8 per head")
     return f"scores: {scores}; top-k: {'native radix select' if torch_ops.load() else 'torch'}"
@@ -142,8 +145,6 @@ def _index_scores_path(cfg: ModelConfig) -> str:
 
 def _amx_line(cfg: ModelConfig) -> str:
     """Whether the sparse attention and the indexer's scores take their AMX tile bodies, and for which shapes."""
-    from dsaserve.native import amx, torch_ops
-
     if not torch_ops.load():
         return "off (the native operators are not built here)"
     takes = []
@@ -154,38 +155,28 @@ def _amx_line(cfg: ModelConfig) -> str:
     if cfg.index_n_heads % 16 == 0 and cfg.index_head_dim % 64 == 0:
         takes.append("int8 indexer keys")
     shapes = (f"this checkpoint's shapes fit: {', '.join(takes)}" if takes else
-              "this checkpoint's shapes fit none (rank in 64s; indexer heads in 16s and dims in 32s, 64s for int8 keys)")
+              "this checkpoint's shapes fit none (rank in 64s; indexer heads in 16s and dims in 32s, "
+              "64s for int8 keys)")
     return f"{amx.state()}; {shapes}"
 
 
-def _weight_pages() -> str:
-    from dsaserve.model import huge_pages
+def _native_line() -> str:
+    return (f"{torch_ops.summary()} (--native-kernels auto | avx512: the AVX-512 bodies alone | off: torch's "
+            "operators)")
 
+
+def _weight_pages() -> str:
     if huge_pages.enabled():
-        return "one mapping advised for 2 MiB transparent huge pages (DSASERVE_HUGE_PAGES=0: torch's allocator)"
-    return "torch's allocator, 4 KiB pages (transparent huge pages refused here, or DSASERVE_HUGE_PAGES=0)"
+        return "one mapping advised for 2 MiB transparent huge pages (--no-huge-pages: torch's allocator)"
+    return "torch's allocator, 4 KiB pages (transparent huge pages refused here)"
 
 
 def _weight_kernel_path() -> str:
     """Which implementation multiplies packed (quantized or bf16) weights on this machine."""
-    from dsaserve.native import torch_ops
-
     if torch_ops.cpu_kernels() == "avx512_bf16":
-        paths = []
-        for kind in ("int8", "int4"):
-            switch = f"DSASERVE_{kind.upper()}_VNNI"
-            if getattr(torch.ops.dsaserve, f"{kind}_bf16_path")() == "avx512_vnni":
-                paths.append(f"{kind} by int8-rounded activations on AVX-512 VNNI ({switch}=0: in bf16)")
-            else:
-                paths.append(f"{kind} in bf16 (no AVX-512 VNNI and VBMI, or {switch}=0)")
-        if torch.ops.dsaserve.fp8_bf16_path() == "avx512_vbmi":
-            paths.append("fp8 decoded by AVX-512 VBMI table lookups (DSASERVE_FP8_VBMI=0: by shifts and masks)")
-        else:
-            paths.append("fp8 decoded by shifts and masks (no AVX-512 VBMI, or DSASERVE_FP8_VBMI=0)")
-        return (f"native AVX-512 BF16 kernels for up to 16 rows (bf16 models and --quantization; {'; '.join(paths)}), "
-                "torch GEMM beyond; a decode step runs its layers in one native call, its sparse selections "
-                "included where every request is past index_topk (else one call per run between the selections "
-                "Python makes; native/decode_layer.cpp)")
+        return ("native kernels for up to 16 rows (bf16 models and --quantization), torch GEMM beyond; a decode step "
+                "runs its layers as one native plan, its sparse selections included where every request is past "
+                "index_topk (model/decode_plan.py; --enforce-eager: through the modules)")
     return "torch (the packed-weight kernels need a C++ compiler and AVX-512 BF16; quantized weights dequantize)"
 
 
@@ -195,12 +186,14 @@ def _schedule_check(cfg: ModelConfig, infos) -> list[str]:
     missing = sorted(full - with_indexer)
     extra = sorted(with_indexer - full)
     if not missing and not extra:
-        return [f"  indexer weights on all {len(full)} full layers and on none of the {cfg.num_hidden_layers - len(full)} shared layers"]
+        return [f"  indexer weights on all {len(full)} full layers and on none of the "
+                f"{cfg.num_hidden_layers - len(full)} shared layers"]
     out = []
     if missing:
         out.append(f"  MISMATCH: full layers without indexer weights: {missing}")
     if extra:
-        out.append(f"  MISMATCH: shared layers carrying indexer weights: {extra} (the checkpoint expects a different schedule)")
+        out.append(f"  MISMATCH: shared layers carrying indexer weights: {extra} "
+                   "(the checkpoint expects a different schedule)")
     return out
 
 
@@ -223,8 +216,6 @@ def _component_table(sizes: dict, source: str) -> list[str]:
 
 def _weight_form_lines(cfg: ModelConfig) -> list[str]:
     """Resident weight bytes in each form dsaserve can hold them in (the MTP layer not counted)."""
-    from dsaserve.quantization.weight_bytes import resident_bytes
-
     params = resident_bytes(cfg, None, torch.float32) // 4
     lines = ["resident weights by form (--quantization; an FP8 checkpoint stays fp8 where the CPU kernels run):"]
     for form, what in ((None, "bf16, float"), ("fp8", "fp8"), ("int8", "int8"), ("int4", "int4")):
@@ -240,7 +231,9 @@ def _kv_lines(cfg: ModelConfig, max_model_len: int | None) -> list[str]:
     length = max_model_len or cfg.max_position_embeddings
     return [
         f"KV cache per token ({str(dtype).removeprefix('torch.')}): {human(layout.bytes_per_token)}",
-        f"  latent: {cfg.num_hidden_layers} layers × {cfg.kv_cache_dim} × {item} B = {human(layout.latent_bytes_per_token)}",
-        f"  indexer keys: {len(cfg.full_layers)} full layers × {cfg.index_head_dim} × {item} B = {human(layout.indexer_bytes_per_token)}",
+        f"  latent: {cfg.num_hidden_layers} layers × {cfg.kv_cache_dim} × {item} B = "
+        f"{human(layout.latent_bytes_per_token)}",
+        f"  indexer keys: {len(cfg.full_layers)} full layers × {cfg.index_head_dim} × {item} B = "
+        f"{human(layout.indexer_bytes_per_token)}",
         f"  one sequence of {length} tokens: {human(layout.bytes_per_token * length)}",
     ]

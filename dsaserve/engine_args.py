@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from dsaserve.attention import ATTENTION_BACKENDS
 from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES
 from dsaserve.distributed.parallel_config import ParallelConfig
+from dsaserve.native.torch_ops import NATIVE_KERNELS
 from dsaserve.quantization.formats import QUANTIZATION_MODES
 from dsaserve.speculative_config import SpeculativeConfig
 
@@ -73,6 +74,10 @@ class EngineArgs:
     master_addr: str = field(default="127.0.0.1", metadata=_help("node 0's address, where the ranks meet"))
     master_port: int | None = field(default=None, metadata=_help(
         "port on node 0 where the ranks meet (default on one node: a free one)"))
+    dist_timeout: float = field(default=600.0, metadata=_help(
+        "seconds a collective may wait for the other ranks before the step fails naming them"))
+    check_ranks: bool = field(default=False, metadata=_help(
+        "ranks compare every full layer's top-k each step and fail naming the layer where they differ (debugging)"))
     quantization: str | None = field(default=None, metadata=_help(
         "keep the projections' weights in 8 or 4 bits: fp8 (128x128 blocks), int8 (per row) or int4 (groups of 128); "
         "an FP8 checkpoint stays in FP8 without it (where the CPU kernels run)", choices=QUANTIZATION_MODES))
@@ -81,6 +86,15 @@ class EngineArgs:
     speculative_config: dict | str | None = field(default=None, metadata=_help(
         "speculative decoding with the checkpoint's MTP layer, as JSON: "
         "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'"))
+    native_kernels: str = field(default="auto", metadata=_help(
+        "CPU kernels this process uses: auto (the best bodies this CPU has: AMX tiles where they pass their check at "
+        "load, VNNI int8 weight products, VBMI fp8 lookups), avx512 (the same without the AMX tiles and the VNNI and "
+        "VBMI weight-product paths, for comparing) or off (torch's operators only)", choices=NATIVE_KERNELS))
+    huge_pages: bool = field(default=True, metadata=_help(
+        "keep the weights out of 2 MiB transparent huge pages (on by default where Linux allows them)"))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "run every step through the model's modules: no decode plan (a decode step's layers as one chain of native "
+        "pieces, on CPUs with the kernels); for comparing and debugging"))
     seed: int = field(default=0, metadata=_help("seed of the sampler for requests without their own seed"))
     progress: bool = field(default=True, metadata=_help("show a progress bar while loading weights"))
 
@@ -91,6 +105,9 @@ class EngineArgs:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.page_budget is not None and self.page_budget < 1:
             raise ValueError(f"page_budget={self.page_budget} must be at least 1 page")
+        if self.native_kernels not in NATIVE_KERNELS:
+            raise ValueError(f"native_kernels={self.native_kernels!r} is not supported; use one of "
+                             f"{', '.join(NATIVE_KERNELS)}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
                              f"{', '.join(QUANTIZATION_MODES)} (or leave it unset)")
@@ -100,7 +117,8 @@ class EngineArgs:
     @property
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel, self.decode_context_parallel_size,
-                              self.nnodes, self.node_rank, self.master_addr, self.master_port)
+                              self.nnodes, self.node_rank, self.master_addr, self.master_port, self.dist_timeout,
+                              self.check_ranks)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -124,7 +142,7 @@ class EngineArgs:
             elif f.type == "bool":
                 parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action="store_true", **meta)
             else:
-                kind = int if f.type in ("int", "int | None") else str
+                kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
                 parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=f.default, **meta)
 
     @classmethod

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from dsaserve.engine.engine import LLMEngine
+from dsaserve.chat_template import ChatTemplate
+from dsaserve.demo import demo_model_dir
+from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine_args import EngineArgs
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams
@@ -21,8 +23,6 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         if model is None:
-            from dsaserve.demo import demo_model_dir
-
             model = demo_model_dir()
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
@@ -77,8 +77,6 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template (or `chat_template`), then generate."""
-        from dsaserve.chat_template import ChatTemplate
-
         source = chat_template or self.tokenizer.chat_template
         if source is None:
             raise ValueError("this checkpoint has no chat template; pass chat_template=")
@@ -86,7 +84,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.encode(
-                template.render(c, tools=tools, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})),
+                template.render(c, tools=tools, add_generation_prompt=add_generation_prompt,
+                                **(chat_template_kwargs or {})),
                 add_special_tokens=False)
             for c in conversations
         ]
@@ -133,5 +132,6 @@ def _normalize_prompts(prompts, prompt_token_ids) -> list[str | list[int]]:
         elif isinstance(p, dict) and "prompt" in p:
             out.append(p["prompt"])
         else:
-            raise ValueError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got {p!r}")
+            raise ValueError(
+                f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got {p!r}")
     return out

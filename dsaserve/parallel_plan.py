@@ -17,6 +17,7 @@ from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.distributed.sharding import ShardPlan, tensor_slice
 from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES
+from dsaserve.quantization.fp8_blocks import is_fp8_quantizable
 
 FP8_BLOCK = 128 * 128  # elements per weight_scale_inv entry
 KIND_WORDS = {"replicated": "whole", "heads": "by attention head", "intermediate": "by intermediate dimension",
@@ -92,10 +93,10 @@ def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_ite
     return lines
 
 
-def stored_items(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], item: int) -> dict[str, tuple[tuple[int, ...], int]]:
+def stored_items(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                 item: int) -> dict[str, tuple[tuple[int, ...], int]]:
     """Bytes per element of each tensor of a config-only checkpoint: FP8 weights where the config says
     the checkpoint is FP8 (scales added per 128×128 block), the checkpoint dtype elsewhere."""
-    from dsaserve.demo.checkpoint_builder import is_fp8_quantizable
 
     qc = cfg.quantization_config or {}
     fp8 = qc.get("quant_method") == "fp8"

@@ -45,7 +45,7 @@ def server(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
     """An AsyncLLMEngine stepping on its own thread, one per module."""
-    from dsaserve.engine.async_engine import AsyncLLMEngine
+    from dsaserve.engine.async_llm_engine import AsyncLLMEngine
     from dsaserve.engine_args import EngineArgs
 
     eng = AsyncLLMEngine.from_engine_args(

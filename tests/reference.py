@@ -10,7 +10,7 @@ import torch
 
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
-from dsaserve.engine.kv_cache import KVCache
+from dsaserve.engine.workers.kv_cache import KVCache
 from dsaserve.model import load_model
 
 
@@ -114,7 +114,8 @@ def untied_topk_mismatch(ours: ForwardResult, ref: ForwardResult, scores: dict[i
             boundary = row.topk(k).values[-1]
             rounding = 1e-5 * row.abs().max()
             if any((row[p] - boundary).abs() > rounding for p in a ^ b):
-                return f"layer {layer} position {t}: only dsaserve {sorted(a - b)[:5]}, only reference {sorted(b - a)[:5]}"
+                return (f"layer {layer} position {t}: only dsaserve {sorted(a - b)[:5]}, "
+                        f"only reference {sorted(b - a)[:5]}")
     return None
 
 
@@ -142,5 +143,6 @@ def first_topk_mismatch(ours: ForwardResult, ref: ForwardResult) -> str | None:
     for layer in sorted(ref.topk):
         for t, (a, b) in enumerate(zip(ours.topk[layer], ref.topk[layer])):
             if a != b:
-                return f"layer {layer} position {t}: only dsaserve {sorted(a - b)[:5]}, only reference {sorted(b - a)[:5]}"
+                return (f"layer {layer} position {t}: only dsaserve {sorted(a - b)[:5]}, "
+                        f"only reference {sorted(b - a)[:5]}")
     return None

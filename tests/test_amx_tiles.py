@@ -10,12 +10,12 @@ import sys
 
 import pytest
 import torch
+from test_native import random_case, reference
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.native import amx, torch_ops
 from dsaserve.native import index_scores as native_scores
 from dsaserve.native.selected_rows import attend_selected_rows, has_bf16_kernel
-from test_native import random_case, reference
 
 pytestmark = pytest.mark.skipif(not has_bf16_kernel(), reason="the tile bodies' other parts are AVX-512 BF16 code: "
                                 "no such CPU here, or the operators could not be built")
@@ -177,17 +177,34 @@ def test_the_hardware_form_is_refused_without_amx_and_unknown_forms_are_named():
     assert amx.mode() in ("off", "hardware")  # never left emulated
 
 
-def test_load_turns_tiles_on_only_where_available_and_in_agreement(monkeypatch):
+def test_load_turns_tiles_on_only_where_available_and_in_agreement():
     previous = amx.set_mode("off")
     try:
-        monkeypatch.setenv("DSASERVE_AMX", "0")
-        amx.choose_at_load(str(torch_ops.library_path()))
-        assert amx.mode() == "off" and "DSASERVE_AMX=0" in amx.state()
-        monkeypatch.delenv("DSASERVE_AMX")
         amx.choose_at_load(str(torch_ops.library_path()))
         assert amx.mode() == ("hardware" if torch.ops.dsaserve.amx_available() else "off")
     finally:
         amx.set_mode(previous)
+
+
+def test_native_kernels_avx512_keeps_tiles_that_passed_their_check_off(monkeypatch):
+    """On an AMX CPU (faked, its mode recorded) whose check agrees the tiles go on; the engine option native_kernels
+    'avx512' turns them off, saying why, and 'auto' back on."""
+    mode = ["off"]
+    monkeypatch.setattr(torch.ops.dsaserve, "amx_available", lambda: True)
+    monkeypatch.setattr(amx, "set_mode", lambda name: mode.append(name) or mode[-2])
+    monkeypatch.setattr(amx, "_check_command", lambda library, tiles: [
+        sys.executable, "-c", "print('{\"disagreement\": null}')"])
+    try:
+        amx.choose_at_load(str(torch_ops.library_path()))
+        assert mode[-1] == "hardware" and amx.state().startswith("on")
+        torch_ops.configure("avx512")
+        assert mode[-1] == "off" and amx.state() == "off (native_kernels 'avx512')"
+        torch_ops.configure("auto")
+        assert mode[-1] == "hardware" and amx.state().startswith("on")
+    finally:
+        monkeypatch.undo()
+        amx.choose_at_load(str(torch_ops.library_path()))  # this CPU's own verdict again
+        torch_ops.configure("auto")
 
 
 def test_the_load_check_runs_the_tile_bodies_in_a_child_process():
@@ -220,7 +237,8 @@ def test_tiles_that_fail_the_load_check_stay_off(monkeypatch, caplog, child):
         monkeypatch.setattr(amx, "CHECK_TIMEOUT_S", 2)
         amx.choose_at_load(str(torch_ops.library_path()))
         assert amx.mode() == "off"
-        assert amx.state().startswith("off (the AMX tile kernels failed their check") and "sparse kernels" in caplog.text
+        assert (amx.state().startswith("off (the AMX tile kernels failed their check")
+                and "sparse kernels" in caplog.text)
         assert reason in amx.state(), amx.state()
     finally:
         amx.set_mode(previous)

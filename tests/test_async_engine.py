@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.async_engine import EngineStepError
 from dsaserve.engine.admission import RequestRejected
+from dsaserve.engine.async_llm_engine import EngineStepError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 

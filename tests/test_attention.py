@@ -56,7 +56,9 @@ def test_tiled_sparse_equals_per_query_sparse():
         else:
             topk[t] = torch.randperm(p + 1, generator=g)[:topk_k].to(torch.int32)
     out = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
-    selected = lambda t, p: sorted(x for x in topk[t].tolist() if x >= 0)
+
+    def selected(t, p):
+        return sorted(x for x in topk[t].tolist() if x >= 0)
     assert torch.allclose(out, per_query(query, cache, meta, selected), atol=1e-5)
 
 
@@ -83,7 +85,9 @@ def test_tiles_with_barely_overlapping_selections_give_the_same_result(monkeypat
     union_path = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
     monkeypatch.setattr(sparse, "UNION_LIMIT", 0)  # force the per-query fallback everywhere
     own_rows = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
-    selected = lambda t, p: sorted(x for x in topk[t].tolist() if x >= 0)
+
+    def selected(t, p):
+        return sorted(x for x in topk[t].tolist() if x >= 0)
     expected = per_query(query, cache, meta, selected)
     assert torch.allclose(union_path, expected, atol=1e-5) and torch.allclose(own_rows, expected, atol=1e-5)
 
@@ -98,7 +102,9 @@ def test_union_scored_in_key_chunks_with_online_softmax(monkeypatch):
     monkeypatch.setattr(sparse, "UNION_LIMIT", 1000)  # the union path everywhere
     monkeypatch.setattr(sparse, "SCORE_BUDGET", sparse.QUERY_TILE * query.shape[1] * 5)
     out = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk)
-    selected = lambda t, p: sorted(x for x in topk[t].tolist() if x >= 0)
+
+    def selected(t, p):
+        return sorted(x for x in topk[t].tolist() if x >= 0)
     assert torch.allclose(out, per_query(query, cache, meta, selected), atol=1e-5)
 
 
@@ -133,6 +139,8 @@ def test_bf16_per_query_rows_stay_within_bf16_rounding_of_fp32(monkeypatch):
     monkeypatch.setattr(sparse, "UNION_LIMIT", 0)  # the per-query path everywhere
     cache, query = cache.bfloat16(), (query * 3).bfloat16()  # sharper softmax than unit scores
     out = SparseAttention().forward(query, cache, meta, 0.1, RANK, topk).float()
-    selected = lambda t, p: sorted(x for x in topk[t].tolist() if x >= 0)
+
+    def selected(t, p):
+        return sorted(x for x in topk[t].tolist() if x >= 0)
     expected = per_query(query.float(), cache.float(), meta, selected)
     assert (out - expected).abs().max() <= 0.02 * expected.abs().max()

@@ -8,12 +8,21 @@ import json
 import random
 
 import pytest
+from server_process import ServerProcess
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.demo import demo_model_dir
-from dsaserve.demo.tasks import (GREETING_REPLY, WEATHER_TOOL, arithmetic_chat, codes, distinct_keys, document,
-                                 fact_sentence, question, words_chat)
-from server_process import ServerProcess
+from dsaserve.demo.tasks import (
+    GREETING_REPLY,
+    WEATHER_TOOL,
+    arithmetic_chat,
+    codes,
+    distinct_keys,
+    document,
+    fact_sentence,
+    question,
+    words_chat,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 NO_THINKING = {"enable_thinking": False}
@@ -159,12 +168,18 @@ def test_matches_the_reference_up_to_top_k_ties():
 
     A trained indexer (relu heads) can score many tokens exactly 0, so ties at the boundary occur:
     transformers' torch.topk keeps other tokens among them than dsaserve's running top-k, which keeps the
-    earlier ones (docs/design-notes.md); so do scores within fp32 rounding of each other, which two summation
+    earlier ones (docs/architecture.md#top-k-ties); so do scores within fp32 rounding of each other, which two summation
     orders rank either way. In the shipped model one occurs in its second full layer (1.4e-6 apart). A tie
     broken differently at layer l, position t changes what deeper layers see from position t on, so
     those are compared only before t."""
-    from reference import (ForwardResult, dsaserve_forward, load_reference, reference_forward,
-                           reference_index_scores, untied_topk_mismatch)
+    from reference import (
+        ForwardResult,
+        dsaserve_forward,
+        load_reference,
+        reference_forward,
+        reference_index_scores,
+        untied_topk_mismatch,
+    )
 
     path = demo_model_dir()
     ref = load_reference(path)

@@ -239,14 +239,16 @@ def test_each_skill_head_is_trained_on_its_own_pointers(tokenizer):
     assert watched_heads(cfg).skills == ()  # watched only when the skill pointers are trained
     heads = watched_heads(cfg, offsets=(1,), skills=True)
     assert [(role, name, head) for role, name, head in heads.skills] == [
-        ("call", "model.layers.1.self_attn", SKILL_HEADS["call"]), ("reverse", "model.layers.1.self_attn", SKILL_HEADS["reverse"])]
+        ("call", "model.layers.1.self_attn", SKILL_HEADS["call"]),
+        ("reverse", "model.layers.1.self_attn", SKILL_HEADS["reverse"])]
     s, real = 4, torch.ones(1, 4, dtype=torch.bool)
     previous = torch.zeros(1, s, s)
     previous[:, 0, 0], previous[:, torch.arange(1, s), torch.arange(s - 1)] = 1.0, 1.0
     call, reverse = torch.full((1, s, s), 0.5), torch.full((1, s, s), 0.5)
     call[0, 3, 1] = 1.0
     reverse[0, 2, 0] = 0.125
-    out = ForwardOutput(None, None, None, [], {}, dict(zip(heads.all(), (previous, torch.zeros(1, s, s), call, reverse))))
+    out = ForwardOutput(None, None, None, [], {},
+                        dict(zip(heads.all(), (previous, torch.zeros(1, s, s), call, reverse))))
     parts = attention_losses(out, heads, real, torch.zeros(0, 3, dtype=torch.long),
                              {"call": torch.tensor([[0, 3, 1]]), "reverse": torch.tensor([[0, 2, 0]])})
     assert parts["call_pointer"] == 0.0 and parts["reverse_pointer"].item() == pytest.approx(math.log(8))
@@ -319,9 +321,10 @@ def test_indexer_learns_only_from_its_kl_and_the_model_only_from_the_language_lo
 
 
 def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(tokenizer, tmp_path):
+    from reference import dsaserve_forward, load_reference, reference_forward
+
     from dsaserve import LLM
     from dsaserve.demo.train import TrainConfig, train
-    from reference import dsaserve_forward, load_reference, reference_forward
 
     tc = TrainConfig(steps=12, dense_steps=6, tokens_per_step=1024, max_doc_tokens=192, save_every=0, warmup=2,
                      chain_steps=3, copy_steps=1, skills_steps=2)
@@ -343,7 +346,8 @@ def test_a_few_steps_lower_the_losses_and_write_a_checkpoint_both_engines_load(t
                                      for m in (initial, trained))  # dense: every key visible to both heads
     assert after["lm"] < before["lm"] - 1 and after["mtp"] < before["mtp"] - 0.5 and after["kl"] < before["kl"]
     assert heads_after["previous"] < heads_before["previous"] - 0.3
-    assert any(" pointer " in line for line in log)  # the lookup head's loss was trained on (12 steps are too few to lower it)
+    # the lookup head's loss was trained on (12 steps are too few to lower it)
+    assert any(" pointer " in line for line in log)
     llm = LLM(str(tmp_path), dtype="float32", progress=False, speculative_config={"method": "mtp",
                                                                                    "num_speculative_tokens": 1})
     ids = llm.tokenizer.encode("[gMASK]<sop><|user|>\nHello!<|assistant|>", add_special_tokens=False)

@@ -11,14 +11,14 @@ import dataclasses
 
 import pytest
 import torch
+from reference import load_reference, reference_forward, reference_greedy
+from test_parity import VARIANTS, prompt
 
-import dsaserve.attention.indexer as indexer_module
+import dsaserve.attention.indexer_selection as indexer_module
 from dsaserve import LLM, SamplingParams
 from dsaserve.attention.context_shard import ContextShard
 from dsaserve.config import ModelConfig
-from dsaserve.engine.executor import ExecutorFailure
-from reference import load_reference, reference_forward, reference_greedy
-from test_parity import VARIANTS, prompt
+from dsaserve.engine.workers.executor import ExecutorFailure
 
 BASE = dict(dtype="float32", block_size=16, progress=False, max_model_len=256)
 LAYOUTS = {
@@ -271,14 +271,13 @@ def test_a_rank_using_another_ranks_topk_is_caught(single_rank, monkeypatch):
 
 
 def test_ranks_compare_their_topk_when_asked(single_rank, monkeypatch):
-    """DSASERVE_CHECK_RANKS=1: every full layer's top-k is compared across ranks; equal ones pass, and a rank
-    that selects differently stops the engine with an error naming the layer."""
+    """check_ranks: every full layer's top-k is compared across ranks; equal ones pass, and a rank that selects
+    differently stops the engine with an error naming the layer."""
     path, prompts, expected = single_rank("mixed_FFSS")
-    monkeypatch.setenv("DSASERVE_CHECK_RANKS", "1")
-    with engine(path, max_num_batched_tokens=24, **LAYOUTS["tp2_dcp2"]) as llm:
+    with engine(path, max_num_batched_tokens=24, check_ranks=True, **LAYOUTS["tp2_dcp2"]) as llm:
         assert run_batch(llm, prompts)[0] == expected[0]
     use_rank_ones_topk(monkeypatch)
-    with engine(path, **LAYOUTS["tp2_dcp2"]) as llm:
+    with engine(path, check_ranks=True, **LAYOUTS["tp2_dcp2"]) as llm:
         with pytest.raises(ExecutorFailure, match=r"layer 0 top-k: rank \d and rank\(s\) \[\d\] disagree"):
             llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, use_tqdm=False)
 

@@ -11,12 +11,12 @@ import time
 
 import httpx
 import pytest
+from server_process import ServerProcess, free_port
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.async_engine import AsyncLLMEngine, EngineStepError
-from dsaserve.engine.executor import ExecutorFailure
+from dsaserve.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+from dsaserve.engine.workers.executor import ExecutorFailure
 from dsaserve.engine_args import EngineArgs
-from server_process import ServerProcess, free_port
 
 PROMPT = "the quick brown fox"
 ENGINE = ["--dtype", "float32", "--block-size", "16", "--max-model-len", "256"]
@@ -77,8 +77,8 @@ def test_torchrun_starts_every_rank_and_rank_0_serves(tiny_checkpoint):
     expected = greedy_text(tiny_checkpoint)
     port = free_port()
     proc = subprocess.Popen([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-                             str(free_port()), "-m", "dsaserve", "serve", tiny_checkpoint, "--tensor-parallel-size", "2",
-                             "--port", str(port), "--served-model-name", "tiny", *ENGINE],
+                             str(free_port()), "-m", "dsaserve", "serve", tiny_checkpoint, "--tensor-parallel-size",
+                             "2", "--port", str(port), "--served-model-name", "tiny", *ENGINE],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -160,7 +160,7 @@ def test_a_rank_that_cannot_load_names_itself_and_the_cause(tiny_checkpoint, tmp
 INJECT = '''
 import os, time
 if os.environ.get("DSASERVE_TEST_FAIL_STEP"):
-    from dsaserve.engine import worker
+    from dsaserve.engine.workers import worker
     calls = []
     original = worker.Worker.execute
     def execute(self, output):
@@ -223,11 +223,10 @@ def test_a_worker_dying_while_idle_turns_the_engine_unhealthy(tiny_checkpoint):
 
 
 def test_a_hung_worker_times_the_collective_out(tiny_checkpoint, tmp_path, monkeypatch):
-    """A rank that stops answering (alive, not failing) ends the step after DSASERVE_DIST_TIMEOUT seconds."""
+    """A rank that stops answering (alive, not failing) ends the step after dist_timeout seconds."""
     inject_fault(tmp_path, monkeypatch, step=2, hang=True)
-    monkeypatch.setenv("DSASERVE_DIST_TIMEOUT", "3")
     llm = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=256, progress=False,
-              tensor_parallel_size=2)
+              tensor_parallel_size=2, dist_timeout=3)
     try:
         started = time.monotonic()
         with pytest.raises(ExecutorFailure, match="timed out"):

@@ -8,11 +8,11 @@ import itertools
 
 import pytest
 import torch
+from reference import load_reference, reference_greedy
 
-import dsaserve.engine.block_manager as block_manager
+import dsaserve.engine.scheduling.kv_cache_manager as kv_cache_manager
 from dsaserve import LLM, SamplingParams
 from dsaserve.attention.metadata import BatchMetadata
-from reference import load_reference, reference_greedy
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -84,9 +84,11 @@ def test_preemption_recomputes_to_identical_output(path, ref, prefix_caching):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     probe = make_llm(path)
     cfg = probe.engine.config
-    cfg_bytes_per_block = BLOCK * 4 * (cfg.num_hidden_layers * cfg.kv_cache_dim + len(cfg.full_layers) * cfg.index_head_dim)
+    cfg_bytes_per_block = BLOCK * 4 * (cfg.num_hidden_layers * cfg.kv_cache_dim
+                                       + len(cfg.full_layers) * cfg.index_head_dim)
     # 8 blocks: each request needs 4-6 over its life, three together need 15.
-    llm = make_llm(path, kv_cache_memory=8 * cfg_bytes_per_block, enable_prefix_caching=prefix_caching, max_model_len=128)
+    llm = make_llm(path, kv_cache_memory=8 * cfg_bytes_per_block, enable_prefix_caching=prefix_caching,
+                   max_model_len=128)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
@@ -124,8 +126,8 @@ def test_prefix_hashes_chain_through_the_parent(path, ref):
 
 
 def test_prefix_check_fails_without_chaining(path, ref, monkeypatch):
-    unchained = block_manager.block_key
-    monkeypatch.setattr(block_manager, "block_key", lambda parent, tokens: unchained(b"", tokens))
+    unchained = kv_cache_manager.block_key
+    monkeypatch.setattr(kv_cache_manager, "block_key", lambda parent, tokens: unchained(b"", tokens))
     with pytest.raises(AssertionError):
         check_prefix_chaining(path, ref)
 
@@ -244,11 +246,11 @@ def test_non_finite_logits_fail_only_that_request(path, monkeypatch):
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
-# ---- the block manager on its own --------------------------------------------------------------------
+# ---- the KV cache manager on its own -----------------------------------------------------------------
 
 
 def seq(ids):
-    from dsaserve.engine.request import Request
+    from dsaserve.engine.scheduling.request import Request
 
     return Request("x", list(ids), SamplingParams(), frozenset(), 4)
 
@@ -260,7 +262,7 @@ def computed(kv, request):
 
 
 def test_lru_eviction_keeps_the_most_recently_freed_prefix():
-    from dsaserve.engine.block_manager import KVCacheManager
+    from dsaserve.engine.scheduling.kv_cache_manager import KVCacheManager
 
     kv = KVCacheManager(num_blocks=6, block_size=4)
     a, b = seq(range(100, 108)), seq(range(200, 208))

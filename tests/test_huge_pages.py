@@ -1,6 +1,5 @@
 """The model's large tensors in one mapping advised for transparent huge pages (model/huge_pages.py)."""
 
-import os
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ class Weights(nn.Module):
 
 
 @pytest.mark.skipif(not huge_pages.enabled(), reason="this kernel refuses or lacks transparent huge pages "
-                    "(/sys/kernel/mm/transparent_hugepage/enabled), or DSASERVE_HUGE_PAGES=0")
+                    "(/sys/kernel/mm/transparent_hugepage/enabled)")
 def test_large_weights_share_one_mapping_backed_by_huge_pages():
     model = Weights()
     small, big = model.small, model.big
@@ -49,8 +48,16 @@ def test_large_weights_share_one_mapping_backed_by_huge_pages():
     assert mapping_of(starts[0]).get("AnonHugePages", 0) >= 2048
 
 
-def test_placing_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("DSASERVE_HUGE_PAGES", "0")
-    model = Weights()
-    before = model.big.data_ptr()
-    assert huge_pages.place_weights(model) == 0 and model.big.data_ptr() == before
+def test_placing_can_be_turned_off(monkeypatch, make_checkpoint):
+    """The engine option huge_pages (--no-huge-pages) leaves the weights where torch's allocator put them."""
+    from dsaserve import LLM
+    from dsaserve import model as model_package
+
+    placed = []
+    monkeypatch.setattr(model_package, "place_in_huge_pages", lambda model: placed.append(model) or 0)
+    LLM(make_checkpoint("tiny", seed=0), max_model_len=64, progress=False, huge_pages=False)
+    assert placed == []
+    LLM(make_checkpoint("tiny", seed=0), max_model_len=64, progress=False)
+    assert len(placed) == 1
+
+

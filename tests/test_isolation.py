@@ -5,7 +5,7 @@ request while the others produce exactly the tokens they produce alone (fp32).""
 import pytest
 import torch
 
-import dsaserve.engine.isolated_sampling as isolated_sampling
+import dsaserve.sampling.isolated_sampling as isolated_sampling
 from dsaserve import LLM, SamplingParams
 from dsaserve.sampling_params import SamplingParamsError
 
@@ -36,7 +36,8 @@ def run(engine, arrivals: dict[int, list]) -> dict:
         for request_id, ids, params in arrivals.get(step, []):
             engine.add_request(request_id, ids, params)
         for out in engine.step():
-            results.setdefault(out.request_id, out) if out.request_id not in results else results[out.request_id].add(out)
+            (results.setdefault(out.request_id, out) if out.request_id not in results
+             else results[out.request_id].add(out))
         step += 1
     return results
 

@@ -3,17 +3,17 @@ cache (recall, accounting), and end-to-end equality with the reference."""
 
 import pytest
 import torch
+from reference import load_reference, reference_greedy
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import dsaserve.attention.indexer as indexer
+import dsaserve.attention.indexer_selection as indexer
 from dsaserve import LLM, SamplingParams
-from dsaserve.attention.indexer import Selection, select, stream_select
 from dsaserve.attention.indexer_cache import IndexerKeyCache
+from dsaserve.attention.indexer_selection import Selection, select, stream_select
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.bench.longctx import HeapSampler
-from dsaserve.engine.kv_cache import KVCacheLayout
+from dsaserve.engine.workers.kv_cache import KVCacheLayout
 from dsaserve.native import index_scores as native_scores
-from reference import load_reference, reference_greedy
 
 HEADS, DIM, BS = 4, 16, 16
 
@@ -47,7 +47,8 @@ def direct_topk(keys, q, weights, positions, k):
     values, idx = scores.topk(k, dim=1)
     scored = positions >= k  # queries that see more than k tokens
     margin = (values[scored, -1] - scores[scored].topk(k + 1, dim=1).values[:, -1]).min() if scored.any() else 1.0
-    return [set(i for i, v in zip(r.tolist(), vals.tolist()) if v > float("-inf")) for r, vals in zip(idx, values)], margin
+    return [set(i for i, v in zip(r.tolist(), vals.tolist()) if v > float("-inf"))
+            for r, vals in zip(idx, values)], margin
 
 
 @pytest.mark.parametrize("context, new", [(0, 96), (37, 48), (100, 50), (250, 1)])
@@ -66,7 +67,8 @@ def test_streaming_indexer_matches_direct_topk(monkeypatch, context, new):
 
 def test_a_decode_tile_masks_its_future_as_the_general_mask_does():
     """A tile whose queries share one position (a decode step) masks the chunk's tail with one fill: the same
-    scores, -inf included, as the per-query causal mask, for chunks ending before, within and at the end of its block."""
+    scores, -inf included, as the per-query causal mask, for chunks ending before, within and at the end of its
+    block."""
     cache, meta, keys, q, weights = random_context(5, 150, 1)
     scratch = indexer.ScoreScratch(1, HEADS, DIM, BS, Selection(24), torch.float32, torch.device("cpu"))
     position = int(meta.positions[0])  # 150: block 9, offset 6
@@ -361,6 +363,7 @@ def test_int8_indexer_on_glm52_is_under_055_of_bf16():
     import json
 
     from conftest import REFERENCE_CONFIG
+
     from dsaserve.config import ModelConfig
 
     cfg = ModelConfig.from_dict(json.load(open(REFERENCE_CONFIG)))
@@ -376,7 +379,8 @@ def test_streaming_indexer_end_to_end_matches_reference(make_checkpoint, monkeyp
     ref = load_reference(path)
     prompt = torch.randint(30, ref.config.vocab_size, (90,), generator=torch.Generator().manual_seed(9)).tolist()
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=29, progress=False)
-    out = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    out = llm.generate(prompt_token_ids=prompt,
+                       sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference_greedy(ref, prompt, 12)
 
@@ -388,7 +392,8 @@ def test_page_backend_with_every_page_reproduces_dense(make_checkpoint):
     outs = {}
     for backend, budget in (("dense", None), ("page", 64), ("page", 2)):
         llm = LLM(path, dtype="float32", block_size=16, attention_backend=backend, page_budget=budget, progress=False)
-        outs[(backend, budget)] = llm.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)[0].outputs[0]
+        outs[(backend, budget)] = llm.generate(prompt_token_ids=prompt, sampling_params=params,
+                                               use_tqdm=False)[0].outputs[0]
     dense, every, few = outs[("dense", None)], outs[("page", 64)], outs[("page", 2)]
     assert every.token_ids == dense.token_ids
     for a, b in zip(every.logprobs, dense.logprobs):
@@ -406,16 +411,16 @@ def test_a_bf16_engine_scores_int8_indexer_keys_in_place_and_generates_what_plai
     layout, which scores them in prefill and in decode (one native selection per full layer). The prompts'
     selections agree with those of the plain int8 cache (dequantized keys against bf16 queries) but for the
     queries' rounding to int8: at least 95% of the positions, in every full layer."""
-    import dsaserve.engine.kv_cache as kv_cache
+    import dsaserve.engine.workers.kv_cache as kv_cache
 
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
     prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 41)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    import dsaserve.model.decode_calls as decode_calls
+    from dsaserve.model.decode_plan import DecodePlan
 
     # Decode selections made from Python (the operator call is seen here); a step that selects inside its one native
-    # call gives the same tokens (tests/test_decode_calls.py).
-    monkeypatch.setattr(decode_calls, "_selection_in_call", lambda *a: None)
+    # call gives the same tokens (tests/test_decode_plan.py).
+    monkeypatch.setattr(DecodePlan, "_selection_in_call", lambda *a: None)
     scored, selected = [], []
     real_scores, real_selection = native_scores.index_scores_int8_blocks, torch.ops.dsaserve.decode_selection.default
     monkeypatch.setattr(native_scores, "index_scores_int8_blocks", lambda *a: scored.append(1) or real_scores(*a))
@@ -452,7 +457,7 @@ def test_a_bf16_engine_keeps_indexer_keys_packed_and_generates_what_unpacked_key
     """bf16 on a CPU with the scoring kernel: the key caches are in its layout and scored in place. Prompts
     past index_topk (16) make every full layer score and select in prefill and decode; tokens and logprobs
     are those of the same engine with plain key rows, gathered and packed per chunk."""
-    import dsaserve.engine.kv_cache as kv_cache
+    import dsaserve.engine.workers.kv_cache as kv_cache
 
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
     prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 41)]

@@ -1,25 +1,24 @@
 """The native kernels (selected-rows attention, indexer scores) against fp32 computations, their use
 by the sparse backend and the indexer, and the torch fallback where they cannot be built."""
 
-import os
 
 import pytest
 import torch
 
 from dsaserve import native
-from dsaserve.native import torch_ops
 from dsaserve.attention import SparseAttention, sparse
-from dsaserve.attention.indexer import ScoreScratch, Selection
 from dsaserve.attention.indexer_cache import IndexerKeyCache
+from dsaserve.attention.indexer_selection import ScoreScratch, Selection
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.native import index_scores as native_scores
+from dsaserve.native import torch_ops
 from dsaserve.native.selected_rows import attend_selected_rows, fits, has_bf16_kernel
 from dsaserve.native.topk import topk_rows
 
 CPU_HAS_AVX512_BF16 = all(flag in native.cpu_signature() for flag in ("avx512_bf16", "avx512bw"))
 needs_bf16_kernel = pytest.mark.skipif(
     not has_bf16_kernel(),  # builds the kernels here on first use
-    reason="no native AVX-512 BF16 kernel here (needs a C++ compiler, ninja, AVX-512 BF16 and DSASERVE_NATIVE unset or 1)")
+    reason="no native AVX-512 BF16 kernel here (needs a C++ compiler and AVX-512 BF16)")
 
 
 def reference(query, rows, slots, scale, value_dim):
@@ -40,8 +39,7 @@ def random_case(seed, n, heads, dim, width, pool):
     return query, rows, slots
 
 
-@pytest.mark.skipif(not CPU_HAS_AVX512_BF16 or os.environ.get("DSASERVE_NATIVE") == "0",
-                    reason="this CPU has no AVX-512 BF16, or DSASERVE_NATIVE=0 turns the kernels off")
+@pytest.mark.skipif(not CPU_HAS_AVX512_BF16, reason="this CPU has no AVX-512 BF16")
 def test_kernel_is_built_on_a_machine_with_a_compiler_and_avx512_bf16():
     assert has_bf16_kernel()
     assert fits(16, 576, 512) and fits(64, 576, 512)
@@ -128,8 +126,7 @@ def test_sparse_backend_takes_the_kernel_for_bf16_per_query_rows(monkeypatch):
     assert (out - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
-@pytest.mark.skipif(not CPU_HAS_AVX512_BF16 or os.environ.get("DSASERVE_NATIVE") == "0",
-                    reason="this CPU has no AVX-512 BF16, or DSASERVE_NATIVE=0 turns the kernels off")
+@pytest.mark.skipif(not CPU_HAS_AVX512_BF16, reason="this CPU has no AVX-512 BF16")
 def test_decode_batches_take_the_kernel_for_bf16(monkeypatch):
     """Single-query requests of different lengths (dense: each its whole context, padded to the longest;
     sparse: its own top-k with empty entries) read their rows through the kernel."""
@@ -170,8 +167,7 @@ def test_decode_batches_take_the_kernel_for_bf16(monkeypatch):
     assert calls[1:] == [True, True] and (out - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
-@pytest.mark.skipif(not CPU_HAS_AVX512_BF16 or os.environ.get("DSASERVE_NATIVE") == "0",
-                    reason="this CPU has no AVX-512 BF16, or DSASERVE_NATIVE=0 turns the kernels off")
+@pytest.mark.skipif(not CPU_HAS_AVX512_BF16, reason="this CPU has no AVX-512 BF16")
 def test_a_few_row_request_ahead_of_a_prompt_attends_through_the_kernel_correctly():
     """A request with three new tokens (draft verification, a short chunk) as the batch's first rows, then a
     prompt and a decode row: the few rows go through the single-query path as requests of their own, whose
@@ -205,9 +201,11 @@ def test_a_few_row_request_ahead_of_a_prompt_attends_through_the_kernel_correctl
 def test_without_a_compiler_the_operators_are_off_and_attention_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(torch_ops, "_loaded", None)
     monkeypatch.setattr(torch_ops, "_kernels", None)
+    monkeypatch.setattr(torch_ops, "_unavailable", None)
     monkeypatch.setenv("DSASERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert torch_ops.load() is False and torch_ops.cpu_kernels() == "none"
+    assert "no C++ compiler" in torch_ops.unavailable()
     query, rows, slots = random_case(2, 2, 16, 72, 80, 100)
     out = torch.empty(2, 16, 64, dtype=torch.bfloat16)
     assert attend_selected_rows(query, rows, slots, 0.2, out) is False
@@ -333,7 +331,7 @@ def test_topk_rows_match_torch_topk_sets_with_masked_and_tied_values():
 
 
 needs_operators = pytest.mark.skipif(not torch_ops.load(), reason="dsaserve's torch operators could not be built here "
-                                                                  "(needs a C++ compiler and ninja; DSASERVE_NATIVE=0 turns them off)")
+                                                                  "(needs a C++ compiler)")
 
 
 def torch_path(monkeypatch, fn, *args):
@@ -450,37 +448,83 @@ def test_residual_addition_and_norm_in_one_call_give_their_bits(monkeypatch, dty
     norm.weight.data = (torch.rand(300, generator=g) + 0.5).to(dtype)
     x, attn = (torch.randn(3, 300, generator=g) * 3).to(dtype), torch.randn(3, 300, generator=g).to(dtype)
     with torch.inference_mode():
-        normed, total = norm.add_and_norm(x, attn)
+        normed, total = norm(attn, residual=x)
         assert torch.equal(total, x + attn) and torch.equal(normed, norm(x + attn))
         monkeypatch.setattr(layers, "one_operator", lambda *a: False)
-        assert torch.equal(norm.add_and_norm(x, attn)[1], total)
+        assert torch.equal(norm(attn, residual=x)[1], total)
 
 
-def test_a_build_killed_halfway_does_not_block_the_next_start(monkeypatch, tmp_path):
-    """torch's builder waits for any lock file in its build directory; a first start interrupted while
-    compiling leaves one. Each build therefore runs in a directory of its own and only moves the finished
-    library into the cache, so a stale lock where the library belongs changes nothing."""
-    import torch.utils.cpp_extension as cpp_extension
+def test_an_edit_recompiles_only_the_sources_it_touches(monkeypatch, tmp_path):
+    """Objects are kept by what each source's text depends on: an edit to one source compiles it alone; an edit to
+    a header compiles the sources that include it (directly or through another header), and no other."""
+    from dsaserve.native import build
 
-    monkeypatch.setenv("DSASERVE_CACHE", str(tmp_path))
-    library = torch_ops.library_path()
-    final = library.parent
-    final.mkdir(parents=True)
-    (final / "lock").write_text("")  # what the interrupted build left behind
-    used = []
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "pieces.h").write_text('#include "row_math.h"\n')
+    (folder / "row_math.h").write_text("// maths\n")
+    for name, text in {"a.cpp": '#include "pieces.h"\n', "b.cpp": "// alone\n",
+                       "c.cpp": '#include "row_math.h"\n'}.items():
+        (folder / name).write_text(text)
+    monkeypatch.setattr(build, "SOURCE_DIR", folder)
+    monkeypatch.setattr(build, "SOURCES", sorted(folder.glob("*.cpp")))
+    monkeypatch.setenv("DSASERVE_CACHE", str(tmp_path / "cache"))
+    compiled = []
+    monkeypatch.setattr(build, "_compile", lambda source, obj: compiled.append(source.name) or obj.write_bytes(b""))
+    monkeypatch.setattr(build, "_run", lambda command, output: output.write_bytes(b""))
 
-    def fake_build(name, build_directory, **kwargs):
-        assert not os.path.exists(os.path.join(build_directory, "lock"))
-        used.append(build_directory)
-        open(os.path.join(build_directory, f"{name}.so"), "w").close()
+    def build_now() -> list[str]:
+        compiled.clear()
+        library = build.library_path()
+        if not library.exists():
+            build.build(library)
+        return sorted(compiled)
 
-    monkeypatch.setattr(cpp_extension, "load", fake_build)
-    torch_ops._build(library.stem, library)
-    assert used and used[0] != str(final) and library.exists() and not os.path.exists(used[0])
+    assert build_now() == ["a.cpp", "b.cpp", "c.cpp"] and build_now() == []
+    (folder / "b.cpp").write_text("// alone, edited\n")
+    assert build_now() == ["b.cpp"]
+    (folder / "row_math.h").write_text("// maths, edited\n")
+    assert build_now() == ["a.cpp", "c.cpp"]
 
 
-@pytest.mark.skipif(not torch_ops.load(), reason="the native operators are not built here (no compiler, or "
-                    "DSASERVE_NATIVE=0)")
+def test_a_failed_compile_leaves_no_object_and_says_why(monkeypatch, tmp_path):
+    """A source that does not compile raises with the compiler's message; nothing half-written stays in the cache
+    (the next start compiles it again)."""
+    from dsaserve.native import build
+
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++\n")
+    output = tmp_path / "bad.o"
+    with pytest.raises(RuntimeError, match="failed"):
+        build._compile(bad, output)
+    assert not output.exists() and [p.name for p in tmp_path.iterdir()] == ["bad.cpp"]
+
+
+@needs_operators
+def test_every_operator_has_a_meta_kernel_beside_its_schema():
+    """Each operator taking tensors registers a Meta kernel in its own source (shapes without computing), and the
+    shapes it gives are the CPU kernel's."""
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dsaserve::")]
+    with_tensors = [n for n in names if any(
+        "Tensor" in str(a.type) for a in getattr(torch.ops.dsaserve, n.split("::")[1]).default._schema.arguments)]
+    assert len(with_tensors) >= 20
+    assert [n for n in with_tensors if not torch._C._dispatch_has_kernel_for_dispatch_key(n, "Meta")] == []
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    weight = torch.rand(64, generator=g).bfloat16() + 0.5
+    cases = [(torch.ops.dsaserve.rms_norm.default, (x, weight, 1e-6)),
+             (torch.ops.dsaserve.add_rms_norm.default, (x, x, weight, 1e-6)),
+             (torch.ops.dsaserve.topk_rows.default, (torch.randn(4, 50, generator=g), 7)),
+             (torch.ops.dsaserve.apply_rope.default, (x.view(3, 2, 32), x[:, :8], x[:, :8], True)),
+             (torch.ops.dsaserve.context_slots.default, (torch.arange(6).view(2, 3), [5, 9], 4))]
+    for op, args in cases:
+        real = op(*args)
+        fake = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+        for r, f in zip(real if isinstance(real, tuple) else (real,), fake if isinstance(fake, tuple) else (fake,)):
+            assert f.device.type == "meta" and (f.shape, f.dtype) == (r.shape, r.dtype), op
+
+
+@pytest.mark.skipif(not torch_ops.load(), reason="the native operators are not built here (no compiler)")
 @pytest.mark.parametrize("reqs", [[0, 1, 2], [2, 1]])
 def test_whole_context_slots_in_one_call_equal_the_torch_derivation(monkeypatch, reqs):
     """Each request's positions through its own (shuffled) block table, -1 past its length; every request of
@@ -500,8 +544,7 @@ def test_whole_context_slots_in_one_call_equal_the_torch_derivation(monkeypatch,
     assert native_rows.slots[reqs.index(1), 2:].eq(-1).all()  # request 1 holds 2 positions
 
 
-@pytest.mark.skipif(not torch_ops.load(), reason="the native operators are not built here (no compiler, or "
-                    "DSASERVE_NATIVE=0)")
+@pytest.mark.skipif(not torch_ops.load(), reason="the native operators are not built here (no compiler)")
 def test_selected_position_slots_in_one_call_equal_the_torch_derivation(monkeypatch):
     """A decode batch's top-k positions (-1 = none) through each request's own shuffled block table, as the
     sparse backend derives them for every full layer's selection; a position past the table is refused."""

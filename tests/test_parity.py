@@ -7,10 +7,6 @@ paged cache. Prompts are ≥ 4 × index_topk long so the indexer really prunes.
 
 import pytest
 import torch
-
-from dsaserve import LLM, SamplingParams
-from dsaserve.config import ModelConfig
-from dsaserve.model.mla import MLAAttention
 from reference import (
     dsaserve_forward,
     first_topk_mismatch,
@@ -19,6 +15,10 @@ from reference import (
     reference_forward,
     reference_greedy,
 )
+
+from dsaserve import LLM, SamplingParams
+from dsaserve.config import ModelConfig
+from dsaserve.model.mla import MLAAttention
 
 INDEX_TOPK = 16
 PROMPT_LEN = 77  # ≥ 4 × index_topk, not a multiple of the block size
@@ -92,8 +92,10 @@ def test_batch_of_different_lengths_equals_each_alone(variant, max_num_batched_t
     prompts = [prompt(vocab, n, seed=10 + n) for n in (70, PROMPT_LEN, 90, 10)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=max_num_batched_tokens, progress=False)
-    together = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
-    alone = [llm.generate(prompt_token_ids=p, sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids
+                for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    alone = [llm.generate(prompt_token_ids=p, sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts]
     assert together == alone
     assert together[0] == reference_greedy(ref, prompts[0], 16)
     assert together[3] == reference_greedy(ref, prompts[3], 16)
@@ -117,7 +119,7 @@ def test_dense_backend_equals_reference_when_topk_covers_everything(make_checkpo
 
 
 def test_parity_check_fails_without_indexer_causal_mask(make_checkpoint, monkeypatch):
-    import dsaserve.attention.indexer as indexer
+    import dsaserve.attention.indexer_selection as indexer
 
     path = make_checkpoint("parity_mixed_FFSS", seed=0)
     ref = load_reference(path)

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 import dsaserve.quantization.apply as apply
-from dsaserve.quantization.packed import is_packed
 from dsaserve import LLM, SamplingParams
 from dsaserve.config import ModelConfig
 from dsaserve.model import load_model
+from dsaserve.model.weight_bytes import resident_bytes
 from dsaserve.quantization import formats
 from dsaserve.quantization.formats import QUANTIZATION_MODES
 from dsaserve.quantization.int8_rows import Int8Rows
+from dsaserve.quantization.packed import is_packed
 from dsaserve.quantization.quantized_weight import QuantizedWeight
-from dsaserve.quantization.weight_bytes import resident_bytes
 
 # 40-token steps: the prompts' first chunks need no logits at all (lm_head gets no rows).
 BASE = dict(dtype="float32", block_size=16, progress=False, max_model_len=512, max_num_batched_tokens=40)
@@ -95,7 +95,7 @@ def test_what_is_packed_and_what_stays(tiny_checkpoint):
 
 
 def test_resident_bytes_are_what_the_model_holds(tiny_checkpoint):
-    """quantization/weight_bytes.py (what doctor prints) adds up to the loaded model's own buffers."""
+    """model/weight_bytes.py (what doctor prints) adds up to the loaded model's own buffers."""
     cfg = ModelConfig.from_pretrained(tiny_checkpoint)
     for form in ("bf16", "fp8", "int8", "int4"):
         model = load_model(cfg, tiny_checkpoint, torch.float32, torch.device("cpu"), progress=False, weight_forms=form)

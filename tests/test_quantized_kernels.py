@@ -9,7 +9,7 @@ import torch
 from dsaserve.demo.checkpoint_builder import quantize_fp8
 from dsaserve.native import torch_ops
 from dsaserve.quantization import formats
-from dsaserve.model.fp8_blocks import fp8_row_scales
+from dsaserve.quantization.fp8_blocks import fp8_row_scales
 from dsaserve.quantization.quantized_weight import Fp8Slice, PackedMatrix, QuantizedWeight
 
 KINDS = ("bf16", "fp8", "int8", "int4")
@@ -31,8 +31,7 @@ def vnni(kind: str) -> bool:
 def needs_vnni(kind: str):
     return pytest.mark.skipif(
         not vnni(kind), reason=f"the {kind} VNNI path needs AVX-512 VNNI and VBMI besides the kernels' AVX-512 BF16 "
-                               f"(this CPU's kernels: {torch_ops.cpu_kernels()}), and DSASERVE_{kind.upper()}_VNNI "
-                               "unset or not 0")
+                               f"(this CPU's kernels: {torch_ops.cpu_kernels()})")
 
 
 def activation_group(kind: str, k: int) -> int:
@@ -295,7 +294,8 @@ def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, shared
         pack_gated_mlp(layer.shared_experts, kind, hidden, inter * n_shared, g)
     calls = []
     real = moe_module.add_routed_experts
-    monkeypatch.setattr(moe_module, "add_routed_experts", lambda *a: calls.append(len(a) == 7 and a[6] is not None) or real(*a))
+    monkeypatch.setattr(moe_module, "add_routed_experts",
+                        lambda *a: calls.append(len(a) == 7 and a[6] is not None) or real(*a))
     for tokens in (1, 3, 9, 16):
         x = torch.randn(tokens, hidden, generator=g).to(dtype)
         fused = layer(x)
@@ -349,7 +349,7 @@ def test_one_call_gated_mlp_gives_the_three_calls_bits(kind, dtype, monkeypatch)
 
 
 @pytest.mark.skipif(not torch_ops.load(), reason="dsaserve's torch operators could not be built here (needs a C++ "
-                                                   "compiler and ninja; DSASERVE_NATIVE=0 turns them off)")
+                                                   "compiler)")
 @pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_operator_chooses_the_torch_operators_experts(groups, dtype, monkeypatch):
@@ -371,7 +371,8 @@ def test_router_operator_chooses_the_torch_operators_experts(groups, dtype, monk
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
             router.weight.copy_(torch.randn(experts, hidden, generator=g) * 0.1)
-            router.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, experts)[torch.randperm(experts, generator=g)])
+            router.e_score_correction_bias.copy_(
+                torch.linspace(-0.3, 0.3, experts)[torch.randperm(experts, generator=g)])
         x = (torch.randn(9, hidden, generator=g) * 2).to(dtype)
         calls = []
         real = torch.ops.dsaserve.moe_route.default
@@ -415,10 +416,11 @@ def test_one_call_absorbed_query_gives_the_operators_bits(kind, dtype, monkeypat
     products, norm, split, rotary embedding and concatenation it replaces: the same bits, for 1 to 16 tokens
     and both rotary pair orders."""
     from dsaserve.attention import SparseAttention
-    from dsaserve.attention.indexer import Selection
+    from dsaserve.attention.indexer_selection import Selection
     from dsaserve.config import ModelConfig
     from dsaserve.demo.checkpoint_builder import small_config
     from dsaserve.model import mla as mla_module
+    from dsaserve.prepared_calls import forget_prepared
 
     g = torch.Generator().manual_seed(10)
     for interleaved in (False, True):
@@ -438,13 +440,20 @@ def test_one_call_absorbed_query_gives_the_operators_bits(kind, dtype, monkeypat
         for tokens in (1, 3, 16):
             x = torch.randn(tokens, cfg.hidden_size, generator=g).to(dtype)
             half = cfg.qk_rope_head_dim // 2
-            cos, sin = torch.randn(tokens, half, generator=g).to(dtype), torch.randn(tokens, half, generator=g).to(dtype)
+            cos, sin = (torch.randn(tokens, half, generator=g).to(dtype),
+                        torch.randn(tokens, half, generator=g).to(dtype))
             with torch.inference_mode():
-                assert attn._one_call_query(x, cos, sin)
+                calls, real_op = [], torch.ops.dsaserve.mla_query
+                monkeypatch.setattr(torch.ops.dsaserve, "mla_query", type("Counted", (), {
+                    "default": staticmethod(lambda *a: calls.append(1) or real_op.default(*a))}))
                 q_resid, query = attn.absorbed_query(x, cos, sin)
-                monkeypatch.setattr(attn, "_one_call_query", lambda *a: False)
+                assert calls == [1]  # the one native call
+                monkeypatch.setattr(attn, "query_binding", lambda: None)  # the operators one by one
+                forget_prepared(attn)
                 ref_resid, ref_query = attn.absorbed_query(x, cos, sin)
+                assert calls == [1]
                 monkeypatch.undo()
+                forget_prepared(attn)
             assert query.shape == (tokens, heads, rank + cfg.qk_rope_head_dim) and query.dtype == dtype
             assert torch.equal(q_resid, ref_resid) and torch.equal(query, ref_query), (interleaved, tokens)
 
@@ -456,7 +465,7 @@ def test_one_call_attention_output_gives_the_operators_bits(kind, dtype):
     """o_proj(attended latents · W_UVᵀ) from one native call against the per-head product, reshape and o_proj
     it replaces: the same bits, for 1 to 16 tokens, the latents a strided view as attention leaves them."""
     from dsaserve.attention import SparseAttention
-    from dsaserve.attention.indexer import Selection
+    from dsaserve.attention.indexer_selection import Selection
     from dsaserve.config import ModelConfig
     from dsaserve.demo.checkpoint_builder import small_config
     from dsaserve.model import mla as mla_module
@@ -486,15 +495,15 @@ def test_one_call_attention_output_gives_the_operators_bits(kind, dtype):
 
 @needs_kernels
 def test_gathered_operator_arguments_follow_the_modules_tensors():
-    """MLA gathers its native calls' weight arguments once (model/prepared_calls.py); when its tensors are
+    """MLA gathers its native calls' weight arguments once (prepared_calls.py); when its tensors are
     replaced (`_apply`, as .to() and to_empty() do) or a weight is swapped and `forget_prepared` is called, the
     next call reads the new tensors, and gives what they give."""
     from dsaserve.attention import SparseAttention
-    from dsaserve.attention.indexer import Selection
+    from dsaserve.attention.indexer_selection import Selection
     from dsaserve.config import ModelConfig
     from dsaserve.demo.checkpoint_builder import small_config
     from dsaserve.model import mla as mla_module
-    from dsaserve.model.prepared_calls import forget_prepared
+    from dsaserve.prepared_calls import forget_prepared
 
     g = torch.Generator().manual_seed(12)
     cfg = ModelConfig.from_dict(small_config())
@@ -514,12 +523,12 @@ def test_gathered_operator_arguments_follow_the_modules_tensors():
     latent = torch.randn(2, heads, rank, generator=g)
     with torch.inference_mode():
         first = attn.attention_output(latent)
-        gathered, _ = attn.prepared("output", lambda: None)
+        gathered = attn.prepared("output", lambda: None).native_args()
         assert gathered[0] is attn.w_uv.qweight
         attn._apply(lambda t: t.clone())  # new tensor objects, same values
         assert gathered[0] is not attn.w_uv.qweight
         assert torch.equal(attn.attention_output(latent), first)
-        gathered, _ = attn.prepared("output", lambda: None)
+        gathered = attn.prepared("output", lambda: None).native_args()
         assert gathered[0] is attn.w_uv.qweight and gathered[3] is attn.o_proj.weight.qweight
         del attn.w_uv
         attn.w_uv = packed_w_uv(0.6)
@@ -529,45 +538,29 @@ def test_gathered_operator_arguments_follow_the_modules_tensors():
     assert torch.equal(swapped, expected) and not torch.equal(swapped, first)
 
 
-FP8_PRODUCTS = """
-import sys, torch
-from dsaserve.native import torch_ops
-from dsaserve.quantization import formats
-torch_ops.load()
-q, scale, x = torch.load(sys.argv[1])
-n, k = q.shape
-packed = formats.pack("fp8", q, scale)
-args = (formats.KINDS["fp8"], formats.group_of("fp8", k), 0, n, k)
-out = [torch.ops.dsaserve.quant_linear(x[:m], *packed, *args) for m in range(1, 17)]
-torch.save((torch.ops.dsaserve.fp8_bf16_path(), out), sys.argv[2])
-"""
-
-
 @pytest.mark.skipif(not (torch_ops.cpu_kernels() == "avx512_bf16"
                          and torch.ops.dsaserve.fp8_bf16_path() == "avx512_vbmi"),
                     reason="the fp8 table decode needs AVX-512 VBMI besides the kernels' AVX-512 BF16 (this CPU's "
-                           f"kernels: {torch_ops.cpu_kernels()}), and DSASERVE_FP8_VBMI unset or not 0")
-def test_fp8_table_decode_gives_the_bits_of_the_shift_decode(tmp_path):
+                           f"kernels: {torch_ops.cpu_kernels()})")
+def test_fp8_table_decode_gives_the_bits_of_the_shift_decode():
     """fp8 by bf16 activations, 1 to 16 rows (single blocks, block pairs, a partial last block, an odd column pair):
-    the VBMI table lookups and the shifts and masks (DSASERVE_FP8_VBMI=0, another process: the switch is read
-    once) give the same bf16 bits."""
-    import os
-    import subprocess
-    import sys
-
+    the VBMI table lookups and the shifts and masks (native_kernels 'avx512') give the same bf16 bits."""
     q, scale_inv = quantize_fp8(torch.randn(70, 390))
     q = q.view(torch.uint8)
     q[3, :40] = torch.arange(40, dtype=torch.uint8)  # zero and the subnormals among the bytes
     scale = fp8_row_scales(scale_inv, (0, 70), (0, 390), (70, 390), (128, 128))
     x = torch.randn(16, 390).bfloat16()
-    torch.save((q, scale, x), tmp_path / "in.pt")
-    script = tmp_path / "products.py"
-    script.write_text(FP8_PRODUCTS)
+    n, k = q.shape
+    packed = formats.pack("fp8", q, scale)
+    args = (formats.KINDS["fp8"], formats.group_of("fp8", k), 0, n, k)
     results = {}
-    for switch in ("1", "0"):
-        subprocess.run([sys.executable, str(script), str(tmp_path / "in.pt"), str(tmp_path / f"out{switch}.pt")],
-                       env=dict(os.environ, DSASERVE_FP8_VBMI=switch), check=True)
-        results[switch] = torch.load(tmp_path / f"out{switch}.pt")
-    assert results["1"][0] == "avx512_vbmi" and results["0"][0] == "avx512_bf16"
-    for table, shifts in zip(results["1"][1], results["0"][1]):
+    try:
+        for choice in ("auto", "avx512"):
+            torch_ops.configure(choice)
+            results[choice] = (torch.ops.dsaserve.fp8_bf16_path(),
+                               [torch.ops.dsaserve.quant_linear(x[:m], *packed, *args) for m in range(1, 17)])
+    finally:
+        torch_ops.configure("auto")
+    assert results["auto"][0] == "avx512_vbmi" and results["avx512"][0] == "avx512_bf16"
+    for table, shifts in zip(results["auto"][1], results["avx512"][1]):
         assert torch.equal(table.view(torch.int16), shifts.view(torch.int16))

@@ -26,7 +26,8 @@ def test_a_string_input_round_trip(client):
 
 
 def test_streamed_events_come_in_order_and_add_up_to_the_response(client):
-    with client.responses.stream(model="tiny", input="Tell me something", max_output_tokens=12, temperature=0) as stream:
+    with client.responses.stream(model="tiny", input="Tell me something", max_output_tokens=12,
+                                 temperature=0) as stream:
         events = list(stream)
         final = stream.get_final_response()
     kinds = [e.type for e in events]
@@ -44,7 +45,7 @@ def test_streamed_events_come_in_order_and_add_up_to_the_response(client):
 
 @pytest.fixture(scope="module")
 def engine512(tiny_checkpoint):
-    from dsaserve.engine.async_engine import AsyncLLMEngine
+    from dsaserve.engine.async_llm_engine import AsyncLLMEngine
     from dsaserve.engine_args import EngineArgs
 
     eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_checkpoint, dtype="float32", block_size=16,
@@ -60,14 +61,15 @@ def test_function_calls_come_out_as_items_whole_and_streamed(engine512):
     from dsaserve.chat_template import ChatTemplate
     from dsaserve.outputs import CompletionOutput, RequestOutput
     from dsaserve.server.metrics import ServerMetrics
-    from dsaserve.server.responses_api import ResponsesRequest, ResponseStore, respond
+    from dsaserve.server.responses_endpoint import ResponsesRequest, ResponseStore, respond
     from dsaserve.server.state import ServerConfig, ServerState
 
     tokenizer = engine512.tokenizer
-    state = ServerState(engine512, ServerConfig("tiny"), ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens),
+    state = ServerState(engine512, ServerConfig("tiny"),
+                        ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens),
                         ServerMetrics(engine512.stats, "tiny"))
-    text = "Let me check." + "".join(f"<tool_call>get_weather<arg_key>city</arg_key><arg_value>{c}</arg_value></tool_call>"
-                                     for c in ("Paris", "Rome"))
+    text = "Let me check." + "".join(f"<tool_call>get_weather<arg_key>city</arg_key><arg_value>{c}</arg_value>"
+                                     "</tool_call>" for c in ("Paris", "Rome"))
 
     async def generate(request):
         yield RequestOutput(request.request_id, None, [1], [CompletionOutput(0, text, [5, 6], finish_reason="stop")],
@@ -128,11 +130,12 @@ def test_a_failed_generation_is_an_error_answer_whole_and_in_band_streamed(engin
     from dsaserve.outputs import CompletionOutput, RequestOutput
     from dsaserve.server.metrics import ServerMetrics
     from dsaserve.server.protocol import APIError
-    from dsaserve.server.responses_api import ResponsesRequest, ResponseStore, respond
+    from dsaserve.server.responses_endpoint import ResponsesRequest, ResponseStore, respond
     from dsaserve.server.state import ServerConfig, ServerState
 
     tokenizer = engine512.tokenizer
-    state = ServerState(engine512, ServerConfig("tiny"), ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens),
+    state = ServerState(engine512, ServerConfig("tiny"),
+                        ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens),
                         ServerMetrics(engine512.stats, "tiny"))
 
     async def generate(request):

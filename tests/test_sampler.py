@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsaserve.engine.sampler import apply_filters, sample, top_logprobs
+from dsaserve.sampling.sampler import apply_filters, sample, top_logprobs
 from dsaserve.sampling_params import SamplingParams
 
 PROBS = [0.5, 0.25, 0.15, 0.1]

@@ -5,8 +5,8 @@ import torch
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
-from dsaserve.engine.logits_processors import process_logits
-from dsaserve.engine.runner_state import RunnerRequest
+from dsaserve.engine.workers.runner_state import RunnerRequest
+from dsaserve.sampling.logits_processors import process_logits
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,8 @@ def test_n_samples_share_the_prompt_and_differ(llm):
     assert all(len(s) == 10 for s in samples) and len({tuple(s) for s in samples}) == 3
     assert gen(llm, prompt, n=3, temperature=1.0, seed=11, max_tokens=10).outputs == out.outputs
     greedy = gen(llm, prompt, n=2, max_tokens=8)
-    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == gen(llm, prompt, max_tokens=8).outputs[0].token_ids
+    assert (greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+            == gen(llm, prompt, max_tokens=8).outputs[0].token_ids)
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
 
 
@@ -51,7 +52,8 @@ def test_n_samples_share_full_prompt_blocks(llm):
 def test_seed_gives_same_output_in_any_company(llm):
     params = dict(temperature=0.9, top_k=50, max_tokens=12, seed=5)
     alone = gen(llm, "hello there", **params).outputs[0].token_ids
-    crowd = llm.generate(["some other text", "hello there", "x"], SamplingParams(**params, ignore_eos=True), use_tqdm=False)
+    crowd = llm.generate(["some other text", "hello there", "x"], SamplingParams(**params, ignore_eos=True),
+                         use_tqdm=False)
     assert crowd[1].outputs[0].token_ids == alone
 
 

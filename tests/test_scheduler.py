@@ -7,10 +7,10 @@ the newest, prefix hits, n samples sharing prompt blocks, each token-level stop,
 import pytest
 
 from dsaserve.engine.admission import EngineRequest
-from dsaserve.engine.block_manager import KVCacheManager
-from dsaserve.engine.request import RequestStatus, samples_of
-from dsaserve.engine.runner_output import ModelRunnerOutput
-from dsaserve.engine.scheduler import Scheduler, SchedulerConfig
+from dsaserve.engine.scheduling.kv_cache_manager import KVCacheManager
+from dsaserve.engine.scheduling.request import RequestStatus, samples_of
+from dsaserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from dsaserve.engine.workers.runner_output import ModelRunnerOutput
 from dsaserve.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -234,8 +234,8 @@ def test_n_samples_have_their_own_seeds():
 
 
 def test_samples_share_the_stop_ids_and_only_sample_0_wants_prompt_logprobs():
-    samples = samples_of(EngineRequest("p", None, [5, 6], SamplingParams(n=2, stop_token_ids=[9], prompt_logprobs=1), 4),
-                         [EOS])
+    samples = samples_of(EngineRequest("p", None, [5, 6],
+                                       SamplingParams(n=2, stop_token_ids=[9], prompt_logprobs=1), 4), [EOS])
     assert [x.want_prompt_logprobs for x in samples] == [True, False]
     assert all(x.stop_token_ids == {9, EOS} for x in samples)
 

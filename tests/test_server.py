@@ -7,11 +7,11 @@ import time
 import httpx
 import openai
 import pytest
+from server_process import ServerProcess
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.chat_template import ChatTemplate
 from dsaserve.server.parsers import GlmOutputParser
-from server_process import ServerProcess
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -262,8 +262,10 @@ def test_metrics_parse_and_move(server, client):
     after = server.metrics()
     assert after["dsaserve:generation_tokens_total"] == before["dsaserve:generation_tokens_total"] + 5
     assert after["dsaserve:prompt_tokens_total"] > before["dsaserve:prompt_tokens_total"]
-    assert after["dsaserve:time_to_first_token_seconds_count"] == before["dsaserve:time_to_first_token_seconds_count"] + 1
-    assert after["dsaserve:inter_token_latency_seconds_count"] >= before["dsaserve:inter_token_latency_seconds_count"] + 1
+    assert (after["dsaserve:time_to_first_token_seconds_count"]
+            == before["dsaserve:time_to_first_token_seconds_count"] + 1)
+    assert (after["dsaserve:inter_token_latency_seconds_count"]
+            >= before["dsaserve:inter_token_latency_seconds_count"] + 1)
     for name in ("dsaserve:kv_cache_usage_perc", "dsaserve:prefix_cache_hit_rate", "dsaserve:num_preemptions_total"):
         assert name in after
 
@@ -347,7 +349,8 @@ def test_chat_template_override_file(tmp_path, offline):
     from dsaserve.server.launcher import load_chat_template
 
     path = tmp_path / "t.jinja"
-    path.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    path.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant]{% endif %}")
 
     class FakeEngine:
         tokenizer = offline.tokenizer
@@ -382,7 +385,7 @@ def test_engine_refusals_are_400s_before_the_stream_starts(server):
 def test_an_error_inside_a_started_stream_is_reported_and_the_stream_ends():
     from types import SimpleNamespace
 
-    from dsaserve.engine.async_engine import EngineStepError
+    from dsaserve.engine.async_llm_engine import EngineStepError
     from dsaserve.outputs import CompletionOutput, RequestOutput
     from dsaserve.server.chat import PreparedChat, chat_stream
     from dsaserve.server.completions import PreparedPrompt, completion_stream

@@ -8,9 +8,9 @@ import collections
 import pytest
 import torch
 
-import dsaserve.engine.runner as runner_module
+import dsaserve.engine.workers.model_runner as runner_module
 from dsaserve.demo.mtp_block import write_mtp_block_checkpoint
-from dsaserve.engine.rejection_sampler import verify_drafts
+from dsaserve.engine.speculative.rejection_sampler import verify_drafts
 from dsaserve.llm import LLM
 from dsaserve.model.loader import CheckpointError
 from dsaserve.sampling_params import SamplingParams
@@ -25,7 +25,8 @@ def mtp_checkpoint(make_checkpoint):
 
 def make_llm(checkpoint, n_spec=None, **kwargs):
     # Drafting at every batch size: these tests check what speculation does, not when it pays.
-    spec = None if n_spec is None else {"method": "mtp", "num_speculative_tokens": n_spec, "disable_by_batch_size": None}
+    spec = (None if n_spec is None
+            else {"method": "mtp", "num_speculative_tokens": n_spec, "disable_by_batch_size": None})
     args = dict(dtype="float32", block_size=16, max_model_len=256, progress=False, speculative_config=spec)
     return LLM(checkpoint, **{**args, **kwargs})
 
@@ -45,7 +46,7 @@ def reference(mtp_checkpoint):
 def oracle_drafts(monkeypatch, runner, reference_of, wrong_every: int = 3):
     """Replace the MTP layer's drafts (after it ran, so its caches fill as usual) with the reference
     continuation, every `wrong_every`-th draft corrupted: acceptances and rejections both happen."""
-    from dsaserve.engine.mtp_drafter import propose as real
+    from dsaserve.engine.speculative.mtp_drafter import propose as real
     calls = collections.Counter()
 
     def propose(model, kv_cache, inputs, hidden, share):
@@ -165,7 +166,7 @@ def test_blocks_completed_by_accepted_drafts_are_cached_under_their_tokens(mtp_c
 def test_rollback_leaves_no_rejected_draft_visible(mtp_checkpoint, reference, monkeypatch):
     """Without the rollback, a rejected draft would stay in the sequence: its position counted as computed
     and its cache rows attended by every later token. The output then departs from the reference."""
-    from dsaserve.engine.scheduler import Scheduler
+    from dsaserve.engine.scheduling.scheduler import Scheduler
 
     llm = make_llm(mtp_checkpoint, 3)
     original = Scheduler.update_from_output
@@ -200,7 +201,7 @@ def test_sampled_distribution_is_the_targets(mtp_checkpoint, monkeypatch):
         common.setdefault(first, second)
 
     def drafts_from_common(runner):
-        from dsaserve.engine.mtp_drafter import propose as real
+        from dsaserve.engine.speculative.mtp_drafter import propose as real
 
         def propose(model, kv_cache, inputs, hidden, share):
             drafts = real(model, kv_cache, inputs, hidden, share)
@@ -217,7 +218,7 @@ def test_sampled_distribution_is_the_targets(mtp_checkpoint, monkeypatch):
         return second_tokens(llm)
 
     def greedy_acceptance(logits, drafts, state, rng):  # wrong: keeps any draft the target allows
-        from dsaserve.engine.sampler import apply_filters
+        from dsaserve.sampling.sampler import apply_filters
         probs = apply_filters(logits[:1], [state.params]).softmax(-1)[0]
         if probs[drafts[0]] > 0:
             return [drafts[0]] + verify_drafts(logits[1:], [], state, rng)
@@ -251,7 +252,7 @@ def test_the_mtp_indexer_runs_once_per_round_when_shared(make_checkpoint, monkey
     """A round that drafts runs the MTP indexer once, for its first draft (the catch-up rows before it only
     write their keys), and again in draft steps 2…N only when index_share_for_mtp_iteration is off; a
     round without drafts (a prompt chunk) never runs it."""
-    from dsaserve.engine.mtp_drafter import propose as real
+    from dsaserve.engine.speculative.mtp_drafter import propose as real
 
     checkpoint = make_checkpoint(f"tiny-mtp-share-{share}", seed=4, include_mtp=True,
                                  index_share_for_mtp_iteration=share)
@@ -409,8 +410,8 @@ def test_generate_and_bench_take_the_flag_and_doctor_reports_the_layer(mtp_check
     spec = run("generate", mtp_checkpoint, "--prompt", "hello there", "--max-tokens", "9", "--ignore-eos", *common,
                "--speculative-config", SPEC_FLAG)
     assert spec.returncode == 0 and spec.stdout == plain.stdout, spec.stderr
-    bench = run("bench", "latency", mtp_checkpoint, *common, "--input-len", "12", "--output-len", "8", "--num-iters", "1",
-                "--speculative-config", SPEC_FLAG, "--output-json", str(tmp_path / "l.json"))
+    bench = run("bench", "latency", mtp_checkpoint, *common, "--input-len", "12", "--output-len", "8",
+                "--num-iters", "1", "--speculative-config", SPEC_FLAG, "--output-json", str(tmp_path / "l.json"))
     assert bench.returncode == 0, bench.stderr
     data = json.loads((tmp_path / "l.json").read_text())
     assert data["spec_decode_num_drafts"] > 0 and data["spec_decode_mean_accepted_length"] >= 1
@@ -432,7 +433,8 @@ def test_the_server_speculates_and_reports_acceptance_in_metrics(mtp_checkpoint)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12, r.text
         metrics = srv.metrics()
         assert metrics["dsaserve:spec_decode_num_drafts_total"] > 0
-        assert metrics["dsaserve:spec_decode_num_draft_tokens_total"] >= metrics["dsaserve:spec_decode_num_drafts_total"]
+        assert (metrics["dsaserve:spec_decode_num_draft_tokens_total"]
+                >= metrics["dsaserve:spec_decode_num_drafts_total"])
         assert "dsaserve:spec_decode_num_accepted_tokens_total" in metrics
         assert "dsaserve:spec_decode_num_accepted_tokens_per_pos_total" in metrics
     finally:

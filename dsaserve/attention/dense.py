@@ -42,7 +42,7 @@ def attend_own_keys(
 ) -> torch.Tensor:
     """Attention of queries [t, H, D], already multiplied by the softmax scale, over their own keys
     [t, K, D]; returns the products with whole rows [t, H, D], the value columns first (into `out`
-    when given). CPU costs that shaped it (measured in docs/design-notes.md): keys · qᵀ puts the long
+    when given). CPU costs that shaped it (measured in docs/architecture.md#measurements): keys · qᵀ puts the long
     operand first, so its keys are not repacked as in q · keysᵀ; the softmax reads the model-dtype
     scores and accumulates in fp32 itself; and multiplying whole rows beats copying the value columns
     out first."""
@@ -218,5 +218,5 @@ class DenseAttention:
 
     def decode_slots(self, meta: BatchMetadata, topk: torch.Tensor | None = None) -> torch.Tensor | None:
         """Where every request of the batch is single-query: slots [T, W] such that one attend_selected_rows call
-        over them is `forward` (native/decode_layer.cpp makes that call); None otherwise."""
+        over them is `forward` (a decode plan's attention piece makes that call); None otherwise."""
         return every_row_slots(meta, lambda reqs: causal_rows(meta, reqs))

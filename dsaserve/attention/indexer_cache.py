@@ -1,8 +1,8 @@
 """The indexer's paged key cache (full layers only), plain or quantized.
 
 `int8`: one int8 per dimension plus one fp16 scale per token (amax / 127). `fp8`: float8 e4m3 plus one
-fp32 scale per token (amax / 448). Scoring (attention/indexer.py) reads whole blocks and dequantizes
-only those, tile by tile. The engine allocates one per full layer (engine/kv_cache.py); the model only
+fp32 scale per token (amax / 448). Scoring (attention/indexer_selection.py) reads whole blocks and dequantizes
+only those, tile by tile. The engine allocates one per full layer (engine/workers/kv_cache.py); the model only
 hands it through to the scoring.
 
 `packed` (bf16 keys where the native scoring kernel runs): each block holds its keys in the layout that
@@ -28,7 +28,8 @@ class IndexerKeyCache:
     def __init__(self, num_blocks: int, block_size: int, dim: int, kind: str, dtype: torch.dtype,
                  device: torch.device, packed: bool = False):
         if kind not in INDEXER_CACHE_DTYPES:
-            raise ValueError(f"indexer_cache_dtype={kind!r} is not supported; use one of {', '.join(INDEXER_CACHE_DTYPES)}")
+            raise ValueError(f"indexer_cache_dtype={kind!r} is not supported; "
+                             f"use one of {', '.join(INDEXER_CACHE_DTYPES)}")
         if packed and not can_pack(kind, dtype, block_size, dim):
             raise ValueError(f"a packed indexer key cache holds bf16 keys with an even dim or int8 keys with a dim in "
                              f"4s (indexer_cache_dtype 'auto' or 'int8' in a bf16 model), in blocks of a multiple of "
@@ -41,7 +42,8 @@ class IndexerKeyCache:
         self.data = torch.zeros(num_blocks, block_size, dim, dtype=storage, device=device)
         self.packed = packed and kind == "auto"  # bf16 keys in the bf16 kernel's layout (`groups`)
         # The same bytes as [num_blocks, groups of 16 keys, column pairs, 16 keys] (int32: a pair of bf16 columns).
-        self.groups = self.data.view(torch.int32).view(num_blocks, block_size // 16, dim // 2, 16) if self.packed else None
+        self.groups = (self.data.view(torch.int32).view(num_blocks, block_size // 16, dim // 2, 16)
+                       if self.packed else None)
         # int8 keys in the int8 kernel's layout: [num_blocks, groups of 16 keys, dims in 4s, 16 keys] (int32: 4 bytes).
         self.int8_groups = (self.data.view(torch.int32).view(num_blocks, block_size // 16, dim // 4, 16)
                             if packed and kind == "int8" else None)

@@ -100,7 +100,7 @@ class SparseAttention:
     def decode_slots(self, meta: BatchMetadata, topk: torch.Tensor | None = None) -> torch.Tensor | None:
         """Where every request of the batch is single-query and all of them see at most the selection's width
         (whole contexts) or all more (their top-k): slots [T, W] such that one attend_selected_rows call over
-        them is `forward` (native/decode_layer.cpp makes that call); None otherwise."""
+        them is `forward` (a decode plan's attention piece makes that call); None otherwise."""
         if topk is None:
             return None
 
@@ -154,7 +154,7 @@ def attend_own_rows(query: torch.Tensor, rows: torch.Tensor, slot_of: torch.Tens
     writes the value columns of `wide`, with no gathered copy. Elsewhere the torch path below gathers
     a few queries' rows at a time with index_select into one reused buffer (advanced indexing would
     allocate a fresh [q, K, D] tensor per step, which is much slower on CPU) and writes whole-row
-    products into `wide`. The measurements are in docs/design-notes.md."""
+    products into `wide`. The measurements are in docs/architecture.md#measurements."""
     t0, t1 = span
     width = topk.shape[1]
     selected = topk[t0:t1].long()

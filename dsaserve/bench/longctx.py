@@ -84,7 +84,8 @@ def synthetic_decode_ms(engine, context: int, steps: int, seed: int = 0) -> floa
     ids = torch.randint(100, engine.config.vocab_size, (context,), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     request = engine.make_request("synthetic", ids, params)
-    engine.add_prefilled_request(request, context - 1, lambda cache, table, n: fill_synthetic_prefix(cache, table, n, g))
+    engine.add_prefilled_request(request, context - 1,
+                                 lambda cache, table, n: fill_synthetic_prefix(cache, table, n, g))
     engine.step()  # computes the last prompt token: the first decode-shaped step
     step_ms = []
     for _ in range(steps):
@@ -130,10 +131,11 @@ def prefill(engine, length: int, seed: int = 0, prompt_source: str = "random") -
 
 def run(engine_args: EngineArgs, backends: list[str], decode_lens: list[int], prefill_lens: list[int],
         steps: int, prompt_source: str = "random") -> dict:
-    from dsaserve.engine.engine import LLMEngine
+    from dsaserve.engine.llm_engine import LLMEngine
 
     results = {"decode_ms_per_token": {}, "prefill_ttft_s": {}, "prefill_peak_scratch_mib": {},
-               "note": "median of the decode steps; decode points use synthetic cached latents and indexer keys (no prefill)"}
+               "note": "median of the decode steps; decode points use synthetic cached latents and indexer keys "
+                       "(no prefill)"}
     # Every backend's engine stays loaded and they take turns at each point, so a slow phase of a
     # shared machine lands on all of them instead of on whichever backend ran then.
     engines = {b: LLMEngine(dataclasses.replace(engine_args, attention_backend=b, progress=False,

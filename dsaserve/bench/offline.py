@@ -77,7 +77,7 @@ def add_offline_args(kinds: argparse._SubParsersAction) -> None:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from dsaserve import LLM
+    from dsaserve.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(engine_args))

@@ -17,8 +17,7 @@ from safetensors.torch import save_file
 from dsaserve.config import ModelConfig
 from dsaserve.demo.tokenizer import build_tokenizer, save_tokenizer, stop_token_ids
 from dsaserve.model.checkpoint_layout import checkpoint_shapes
-from dsaserve.model.fp8_blocks import FP8_MAX, quantize_fp8  # noqa: F401 (tests and scripts import them here)
-
+from dsaserve.quantization.fp8_blocks import FP8_MAX, is_fp8_quantizable, quantize_fp8  # noqa: F401 (tests and scripts import them here)
 
 
 def small_config(**overrides) -> dict:
@@ -95,7 +94,8 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, std: 
 SEPARATION_CHANNEL = 0  # hidden channel kept large and positive so indexer head weights stay positive
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.0, include_mtp: bool = False) -> dict[str, torch.Tensor]:
+def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.0,
+                   include_mtp: bool = False) -> dict[str, torch.Tensor]:
     """std 0 means fan-in scaling (activations keep unit size through every layer).
 
     Indexer scores are made well separated: every embedding carries a large positive value on one
@@ -114,15 +114,6 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.0, include_mt
         elif name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wk.weight")):
             w[:, SEPARATION_CHANNEL] = 0.0  # else every query and key would point the same way
     return weights
-
-
-def is_fp8_quantizable(name: str) -> bool:
-    """Linear projections go to FP8; embeddings, lm_head, norms, router and the indexer's weights_proj stay."""
-    if not name.endswith(".weight") or "norm" in name or "embed_tokens" in name or name.startswith("lm_head"):
-        return False
-    if name.endswith("mlp.gate.weight") or "weights_proj" in name or "shared_head" in name:
-        return False
-    return True
 
 
 def save_checkpoint(model_dir: str, config: dict, weights: dict[str, torch.Tensor], shards: int = 1,

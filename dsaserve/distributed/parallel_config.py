@@ -10,6 +10,7 @@ split along the sequence (token p lives on group member p mod DCP), so the world
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 from dsaserve.config import ModelConfig
 
@@ -23,6 +24,8 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port, on one node
+    dist_timeout: float = 600.0  # seconds a collective may wait for the other ranks
+    check_ranks: bool = False  # ranks compare every full layer's top-k (a debugging check)
 
     def __post_init__(self) -> None:
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
@@ -32,14 +35,21 @@ class ParallelConfig:
             raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp} "
                              "(DCP shards the KV cache within the TP group, as in vLLM)")
         if self.enable_expert_parallel and tp == 1:
-            raise ValueError("enable_expert_parallel needs tensor_parallel_size > 1: experts are placed on the TP ranks")
+            raise ValueError("enable_expert_parallel needs tensor_parallel_size > 1: "
+                             "experts are placed on the TP ranks")
         if self.nnodes < 1 or tp % self.nnodes:
             raise ValueError(f"nnodes={self.nnodes} must divide tensor_parallel_size={tp} (the same number of ranks "
                              "on every node)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout={self.dist_timeout} must be a positive number of seconds")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("several nodes need --master-port (and --master-addr, node 0's address) on every node")
+
+    @property
+    def collective_timeout(self) -> timedelta:
+        return timedelta(seconds=self.dist_timeout)
 
     @property
     def world_size(self) -> int:

@@ -6,7 +6,6 @@ single-device context has groups of one, so the model runs the same code with no
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -14,16 +13,13 @@ import torch
 from dsaserve.distributed.communicator import Communicator
 from dsaserve.distributed.sharding import ShardPlan
 
-# Debug check: ranks compare every full layer's top-k (and fail naming the layer when they differ).
-CHECK_RANKS_ENV = "DSASERVE_CHECK_RANKS"
-
 
 @dataclass(frozen=True)
 class ParallelContext:
     tp: Communicator = field(default_factory=Communicator.single)
     dcp: Communicator = field(default_factory=Communicator.single)  # the ranks sharing one copy of the KV cache
     expert_parallel: bool = False
-    check_ranks: bool = False
+    check_ranks: bool = False  # ranks compare every full layer's top-k, failing naming the layer where they differ
 
     @classmethod
     def single(cls) -> "ParallelContext":
@@ -32,10 +28,6 @@ class ParallelContext:
     @property
     def plan(self) -> ShardPlan:
         return ShardPlan(self.tp.rank, self.tp.size, self.expert_parallel)
-
-    @staticmethod
-    def check_ranks_requested() -> bool:
-        return os.environ.get(CHECK_RANKS_ENV, "0") not in ("", "0")
 
 
 def check_same_on_ranks(comm: Communicator, x: torch.Tensor, what: str) -> None:

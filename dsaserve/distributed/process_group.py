@@ -22,7 +22,7 @@ from dsaserve.distributed.communicator import Communicator
 from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
 
-TIMEOUT_ENV = "DSASERVE_DIST_TIMEOUT"  # seconds a collective may wait for the other ranks (default 600)
+STORE_TIMEOUT = timedelta(seconds=600)  # how long a rank waits to reach the rendezvous store
 CONTROL_TIMEOUT = timedelta(days=30)  # how long workers wait, idle, for the driver's next message
 PREFIX = "dsaserve/"
 LOST_PEER = "lost a peer: "  # how a rank reports an error that another rank's failure caused
@@ -37,10 +37,6 @@ def lost_peer(error: BaseException) -> bool:
 
 class RankFailure(RuntimeError):
     """A rank failed or died; the message names it and the cause."""
-
-
-def collective_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
 
 
 def under_torchrun() -> bool:
@@ -111,7 +107,7 @@ def join(store, rank: int, config: ParallelConfig, device_type: str) -> tuple[Pa
     world = config.world_size
     backend = "gloo" if device_type == "cpu" else "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, store=dist.PrefixStore(PREFIX + "pg/", store), rank=rank, world_size=world,
-                            timeout=collective_timeout())
+                            timeout=config.collective_timeout)
     everyone = tuple(range(world))
     control = dist.new_group(list(everyone), backend="gloo", timeout=CONTROL_TIMEOUT)
     dcp_size = config.decode_context_parallel_size
@@ -123,7 +119,7 @@ def join(store, rank: int, config: ParallelConfig, device_type: str) -> tuple[Pa
             if rank in ranks:
                 dcp = Communicator(group, ranks, ranks.index(rank))
     parallel = ParallelContext(Communicator(None, everyone, rank), dcp, config.enable_expert_parallel,
-                               ParallelContext.check_ranks_requested())
+                               config.check_ranks)
     return parallel, Communicator(control, everyone, rank)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsaserve.engine.kv_cache import blocks_needed
+from dsaserve.engine.workers.kv_cache import blocks_needed
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.structured_output.compiler import GrammarCompiler, GrammarError
 
@@ -57,8 +57,9 @@ class AdmissionLimits:
                 raise RequestRejected(name, f"{name} has token ids {outside[:5]} outside the vocabulary [0, {vocab})")
         stop = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
         if params.min_tokens > 0 and len(stop) >= vocab:
-            raise RequestRejected("stop_token_ids", f"with min_tokens={params.min_tokens} every token of the vocabulary "
-                                                    "would be masked (all are stop tokens); drop min_tokens or stop ids")
+            raise RequestRejected("stop_token_ids",
+                                  f"with min_tokens={params.min_tokens} every token of the vocabulary "
+                                  "would be masked (all are stop tokens); drop min_tokens or stop ids")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens < 1:
             raise RequestRejected(

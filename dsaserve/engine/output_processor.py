@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from dsaserve.engine.admission import EngineRequest
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
-from dsaserve.engine.request_update import RequestUpdate
-from dsaserve.engine.runner_output import TokenLogprobs
+from dsaserve.engine.scheduling.request_update import RequestUpdate
+from dsaserve.engine.workers.runner_output import TokenLogprobs
 from dsaserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from dsaserve.tokenizer import Tokenizer
 
@@ -59,8 +59,9 @@ class OutputProcessor:
     def add(self, request: EngineRequest, sequence_ids: list[str]) -> None:
         params = request.params
         samples = [
-            SampleState(index, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
-                                                      params.stop, params.include_stop_str_in_output),
+            SampleState(index, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                      params.skip_special_tokens, params.stop,
+                                                      params.include_stop_str_in_output),
                         [] if params.logprobs is not None else None)
             for index in range(len(sequence_ids))
         ]
@@ -132,7 +133,8 @@ class OutputProcessor:
                 sample.finish_reason, sample.stop_reason = "stop", stop
                 return update.finish_reason is None  # already ended by length in the scheduler otherwise
         if update.finish_reason is not None:
-            sample.finish_reason, sample.stop_reason, sample.error = update.finish_reason, update.stop_reason, update.error
+            sample.finish_reason, sample.stop_reason, sample.error = (update.finish_reason, update.stop_reason,
+                                                                      update.error)
             sample.detokenizer.flush()
         return False
 

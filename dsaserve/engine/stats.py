@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsaserve.engine.spec_decode_stats import SpecDecodeStats
+from dsaserve.engine.speculative.spec_decode_stats import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -26,4 +26,5 @@ class EngineStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
+        return (self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens
+                else 0.0)

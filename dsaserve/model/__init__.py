@@ -6,9 +6,9 @@ import torch
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
-from dsaserve.model import huge_pages
-from dsaserve.model.loader import load_checkpoint, mtp_extras
 from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
+from dsaserve.model.huge_pages import place_weights as place_in_huge_pages
+from dsaserve.model.loader import load_checkpoint, mtp_extras
 from dsaserve.quantization.apply import pack_weights
 from dsaserve.quantization.packed import is_packed
 
@@ -16,15 +16,17 @@ from dsaserve.quantization.packed import is_packed
 def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
                attention_backend: str = "sparse", progress: bool = True, page_budget: int | None = None,
                with_mtp: bool = False, parallel: ParallelContext | None = None,
-               weight_forms=None) -> GlmMoeDsaForCausalLM:
+               weight_forms=None, decode_plan: bool = True, huge_pages: bool = True) -> GlmMoeDsaForCausalLM:
     """Build the model without initializing weights, then fill every parameter from the checkpoint
     (the MTP layer too, with_mtp); with `parallel`, this rank's share of it; with `weight_forms` (a
     parameter name → fp8, int8, int4, bf16 or None), its projections packed (quantization/apply.py).
-    A plain string packs every projection in that form."""
+    A plain string packs every projection in that form. decode_plan: few-token steps through the layers' native
+    pieces where they have them (model/decode_plan.py); off, always through the modules. huge_pages: the weights
+    in memory advised for 2 MiB pages where Linux allows (model/huge_pages.py)."""
     mtp = mtp_extras(cfg, model_dir) if with_mtp else None
     parallel = parallel or ParallelContext.single()
     with torch.device("meta"):
-        model = GlmMoeDsaForCausalLM(cfg, attention_backend, page_budget, mtp, parallel)
+        model = GlmMoeDsaForCausalLM(cfg, attention_backend, page_budget, mtp, parallel, decode_plan)
         if isinstance(weight_forms, str):
             pack_weights(model, lambda name, form=weight_forms: form)
         elif weight_forms is not None:
@@ -32,7 +34,8 @@ def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: tor
         for name, param in model.named_parameters():
             param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
     model.to_empty(device=device)
-    huge_pages.place_weights(model)
+    if huge_pages:
+        place_in_huge_pages(model)
     for module in model.modules():
         if is_packed(module):  # padding rows and columns must read as zeros
             module.qweight.zero_()

@@ -12,10 +12,6 @@ from dsaserve.config import ModelConfig
 Shapes = dict[str, tuple[int, ...]]
 
 
-class CheckpointError(ValueError):
-    """The checkpoint's files or tensors do not match what the config describes."""
-
-
 def attention_shapes(cfg: ModelConfig, prefix: str, full: bool) -> Shapes:
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     shapes = {

@@ -13,22 +13,20 @@ import torch
 from torch import nn
 
 from dsaserve.attention import make_attention_backend
-from dsaserve.attention.indexer import Selection
+from dsaserve.attention.indexer_selection import Selection
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import FULL, ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
-from dsaserve.model import decode_calls
+from dsaserve.model.decode_plan import DecodePlan
 from dsaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from dsaserve.model.mla import MLAAttention
 from dsaserve.model.moe import MoE
 from dsaserve.model.mtp import MTPLayer, mtp_param_name
 from dsaserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
-from dsaserve.model.prepared_calls import PreparedCalls
-from dsaserve.model.fp8_blocks import as_float
+from dsaserve.prepared_calls import PreparedCalls
+from dsaserve.quantization.fp8_blocks import as_float
 from dsaserve.quantization.packed import is_packed
 from dsaserve.quantization.quantized_weight import QuantizedWeight
-
-DECODE_CALLS = True  # off: every step through the modules (tests compare the two)
 
 # Parameters computed in fp32 whatever the model dtype (as in the reference implementation).
 FP32_PARAM_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -40,10 +38,10 @@ _KV_B = re.compile(r"^(.*\.self_attn)\.kv_b_proj\.weight$")
 _VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight", "mtp.head.weight", "mtp.embed.weight")
 
 
-class DecoderLayer(PreparedCalls):
+class DecoderLayer(nn.Module):
     """One decoder layer; `full` and `moe` default to the config's schedule for layer_idx (the MTP layer,
-    past the schedule, is always both). A few tokens with packed weights run as the layer's native calls,
-    gathered once (model/decode_calls.py: the same calls, the same bits)."""
+    past the schedule, is always both). Its forward is the one statement of the layer's order of operations:
+    the decode plan (model/decode_plan.py) traces it."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection, full: bool | None = None,
                  moe: bool | None = None, parallel: ParallelContext | None = None):
@@ -58,17 +56,10 @@ class DecoderLayer(PreparedCalls):
             self.mlp = GatedMLP(cfg.hidden_size, parallel.plan.local(cfg.intermediate_size), parallel.tp)
 
     def forward(self, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk, run_indexer: bool = True):
-        calls = self.prepared("decode calls", self._decode_calls)
-        if calls is not None and decode_calls.applies(calls, x, cos, meta, kv_cache):
-            return decode_calls.run_layer(self, calls, x, cos, sin, meta, kv_cache, indexer_cache, prev_topk,
-                                          run_indexer)
         attn, topk = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, indexer_cache, prev_topk,
                                     run_indexer)
-        h, x = self.post_attention_layernorm.add_and_norm(x, attn)
+        h, x = self.post_attention_layernorm(attn, residual=x)
         return x + self.mlp(h), topk
-
-    def _decode_calls(self):
-        return decode_calls.decode_calls(self) if DECODE_CALLS else None
 
 
 class GlmMoeDsaModel(PreparedCalls):
@@ -82,10 +73,13 @@ class GlmMoeDsaModel(PreparedCalls):
 
 class GlmMoeDsaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, attention_backend: str = "sparse", page_budget: int | None = None,
-                 mtp: tuple[bool, bool] | None = None, parallel: ParallelContext | None = None):
+                 mtp: tuple[bool, bool] | None = None, parallel: ParallelContext | None = None,
+                 decode_plan: bool = True):
         """mtp: build the MTP layer, as (its own shared_head.head?, its own embed_tokens?); None skips it.
-        parallel: this rank's share of a tensor-parallel model (None: all of it)."""
+        parallel: this rank's share of a tensor-parallel model (None: all of it). decode_plan: a few decode tokens
+        run as the layers' native pieces where they have them (model/decode_plan.py); off, always the modules."""
         super().__init__()
+        self.decode_plan = decode_plan
         check_shared_layers_have_producer(cfg.indexer_types)
         self.config = cfg
         self.parallel = parallel = parallel or ParallelContext.single()
@@ -98,7 +92,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
         if mtp is not None:
             block = DecoderLayer(cfg, cfg.num_hidden_layers, self.backend, self.selection, full=True, moe=True,
                                  parallel=parallel)
-            self.mtp = MTPLayer(cfg, block, own_head=mtp[0], own_embed=mtp[1], parallel=parallel)
+            self.mtp = MTPLayer(cfg, block, own_head=mtp[0], own_embed=mtp[1], parallel=parallel,
+                                decode_plan=decode_plan)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -116,13 +111,17 @@ class GlmMoeDsaForCausalLM(nn.Module):
         """Hidden states of every row [T, hidden], before the final norm."""
         x = self.model.embed_tokens(meta.input_ids, self.model.norm.weight.dtype)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
-        out = decode_calls.run_layers(self.model, x, cos, sin, meta, kv_caches, indexer_caches)
+        plan = self.model.prepared("decode plan", self._plan)
+        out = plan.run(x, cos, sin, meta, kv_caches, indexer_caches) if plan is not None else None
         if out is not None:
-            return out
+            return out[0]
         topk = None
         for i, layer in enumerate(self.model.layers):
             x, topk = layer(x, cos, sin, meta, kv_caches[i], indexer_caches.get(i), topk)
         return x
+
+    def _plan(self) -> DecodePlan | None:
+        return DecodePlan.build(self.model.layers) if self.decode_plan else None
 
     @torch.inference_mode()
     def draft(self, meta: BatchMetadata, prev_hidden: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -232,7 +231,8 @@ def _copy_rows(dst, first: int, src, name: str, expert: int | None = None) -> No
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, "
+                         f"the model expects {tuple(dst.shape)}")
     with torch.no_grad():
         dst.copy_(src)
 

@@ -6,13 +6,13 @@ nearly vanish. Linux gives a mapping huge pages when it is advised so (MADV_HUGE
 written, under the usual "madvise" setting of /sys/kernel/mm/transparent_hugepage/enabled ("always" needs no
 advice, "never" refuses). torch's own allocator does so only with THP_MEM_ALLOC_ENABLE=1 set before its first
 allocation, which a library cannot count on; so the model's large tensors get memory of their own here, right
-after they are made and before the checkpoint is written into them. DSASERVE_HUGE_PAGES=0 turns this off.
+after they are made and before the checkpoint is written into them. The engine option huge_pages (--no-huge-pages)
+turns this off.
 """
 
 from __future__ import annotations
 
 import mmap
-import os
 
 import torch
 from torch import nn
@@ -21,8 +21,8 @@ HUGE_PAGE = 2 << 20
 
 
 def enabled() -> bool:
-    """Whether weights are placed in advised mappings here (Linux's madvise, huge pages not refused)."""
-    if os.environ.get("DSASERVE_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    """Whether weights can be placed in advised mappings here (Linux's madvise, huge pages not refused)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:

@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsaserve.config import RopeConfig
+from dsaserve.model.decode_plan import NewRegister, Piece
 from dsaserve.model.linear import linear
-from dsaserve.native import torch_ops
 from dsaserve.model.parallel_layers import RowParallelLinear
+from dsaserve.native import torch_ops
 from dsaserve.quantization.packed_experts import fused_applies, gated_mlp
+from dsaserve.quantization.quantized_weight import QuantizedWeight, packed_args
+
+
+@dataclass(frozen=True)
+class NormBinding:
+    """An RMSNorm's native arguments (native/rms_norm.cpp)."""
+
+    weight: torch.Tensor
+    eps: float
+
+    def native_args(self) -> tuple:
+        return self.weight, self.eps
 
 
 class RMSNorm(nn.Module):
@@ -21,7 +35,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (norm(x + residual), x + residual): the residual addition before the norm."""
+        if residual is not None:
+            if x.dim() == 2 and one_operator(x, residual, self.weight):  # one native call, the same bits
+                return torch.ops.dsaserve.add_rms_norm.default(x, residual, self.weight, self.eps)
+            total = x + residual
+            return self(total), total
         if one_operator(x, self.weight):  # the same arithmetic in one native call
             return torch.ops.dsaserve.rms_norm.default(x, self.weight, self.eps)
         dtype = x.dtype
@@ -29,12 +49,16 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): a residual addition and the norm after it."""
-        if x.dim() == 2 and one_operator(x, residual, self.weight):  # one native call, the same bits
-            return torch.ops.dsaserve.add_rms_norm.default(x, residual, self.weight, self.eps)
-        total = x + residual
-        return self(total), total
+    def decode_pieces(self, reads: tuple[int, ...], new: NewRegister) -> tuple[list[Piece], object] | None:
+        """forward() as a native piece (model/decode_plan.py): the norm, or with a residual the addition and norm."""
+        if self.weight.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        binding = NormBinding(self.weight, self.eps)
+        if len(reads) == 1:
+            h = new()
+            return [Piece("rms_norm", binding, reads, (h,))], h
+        h, total = new(), new()
+        return [Piece("add_rms_norm", binding, reads, (h, total))], (h, total)
 
 
 def one_operator(*tensors: torch.Tensor) -> bool:
@@ -50,6 +74,17 @@ def one_operator(*tensors: torch.Tensor) -> bool:
         if t.dtype is not dtype:
             return False
     return True
+
+
+@dataclass(frozen=True)
+class GatedMlpBinding:
+    """A gated MLP's packed weights, as native/quant_linear.cpp's gated_mlp takes them (gate|up fused)."""
+
+    gate_up: QuantizedWeight
+    down: QuantizedWeight
+
+    def native_args(self) -> tuple:
+        return *packed_args(self.gate_up), *packed_args(self.down)
 
 
 class GatedMLP(nn.Module):
@@ -78,6 +113,22 @@ class GatedMLP(nn.Module):
         gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
         return down(F.silu(gate) * up)
 
+    def binding(self) -> GatedMlpBinding | None:
+        """Its packed weights for one native call, or None: not packed alike, or a share of a split MLP."""
+        gate_up, down = self.gate_up_proj, self.down_proj.weight
+        if not (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight) and gate_up.kind == down.kind
+                and gate_up.col_offset == 0 and down.col_offset == 0):
+            return None
+        return GatedMlpBinding(gate_up, down)
+
+    def decode_pieces(self, reads: tuple[int, ...], new: NewRegister) -> tuple[list[Piece], object] | None:
+        """forward() as a native piece (model/decode_plan.py), where its weights are packed and not split."""
+        binding = self.binding()
+        if binding is None or self.down_proj.comm.size != 1:
+            return None
+        out = new()
+        return [Piece("gated_mlp", binding, reads, (out,))], out
+
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -98,7 +149,8 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
             attention_factor = _yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:

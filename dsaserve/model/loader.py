@@ -18,10 +18,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from dsaserve.config import ModelConfig
+from dsaserve.config import CheckpointError, ModelConfig
 from dsaserve.distributed.sharding import ShardPlan, TensorSlice, tensor_slice
-from dsaserve.model.checkpoint_layout import CheckpointError, checkpoint_shapes, is_mtp_tensor, optional_mtp_shapes
-from dsaserve.model.fp8_blocks import Fp8Slice, dequantize_fp8  # noqa: F401 (dequantize_fp8: the loader's rule)
+from dsaserve.model.checkpoint_layout import checkpoint_shapes, is_mtp_tensor, optional_mtp_shapes
+from dsaserve.model.glm_moe_dsa import param_of
+from dsaserve.quantization.fp8_blocks import Fp8Slice, dequantize_fp8  # noqa: F401 (dequantize_fp8: the loader's rule)
 
 logger = logging.getLogger(__name__)
 
@@ -195,3 +196,11 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
         for future in [pool.submit(load_file, path) for path in files]:
             future.result()
     bar.close()
+
+
+def fp8_params(cfg: ModelConfig, model_dir: str) -> set[str]:
+    """The model parameters that receive FP8 tensors from this checkpoint (none if it is not FP8)."""
+    if (cfg.quantization_config or {}).get("quant_method") != "fp8":
+        return set()
+    infos = read_tensor_infos(checkpoint_files(model_dir))
+    return {param_of(name, cfg.num_hidden_layers) for name, info in infos.items() if info.dtype in FP8_DTYPES}

@@ -12,21 +12,80 @@ every rank. With decode context parallelism the cache holds this rank's share of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from dsaserve.attention.context_parallel import attend_context_shard
-from dsaserve.attention.indexer import Selection
+from dsaserve.attention.indexer_selection import Selection
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext, check_same_on_ranks
+from dsaserve.model.decode_plan import NewRegister, Piece
 from dsaserve.model.indexer import Indexer
 from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale, one_operator
 from dsaserve.model.linear import Linear, linear
 from dsaserve.model.parallel_layers import RowParallelLinear
-from dsaserve.model.prepared_calls import PreparedCalls
 from dsaserve.native import torch_ops
-from dsaserve.quantization.quantized_weight import KERNEL_ROWS, QuantizedWeight
+from dsaserve.prepared_calls import PreparedCalls
+from dsaserve.quantization.quantized_weight import KERNEL_ROWS, PackedMatrix, QuantizedWeight, packed_args
+
+
+@dataclass(frozen=True)
+class MlaQueryBinding:
+    """The absorbed query's native arguments (native/mla_projections.cpp mla_query), its weights packed."""
+
+    q_a: QuantizedWeight
+    q_norm: torch.Tensor  # q_a_layernorm's weight
+    q_eps: float
+    q_b: QuantizedWeight
+    w_uk: QuantizedWeight
+    interleaved: bool
+    heads: int
+    nope: int
+    rope: int
+
+    def native_args(self) -> tuple:
+        return (*packed_args(self.q_a), self.q_norm, self.q_eps, *packed_args(self.q_b), *packed_args(self.w_uk),
+                self.interleaved, self.heads, self.nope, self.rope)
+
+
+@dataclass(frozen=True)
+class LatentRowsBinding:
+    """What writes the latent cache rows: kv_a_proj_with_mqa (its packed matrix where packed) and bias, the norm."""
+
+    kv: PackedMatrix | torch.Tensor
+    bias: torch.Tensor | None
+    norm: torch.Tensor
+    eps: float
+    interleaved: bool
+
+    def native_args(self) -> tuple:
+        return *packed_args(self.kv), self.norm, self.eps, self.interleaved
+
+
+@dataclass(frozen=True)
+class AttendBinding:
+    """Attention over a step's cache rows (native/selected_rows.cpp): the softmax scale and the latent width."""
+
+    scale: float
+    value_dim: int
+
+    def native_args(self) -> tuple:
+        return self.scale, self.value_dim
+
+
+@dataclass(frozen=True)
+class MlaOutputBinding:
+    """o_proj(latent · W_UVᵀ) in one native call (mla_output), its weights packed; comm sums the ranks' parts."""
+
+    w_uv: QuantizedWeight
+    o: QuantizedWeight
+    comm: object
+
+    def native_args(self) -> tuple:
+        return *packed_args(self.w_uv), *packed_args(self.o)
 
 
 class MLAAttention(PreparedCalls):
@@ -67,12 +126,13 @@ class MLAAttention(PreparedCalls):
         kv_cache: torch.Tensor, indexer_cache, prev_topk: torch.Tensor | None, run_indexer: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (attention output [T, hidden], top-k produced or reused here). With run_indexer off, a
-        full layer attends with prev_topk instead (the MTP layer's later draft steps)."""
+        full layer attends with prev_topk instead (the MTP layer's later draft steps). decode_pieces() below
+        is this order of operations as native pieces: a change here is made there too."""
         q_resid, query = self.absorbed_query(x, cos, sin)
         self.write_latents(x, cos, sin, meta, kv_cache)
 
         topk = prev_topk
-        if self.backend.uses_indexer and self.indexer is not None and run_indexer:
+        if self.selects() and run_indexer:
             topk = self.indexer(x, q_resid, cos, sin, meta, indexer_cache)
             if self.parallel.check_ranks:
                 check_same_on_ranks(self.parallel.tp, topk, f"layer {self.layer_idx} top-k")
@@ -84,80 +144,99 @@ class MLAAttention(PreparedCalls):
                                               topk if self.backend.uses_indexer else None)
         return self.attention_output(out_latent), topk
 
+    def decode_pieces(self, reads: tuple[int, ...], new: NewRegister) -> tuple[list[Piece], object] | None:
+        """forward()'s operations for a few decode tokens as native pieces, in forward's order (model/decode_plan.py):
+        the query, the latent rows, a full layer's indexer keys and selection, the attention, the output. None where
+        one of them has no native form here (weights not packed, a bias, a split output)."""
+        query, latents, output = self.query_binding(), self.latents_binding(), self.output_binding()
+        if (query is None or output is None or output.comm.size != 1 or self.parallel.check_ranks
+                or not isinstance(latents.kv, PackedMatrix) or latents.bias is not None):
+            return None
+        h = reads[0]
+        q, q_resid, latent, attended = new(), new(), new(), new()
+        pieces = [Piece("mla_query", query, (h,), (q, q_resid)), Piece("latent_rows", latents, (h,))]
+        if self.selects():
+            pieces += self.indexer.decode_pieces(h, q_resid)
+        pieces += [Piece("attend", AttendBinding(self.scale, self.kv_lora_rank), (q,), (latent,)),
+                   Piece("mla_output", output, (latent,), (attended,))]
+        return pieces, (attended, None)  # (the output, the top-k: the plan carries it between layers itself)
+
+    def selects(self) -> bool:
+        """Whether this layer attends with its own indexer's selection (a full layer, a backend that reads it)."""
+        return self.backend.uses_indexer and self.indexer is not None
+
     def attention_output(self, out_latent: torch.Tensor) -> torch.Tensor:
         """o_proj of each head's attended latent [T, H, rank] times W_UVᵀ: [T, hidden]."""
-        call = self.prepared("output", self._output_call)
-        if call is not None and 0 < out_latent.shape[0] <= KERNEL_ROWS and torch_ops.cpu_kernels() == "avx512_bf16":
+        output = self.prepared("output", self.output_binding)
+        if (output is not None and 0 < out_latent.shape[0] <= KERNEL_ROWS
+                and torch_ops.cpu_kernels() == "avx512_bf16"):
             # A few tokens, packed weights: one native call, the same bits as the two products.
-            args, comm = call
-            y = torch.ops.dsaserve.mla_output.default(out_latent, *args)
-            return y if comm.size == 1 else comm.all_reduce(y)
+            y = torch.ops.dsaserve.mla_output.default(out_latent, *output.native_args())
+            return y if output.comm.size == 1 else output.comm.all_reduce(y)
         out = per_head(out_latent, self.w_uv)  # [T, H, v]
         return self.o_proj(out.reshape(out_latent.shape[0], -1))
 
-    def _output_call(self):
-        """(mla_output's weight arguments, o_proj's communicator), or None where its weights are not packed."""
+    def output_binding(self) -> MlaOutputBinding | None:
+        """W_UV and o_proj for one native call, or None where they are not packed (or o_proj has a bias)."""
         o_proj, w_uv = self.o_proj, self.w_uv
         o = o_proj.weight
         if not (o_proj.bias is None and isinstance(w_uv, QuantizedWeight) and isinstance(o, QuantizedWeight)):
             return None
-        return (w_uv.qweight, w_uv.scale, w_uv.args, o.qweight, o.scale, o.args), o_proj.comm
+        return MlaOutputBinding(w_uv, o, o_proj.comm)
 
-    def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_resid [T, q_lora_rank], query [T, H, rank + rope] = [q_nope · W_UK | rope(q_rope)])."""
-        if self._one_call_query(x, cos, sin):  # a few tokens, packed weights: one native call, the same bits
-            _, weights, shape = self.prepared("query", self._query_call)
-            query, q_resid = torch.ops.dsaserve.mla_query.default(x, *weights, cos, sin, *shape)
-            return q_resid, query
+        query = self.prepared("query", self.query_binding)
+        if (query is not None and 0 < x.shape[0] <= KERNEL_ROWS and torch_ops.cpu_kernels() == "avx512_bf16"
+                and one_operator(x, query.q_norm, cos, sin)):  # a few tokens, packed weights: one call, the same bits
+            q, q_resid = torch.ops.dsaserve.mla_query.default(
+                x, *packed_args(query.q_a), query.q_norm, query.q_eps, *packed_args(query.q_b),
+                *packed_args(query.w_uk), cos, sin, query.interleaved, query.heads, query.nope, query.rope)
+            return q_resid, q
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(x.shape[0], self.num_heads, -1)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_latent = per_head(q_nope, self.w_uk, transposed=True)  # [T, H, rank]
         return q_resid, torch.cat([q_latent, apply_rope(q_rope, cos, sin, self.rope_interleave)], dim=-1)
 
-    def _one_call_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-        call = self.prepared("query", self._query_call)
-        return (call is not None and 0 < x.shape[0] <= KERNEL_ROWS and torch_ops.cpu_kernels() == "avx512_bf16"
-                and one_operator(x, call[0], cos, sin))
-
-    def _query_call(self):
-        """(q_a_layernorm's weight, mla_query's weight arguments, its shape arguments), or None where the
-        query's weights are not all packed."""
+    def query_binding(self) -> MlaQueryBinding | None:
+        """The query's weights for one native call, or None where they are not all packed (or q_a_proj has a bias)."""
         qa, qb, uk = self.q_a_proj.weight, self.q_b_proj.weight, self.w_uk
         if not (self.q_a_proj.bias is None and all(isinstance(w, QuantizedWeight) for w in (qa, qb, uk))):
             return None
         norm = self.q_a_layernorm
-        weights = (qa.qweight, qa.scale, qa.args, norm.weight, norm.eps, qb.qweight, qb.scale, qb.args, uk.qweight,
-                   uk.scale, uk.args)
-        return norm.weight, weights, (self.rope_interleave, self.num_heads, self.nope_dim, self.rope_dim)
+        return MlaQueryBinding(qa, norm.weight, norm.eps, qb, uk, self.rope_interleave, self.num_heads, self.nope_dim,
+                               self.rope_dim)
 
     def write_latents(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
                       kv_cache: torch.Tensor) -> None:
         """The cache rows of these tokens, `[kv_a_layernorm(latent) | rope(k_rope)]`, at their slots."""
-        weight, bias, norm_weight, eps = self.prepared("latents", self._latents_call)
-        kv = linear(x, weight, bias)
-        if meta.write_rows is None and kv.dtype == kv_cache.dtype and one_operator(kv, norm_weight, cos, sin):
+        latents = self.prepared("latents", self.latents_binding)
+        kv = linear(x, latents.kv, latents.bias)
+        if meta.write_rows is None and kv.dtype == kv_cache.dtype and one_operator(kv, latents.norm, cos, sin):
             # One native call: the same bits as the operators below.
-            torch.ops.dsaserve.write_latent_rows.default(kv, norm_weight, eps, cos, sin, self.rope_interleave,
+            torch.ops.dsaserve.write_latent_rows.default(kv, latents.norm, latents.eps, cos, sin, self.rope_interleave,
                                                          kv_cache.view(-1, kv.shape[-1]), meta.slot_mapping)
             return
         latent, k_rope = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         row = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rope, cos, sin, self.rope_interleave)], dim=-1)
         kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, meta.rows_to_write(row).to(kv_cache.dtype))
 
-    def _latents_call(self):
-        """(kv_a_proj_with_mqa's weight (its packed matrix where packed) and bias, kv_a_layernorm's weight and eps)."""
+    def latents_binding(self) -> LatentRowsBinding:
+        """kv_a_proj_with_mqa's weight (its packed matrix where packed) and bias, and kv_a_layernorm's weight
+        and eps."""
         weight = self.kv_a_proj_with_mqa.weight
         norm = self.kv_a_layernorm
-        return (weight.matrix() if isinstance(weight, QuantizedWeight) else weight, self.kv_a_proj_with_mqa.bias,
-                norm.weight, norm.eps)
+        return LatentRowsBinding(weight.matrix() if isinstance(weight, QuantizedWeight) else weight,
+                                 self.kv_a_proj_with_mqa.bias, norm.weight, norm.eps, self.rope_interleave)
 
     def write_caches(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,
                      kv_cache: torch.Tensor, indexer_cache) -> None:
         """What forward() leaves in the caches (the latent rows, and the indexer's keys where the backend
         reads them), without attending: for rows whose outputs nobody needs."""
         self.write_latents(x, cos, sin, meta, kv_cache)
-        if self.backend.uses_indexer and self.indexer is not None:
+        if self.selects():
             indexer_cache.write(meta.slot_mapping, meta.rows_to_write(self.indexer.keys(x, cos, sin)))
 
 

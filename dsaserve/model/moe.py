@@ -2,17 +2,49 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
-from dsaserve.model.layers import GatedMLP, one_operator
+from dsaserve.model.decode_plan import NewRegister, Piece
+from dsaserve.model.layers import GatedMLP, GatedMlpBinding, one_operator
 from dsaserve.model.linear import expert_weight, linear
-from dsaserve.model.prepared_calls import PreparedCalls
+from dsaserve.prepared_calls import PreparedCalls
 from dsaserve.quantization.packed_experts import add_routed_experts, fused_applies
-from dsaserve.quantization.quantized_weight import KERNEL_ROWS
+from dsaserve.quantization.quantized_weight import KERNEL_ROWS, QuantizedWeight
+
+
+@dataclass(frozen=True)
+class RouterBinding:
+    """The router's native arguments (native/moe_route.cpp), its tensors in fp32."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    top_k: int
+    n_group: int
+    topk_group: int
+    normalize: bool
+    scaling: float
+
+    def native_args(self) -> tuple:
+        return self.weight, self.bias, self.top_k, self.n_group, self.topk_group, self.normalize, self.scaling
+
+
+@dataclass(frozen=True)
+class MoEBinding:
+    """A MoE layer in one native chain: the router, then every chosen expert and the shared experts (moe_experts)."""
+
+    router: RouterBinding
+    experts: GatedMlpBinding  # the stacked experts' gate|up and down
+    shared: GatedMlpBinding | None
+
+    def native_args(self) -> tuple:
+        shared = self.shared.native_args() if self.shared is not None else (None, None, [], None, None, [])
+        return *self.router.native_args(), *self.experts.native_args(), *shared
 
 
 class Router(PreparedCalls):
@@ -30,9 +62,9 @@ class Router(PreparedCalls):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → (weights fp32 [T, top_k], expert ids int64 [T, top_k])."""
-        native = self.prepared("route", self._route_call)
+        native = self.prepared("route", self.binding)
         if native is not None and x.shape[0] <= KERNEL_ROWS and one_operator(x):  # a few tokens (prefill: the GEMM)
-            return torch.ops.dsaserve.moe_route.default(x, *native)
+            return torch.ops.dsaserve.moe_route.default(x, *native.native_args())
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (a GEMM: many tokens, or no operators)
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
@@ -47,12 +79,12 @@ class Router(PreparedCalls):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * self.scaling, ids
 
-    def _route_call(self):
+    def binding(self) -> RouterBinding | None:
         """moe_route's arguments after x, or None unless the router's tensors are fp32 as the operator takes them."""
         if not self.weight.dtype == self.e_score_correction_bias.dtype == torch.float32:
             return None
-        return (self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
-                self.norm_topk_prob, self.scaling)
+        return RouterBinding(self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                             self.norm_topk_prob, self.scaling)
 
 
 class MoE(PreparedCalls):
@@ -111,6 +143,20 @@ class MoE(PreparedCalls):
             out.index_add_(0, tokens, (y * weight_of[start : start + count, None]).to(out.dtype))
             start += count
         return self.comm.all_reduce(out)
+
+    def decode_pieces(self, reads: tuple[int, ...], new: NewRegister) -> tuple[list[Piece], object] | None:
+        """forward() as one native piece (model/decode_plan.py), where the router is fp32, every expert here and
+        all weights packed in one kind; None otherwise (the layer then runs through its modules)."""
+        gate, gate_up, down, shared, shared_weights, elsewhere = self.prepared("parts", self._parts)
+        router = gate.binding()
+        if router is None or elsewhere or self.comm.size != 1:
+            return None
+        weights = (gate_up, down, *(shared_weights or ()))
+        if not all(isinstance(w, QuantizedWeight) and w.kind == gate_up.kind and w.col_offset == 0 for w in weights):
+            return None
+        shared_binding = shared.binding() if shared is not None else None
+        out = new()
+        return [Piece("moe", MoEBinding(router, GatedMlpBinding(gate_up, down), shared_binding), reads, (out,))], out
 
     def _parts(self):
         """(router, experts' gate|up and down, shared experts and their two weights (or None), whether some

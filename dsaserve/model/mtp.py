@@ -19,16 +19,20 @@ from torch import nn
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
+from dsaserve.model.decode_plan import DecodePlan
 from dsaserve.model.layers import RMSNorm
 from dsaserve.model.linear import Linear
 from dsaserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+from dsaserve.prepared_calls import PreparedCalls
 
 
-class MTPLayer(nn.Module):
+class MTPLayer(PreparedCalls):
     def __init__(self, cfg: ModelConfig, block: nn.Module, own_head: bool = False, own_embed: bool = False,
-                 parallel: ParallelContext | None = None):
-        """block: a full MoE decoder layer at index num_hidden_layers."""
+                 parallel: ParallelContext | None = None, decode_plan: bool = True):
+        """block: a full MoE decoder layer at index num_hidden_layers; decode_plan: a few tokens run as its native
+        pieces where it has them (model/decode_plan.py)."""
         super().__init__()
+        self.decode_plan = decode_plan
         parallel = parallel or ParallelContext.single()
         h = cfg.hidden_size
         self.layer_idx = cfg.num_hidden_layers
@@ -37,7 +41,8 @@ class MTPLayer(nn.Module):
         self.eh_proj = Linear(2 * h, h, bias=False)
         self.block = block
         self.head_norm = RMSNorm(h, cfg.rms_norm_eps)  # shared_head.norm
-        self.head = ParallelLMHead(cfg.vocab_size, h, parallel.plan, parallel.tp) if own_head else None  # shared_head.head
+        self.head = (ParallelLMHead(cfg.vocab_size, h, parallel.plan, parallel.tp) if own_head
+                     else None)  # shared_head.head
         self.embed = VocabParallelEmbedding(cfg.vocab_size, h, parallel.plan, parallel.tp) if own_embed else None
 
     def forward(self, embed: nn.Module, rotary, meta: BatchMetadata, prev_hidden: torch.Tensor,
@@ -46,7 +51,15 @@ class MTPLayer(nn.Module):
         indexer does not run and attention uses it. Returns (hidden before the head norm, the top-k used)."""
         x = self.block_input(embed, meta, prev_hidden)
         cos, sin = rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
+        plan = self.prepared("decode plan", self._plan)
+        out = (plan.run(x, cos, sin, meta, [kv_cache], {0: indexer_cache}, topk, need_topk=True)
+               if plan is not None else None)
+        if out is not None:
+            return out
         return self.block(x, cos, sin, meta, kv_cache, indexer_cache, topk, run_indexer=topk is None)
+
+    def _plan(self) -> DecodePlan | None:
+        return DecodePlan.build([self.block]) if self.decode_plan else None
 
     def fill_caches(self, embed: nn.Module, rotary, meta: BatchMetadata, prev_hidden: torch.Tensor,
                     kv_cache: torch.Tensor, indexer_cache) -> None:

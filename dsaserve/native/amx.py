@@ -4,7 +4,7 @@ Where the CPU has AMX-BF16 and AMX-INT8 (and Linux grants the tile registers), t
 the indexer's scores (bf16 keys, and int8 keys kept in the int8 kernel's layout) take their tile bodies, but only
 after those have been compared, once, with their AVX-512 bodies on small problems in a child process: a CPU or
 kernel that disagrees, faults or hangs keeps the AVX-512 bodies, with a warning, and the process that loads the
-operators never runs a tile instruction before that check has passed. DSASERVE_AMX=0 keeps them off.
+operators never runs a tile instruction before that check has passed. native_kernels 'avx512' keeps them off.
 torch_ops.load() calls choose_at_load, so this module calls the operators directly and imports nothing of
 dsaserve; the child runs this file as a script.
 """
@@ -27,6 +27,7 @@ CHECK_TOLERANCE = 2e-2
 # The check takes about a second plus torch's import; a child still running after this is taken as hung.
 CHECK_TIMEOUT_S = 120
 _state: str | None = None
+_checked: tuple[str, str] | None = None  # what the load check chose: (mode, the reason doctor prints)
 
 
 def mode() -> str:
@@ -47,21 +48,33 @@ def state() -> str:
 def choose_at_load(library: str) -> None:
     """Called once when the operators load (from `library`): the hardware tile bodies where available and in
     agreement."""
-    global _state
-    if os.environ.get("DSASERVE_AMX", "1") == "0":
-        _state = "off (DSASERVE_AMX=0)"
-        return
+    global _state, _checked
+    _state = _choose(library)
+    _checked = ("hardware" if _state.startswith("on") else "off", _state)
+
+
+def _choose(library: str) -> str:
+    """The tiles' mode set here, and why (what doctor prints)."""
     if not torch.ops.dsaserve.amx_available():
-        _state = "off (no AMX-BF16 and AMX-INT8 on this CPU, or Linux did not grant the tile registers)"
-        return
+        return "off (no AMX-BF16 and AMX-INT8 on this CPU, or Linux did not grant the tile registers)"
     disagreement = check_in_child(library, "hardware")
     if disagreement is None:
         set_mode("hardware")
-        _state = "on (AMX tiles, checked against the AVX-512 kernels at load)"
         logger.info("sparse kernels: using AMX tiles")
+        return "on (AMX tiles, checked against the AVX-512 kernels at load)"
+    state = f"off (the AMX tile kernels failed their check against the AVX-512 ones at load: {disagreement})"
+    logger.warning("sparse kernels: %s", state)
+    return state
+
+
+def allow(allowed: bool) -> None:
+    """The engine's native_kernels option: the tiles where the load check chose them ('auto'), or off ('avx512')."""
+    global _state
+    if _checked is None:
         return
-    _state = f"off (the AMX tile kernels failed their check against the AVX-512 ones at load: {disagreement})"
-    logger.warning("sparse kernels: %s", _state)
+    mode, reason = _checked
+    set_mode(mode if allowed else "off")
+    _state = reason if allowed else "off (native_kernels 'avx512')"
 
 
 def check_in_child(library: str, tiles: str) -> str | None:

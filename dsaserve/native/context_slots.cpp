@@ -62,10 +62,21 @@ at::Tensor position_slots(const at::Tensor& block_tables, const at::Tensor& posi
 
 }  // namespace
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 at::Tensor dsaserve::position_slots(const at::Tensor& block_tables, const at::Tensor& positions, int64_t block_size) {
   return ::position_slots(block_tables, positions, block_size);
 }
+
+namespace {
+// Meta kernels: the output shapes without computing (meta tensors, tracing).
+at::Tensor context_slots_meta(const at::Tensor& block_tables, at::IntArrayRef lens, int64_t) {
+  const int64_t longest = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
+  return at::empty({static_cast<int64_t>(lens.size()), longest}, block_tables.options().dtype(at::kLong));
+}
+at::Tensor position_slots_meta(const at::Tensor& block_tables, const at::Tensor& positions, int64_t) {
+  return at::empty(positions.sizes(), block_tables.options().dtype(at::kLong));
+}
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("context_slots(Tensor block_tables, int[] lens, int block_size) -> Tensor");
@@ -75,4 +86,9 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
   m.impl("context_slots", &context_slots);
   m.impl("position_slots", &position_slots);
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) {
+  m.impl("context_slots", &context_slots_meta);
+  m.impl("position_slots", &position_slots_meta);
 }

@@ -1,5 +1,5 @@
 // The indexer's selection for a batch of decode queries (one new token per request), in one call: what
-// attention/indexer.py's select() computes for them through its Python loop, tile by tile, with the same pieces in
+// attention/indexer_selection.py's select() computes for them through its Python loop, tile by tile, with the same pieces in
 // the same order, so the same positions in the same order:
 //   a query that sees at most `width` tokens selects all of them (0 .. seq_len - 1, then -1);
 //   otherwise its visible blocks are scored `chunk_blocks` at a time in place in the packed key cache
@@ -154,7 +154,7 @@ at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, cons
 
 }  // namespace
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 at::Tensor dsaserve::decode_selection(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
                                       const at::Tensor& block_tables, at::IntArrayRef seq_lens, int64_t width,
                                       int64_t chunk_blocks, int64_t window_blocks,
@@ -162,9 +162,19 @@ at::Tensor dsaserve::decode_selection(const at::Tensor& q, const at::Tensor& wei
   return ::decode_selection(q, weights, cache, block_tables, seq_lens, width, chunk_blocks, window_blocks, scales);
 }
 
+namespace {
+// Meta kernel: the output shape without computing (meta tensors, tracing).
+at::Tensor decode_selection_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 at::IntArrayRef, int64_t width, int64_t, int64_t, const std::optional<at::Tensor>&) {
+  return at::empty({q.size(0), width}, q.options().dtype(at::kInt));
+}
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("decode_selection(Tensor q, Tensor weights, Tensor cache, Tensor block_tables, int[] seq_lens, int width, "
         "int chunk_blocks, int window_blocks, Tensor? scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("decode_selection", &decode_selection); }
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) { m.impl("decode_selection", &decode_selection_meta); }

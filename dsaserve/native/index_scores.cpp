@@ -269,10 +269,18 @@ void dsaserve::check_block_list(const at::Tensor& blocks, int64_t keys, const at
                     cache.size(0), " blocks");
 }
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 void dsaserve::write_packed_keys(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& keys) {
     ::write_packed_keys(cache, slots, keys);
 }
+
+namespace {
+// Meta kernels: they write only into their outputs, so nothing to shape (meta tensors, tracing).
+void index_scores_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&) {}
+void index_scores_blocks_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                              at::Tensor&) {}
+void write_packed_keys_meta(at::Tensor&, const at::Tensor&, const at::Tensor&) {}
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
     m.def("index_scores_fits(int heads, int dim) -> bool", &fits);
@@ -285,4 +293,10 @@ TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
     m.impl("index_scores", &index_scores);
     m.impl("index_scores_blocks", &index_scores_blocks);
     m.impl("write_packed_keys", &write_packed_keys);
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) {
+    m.impl("index_scores", &index_scores_meta);
+    m.impl("index_scores_blocks", &index_scores_blocks_meta);
+    m.impl("write_packed_keys", &write_packed_keys_meta);
 }

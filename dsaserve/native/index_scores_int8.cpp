@@ -330,7 +330,7 @@ void write_int8_keys(at::Tensor& cache, at::Tensor& scales, const at::Tensor& sl
 
 }  // namespace
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 void dsaserve::write_int8_keys(at::Tensor& cache, at::Tensor& scales, const at::Tensor& slots, const at::Tensor& keys) {
     ::write_int8_keys(cache, scales, slots, keys);
 }
@@ -344,6 +344,13 @@ void dsaserve::index_scores_int8_of_blocks(const c10::BFloat16* q, const float* 
 
 bool dsaserve::index_scores_int8_fits(int64_t heads, int64_t dim) { return fits(heads, dim); }
 
+namespace {
+// Meta kernels: they write only into their outputs, so nothing to shape (meta tensors, tracing).
+void index_scores_int8_blocks_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, int64_t, at::Tensor&) {}
+void write_int8_keys_meta(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&) {}
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
     m.def("index_scores_int8_fits(int heads, int dim) -> bool", &fits);
     m.def("index_scores_int8_blocks(Tensor q, Tensor weights, Tensor cache, Tensor scales, Tensor blocks, int keys, "
@@ -354,4 +361,9 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
     m.impl("index_scores_int8_blocks", &index_scores_int8_blocks);
     m.impl("write_int8_keys", &write_int8_keys);
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) {
+    m.impl("index_scores_int8_blocks", &index_scores_int8_blocks_meta);
+    m.impl("write_int8_keys", &write_int8_keys_meta);
 }

@@ -53,11 +53,17 @@ void write_latent_rows(const at::Tensor& kv, const at::Tensor& weight, double ep
 
 }  // namespace
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 void dsaserve::write_latent_rows(const at::Tensor& kv, const at::Tensor& weight, double eps, const at::Tensor& cos,
                                  const at::Tensor& sin, bool interleaved, at::Tensor rows, const at::Tensor& slots) {
   ::write_latent_rows(kv, weight, eps, cos, sin, interleaved, rows, slots);
 }
+
+namespace {
+// Meta kernel: it writes only into the cache rows, so nothing to shape (meta tensors, tracing).
+void write_latent_rows_meta(const at::Tensor&, const at::Tensor&, double, const at::Tensor&, const at::Tensor&, bool,
+                            at::Tensor, const at::Tensor&) {}
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("write_latent_rows(Tensor kv, Tensor weight, float eps, Tensor cos, Tensor sin, bool interleaved, "
@@ -65,3 +71,5 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("write_latent_rows", &write_latent_rows); }
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) { m.impl("write_latent_rows", &write_latent_rows_meta); }

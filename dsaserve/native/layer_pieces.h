@@ -1,4 +1,4 @@
-// The operators' functions that decode_layer.cpp chains into a decoder layer's few-token step, called without
+// The operators' functions that decode_plan.cpp chains into a decode step's pieces, called without
 // the dispatcher (each is the registered operator's own function: the same checks, the same bits).
 #pragma once
 

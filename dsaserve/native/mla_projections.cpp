@@ -91,7 +91,7 @@ at::Tensor mla_output(const at::Tensor& latent, const at::Tensor& w_uv_q, const 
 
 }  // namespace
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 std::tuple<at::Tensor, at::Tensor> dsaserve::mla_query(
     const at::Tensor& x, const at::Tensor& q_a_q, const at::Tensor& q_a_s, at::IntArrayRef q_a_args,
     const at::Tensor& norm_weight, double eps, const at::Tensor& q_b_q, const at::Tensor& q_b_s,
@@ -106,6 +106,23 @@ at::Tensor dsaserve::mla_output(const at::Tensor& latent, const at::Tensor& w_uv
   return ::mla_output(latent, w_uv_q, w_uv_s, w_uv_args, o_q, o_s, o_args);
 }
 
+namespace {
+// Meta kernels: the output shapes without computing (meta tensors, tracing).
+std::tuple<at::Tensor, at::Tensor> mla_query_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                                                  at::IntArrayRef q_a_args, const at::Tensor&, double,
+                                                  const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                                                  const at::Tensor&, const at::Tensor&, at::IntArrayRef w_uk_args,
+                                                  const at::Tensor&, const at::Tensor&, bool, int64_t heads, int64_t,
+                                                  int64_t rope) {
+  return {at::empty({x.size(0), heads, w_uk_args[3] + rope}, x.options()), at::empty({x.size(0), q_a_args[3]},
+                                                                                      x.options())};
+}
+at::Tensor mla_output_meta(const at::Tensor& latent, const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                           const at::Tensor&, const at::Tensor&, at::IntArrayRef o_args) {
+  return at::empty({latent.size(0), o_args[3]}, latent.options());
+}
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("mla_query(Tensor x, Tensor q_a_q, Tensor q_a_s, int[] q_a_args, Tensor norm_weight, float eps, "
         "Tensor q_b_q, Tensor q_b_s, int[] q_b_args, Tensor w_uk_q, Tensor w_uk_s, int[] w_uk_args, Tensor cos, "
@@ -117,4 +134,9 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
   m.impl("mla_query", &mla_query);
   m.impl("mla_output", &mla_output);
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) {
+  m.impl("mla_query", &mla_query_meta);
+  m.impl("mla_output", &mla_output_meta);
 }

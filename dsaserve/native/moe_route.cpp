@@ -144,12 +144,20 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
 
 }  // namespace
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 std::tuple<at::Tensor, at::Tensor> dsaserve::moe_route(const at::Tensor& x, const at::Tensor& weight,
                                                        const at::Tensor& bias, int64_t top_k, int64_t n_group,
                                                        int64_t topk_group, bool normalize, double scaling) {
   return ::moe_route(x, weight, bias, top_k, n_group, topk_group, normalize, scaling);
 }
+
+namespace {
+// Meta kernel: the output shapes without computing (meta tensors, tracing).
+std::tuple<at::Tensor, at::Tensor> moe_route_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&,
+                                                  int64_t top_k, int64_t, int64_t, bool, double) {
+  return {at::empty({x.size(0), top_k}, weight.options()), at::empty({x.size(0), top_k}, weight.options().dtype(at::kLong))};
+}
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("moe_route(Tensor x, Tensor weight, Tensor bias, int top_k, int n_group, int topk_group, bool normalize, "
@@ -157,3 +165,5 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("moe_route", &moe_route); }
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) { m.impl("moe_route", &moe_route_meta); }

@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -315,26 +316,22 @@ AVX512BF16 void blocks_any(const Problem& p, const void* x, int64_t b0, int64_t 
 
 #define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx512vbmi,f16c,fma")))
 
-// Whether the CPU has the VNNI paths' instructions and the environment variable `name` does not turn them off.
-bool vnni_allowed(const char* name) {
-  const char* setting = std::getenv(name);
-  return dsaserve::cpu_has_avx512_vnni_vbmi() && !(setting && std::string(setting) == "0");
+// Whether the VNNI and VBMI product paths may run: the CPU has their instructions and the process allows them
+// (native_kernels 'auto'; 'avx512' keeps the bf16 bodies, for comparing: set_isa_extensions).
+std::atomic<bool> g_extensions_allowed{true};
+
+bool vnni_allowed() {
+  static const bool has = dsaserve::cpu_has_avx512_vnni_vbmi();
+  return has && g_extensions_allowed.load(std::memory_order_relaxed);
 }
 
-bool int4_vnni_enabled() {
-  static const bool on = vnni_allowed("DSASERVE_INT4_VNNI");
-  return on;
-}
+void set_isa_extensions(bool allowed) { g_extensions_allowed.store(allowed, std::memory_order_relaxed); }
 
-bool int8_vnni_enabled() {
-  static const bool on = vnni_allowed("DSASERVE_INT8_VNNI");
-  return on;
-}
+bool int4_vnni_enabled() { return vnni_allowed(); }
 
-bool fp8_table_enabled() {
-  static const bool on = vnni_allowed("DSASERVE_FP8_VBMI");
-  return on;
-}
+bool int8_vnni_enabled() { return vnni_allowed(); }
+
+bool fp8_table_enabled() { return vnni_allowed(); }
 
 // Whether p's product takes a VNNI path: bf16 activations, and for int4 scale groups that start on a chunk of 8
 // columns, for int8 one scale per row (else the bf16 body, exact in the activations, runs).
@@ -1154,7 +1151,7 @@ std::string int8_bf16_path() {
 
 }  // namespace
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 void dsaserve::moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
                            const at::Tensor& down_q, const at::Tensor& down_s, const at::Tensor& ids,
                            const at::Tensor& weights, at::Tensor out, int64_t kind, int64_t inter,
@@ -1180,6 +1177,27 @@ at::Tensor dsaserve::packed_product(const at::Tensor& x, const at::Tensor& qweig
   return quant_linear(x, qweight, scale, kind, group, col_offset, N, K);
 }
 
+// Meta kernels: the operators' output shapes without computing (meta tensors, tracing).
+at::Tensor quant_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                             int64_t N, int64_t) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  return at::empty(shape, x.options());
+}
+at::Tensor dequantize_t_meta(const at::Tensor&, const at::Tensor& scale, int64_t, int64_t, int64_t, int64_t N,
+                             int64_t K, at::ScalarType dtype) {
+  return at::empty({K, N}, scale.options().dtype(dtype));
+}
+void moe_experts_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&, at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t,
+                      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, int64_t, int64_t,
+                      int64_t) {}
+at::Tensor gated_mlp_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t) {
+  return at::empty_like(x);  // down maps the intermediate back to hidden
+}
+
 TORCH_LIBRARY(dsaserve, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scale, int kind, int group, int col_offset, int N, int K) "
         "-> Tensor");
@@ -1196,6 +1214,7 @@ TORCH_LIBRARY(dsaserve, m) {
   m.def("int4_bf16_path() -> str", &int4_bf16_path);
   m.def("int8_bf16_path() -> str", &int8_bf16_path);
   m.def("fp8_bf16_path() -> str", &fp8_bf16_path);
+  m.def("set_isa_extensions(bool allowed) -> ()", &set_isa_extensions);
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
@@ -1203,4 +1222,11 @@ TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
   m.impl("dequantize_t", &dequantize_t);
   m.impl("moe_experts", &moe_experts);
   m.impl("gated_mlp", &gated_mlp);
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) {
+  m.impl("quant_linear", &quant_linear_meta);
+  m.impl("dequantize_t", &dequantize_t_meta);
+  m.impl("moe_experts", &moe_experts_meta);
+  m.impl("gated_mlp", &gated_mlp_meta);
 }

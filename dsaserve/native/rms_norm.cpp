@@ -53,7 +53,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 }  // namespace
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 at::Tensor dsaserve::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return ::rms_norm(x, weight, eps);
 }
@@ -61,6 +61,15 @@ std::tuple<at::Tensor, at::Tensor> dsaserve::add_rms_norm(const at::Tensor& x, c
                                                           const at::Tensor& weight, double eps) {
   return ::add_rms_norm(x, residual, weight, eps);
 }
+
+namespace {
+// Meta kernels: the output shapes without computing (meta tensors, tracing).
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor&, double) { return at::empty_like(x); }
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                                                     double) {
+  return {at::empty_like(x), at::empty_like(x)};
+}
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -70,4 +79,9 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+}
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) {
+  m.impl("rms_norm", &rms_norm_meta);
+  m.impl("add_rms_norm", &add_rms_norm_meta);
 }

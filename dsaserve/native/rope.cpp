@@ -54,13 +54,22 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 
 }  // namespace
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 at::Tensor dsaserve::apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
   return ::apply_rope(x, cos, sin, interleaved);
 }
+
+namespace {
+// Meta kernel: the output shape without computing (meta tensors, tracing).
+at::Tensor apply_rope_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, bool) {
+  return at::empty(x.sizes(), x.options());
+}
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("apply_rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("apply_rope", &apply_rope); }
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) { m.impl("apply_rope", &apply_rope_meta); }

@@ -576,12 +576,17 @@ void attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at:
 
 }  // namespace
 
-// For decode_layer.cpp (layer_pieces.h).
+// For decode_plan.cpp (layer_pieces.h).
 void dsaserve::attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots,
                                     double scale, at::Tensor& out) {
     ::attend_selected_rows(q, rows, slots, scale, out);
 }
 bool dsaserve::selected_rows_fits(int64_t heads, int64_t dim, int64_t value_dim) { return fits(heads, dim, value_dim); }
+
+namespace {
+// Meta kernel: it writes only into `out`, so nothing to shape (meta tensors, tracing).
+void attend_selected_rows_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, at::Tensor&) {}
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
     m.def("selected_rows_fits(int heads, int dim, int value_dim) -> bool", &fits);
@@ -589,3 +594,5 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("attend_selected_rows", &attend_selected_rows); }
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) { m.impl("attend_selected_rows", &attend_selected_rows_meta); }

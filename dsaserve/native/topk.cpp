@@ -96,8 +96,17 @@ void dsaserve::topk_row(const float* x, int64_t n, int64_t k, uint32_t* scratch,
     ::topk_row(x, n, k, scratch, values, indices);
 }
 
+namespace {
+// Meta kernel: the output shapes without computing (meta tensors, tracing).
+std::tuple<at::Tensor, at::Tensor> topk_rows_meta(const at::Tensor& x, int64_t k) {
+  return {at::empty({x.size(0), k}, x.options()), at::empty({x.size(0), k}, x.options().dtype(at::kLong))};
+}
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
     m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("topk_rows", &topk_rows); }
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) { m.impl("topk_rows", &topk_rows_meta); }

@@ -36,7 +36,8 @@ def weight_forms(quantization: str | None, fp8_params: set[str], dtype: torch.dt
     requantized, they take the model dtype's form)."""
     if quantization is not None:
         if quantization not in QUANTIZATION_MODES:
-            raise ValueError(f"quantization={quantization!r} is not supported; use one of {', '.join(QUANTIZATION_MODES)}")
+            raise ValueError(f"quantization={quantization!r} is not supported; "
+                             f"use one of {', '.join(QUANTIZATION_MODES)}")
         if device.type != "cpu":
             raise ValueError(f"quantization={quantization!r}: quantized weights run on CPU so far; drop the flag on "
                              f"{device.type}")
@@ -79,14 +80,3 @@ def pack_weights(model: nn.Module, form_of) -> int:
             setattr(module, name, packed)
             count += 1
     return count
-
-
-def fp8_params(cfg, model_dir: str) -> set[str]:
-    """The model parameters that receive FP8 tensors from this checkpoint (none if it is not FP8)."""
-    from dsaserve.model.glm_moe_dsa import param_of
-    from dsaserve.model.loader import FP8_DTYPES, checkpoint_files, read_tensor_infos
-
-    if (cfg.quantization_config or {}).get("quant_method") != "fp8":
-        return set()
-    infos = read_tensor_infos(checkpoint_files(model_dir))
-    return {param_of(name, cfg.num_hidden_layers) for name, info in infos.items() if info.dtype in FP8_DTYPES}

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from dsaserve.quantization.fp8_blocks import quantize_fp8
+
 KINDS = {"bf16": 0, "fp8": 1, "int8": 2, "int4": 3}
 QUANTIZATION_MODES = ("fp8", "int8", "int4")
 FP8_BLOCK = 128
@@ -32,7 +34,8 @@ def scale_columns(kind: str, k: int, col_offset: int = 0) -> int:
     return (k - 1 + col_offset) // group - col_offset // group + 1
 
 
-def packed_shapes(kind: str, n: int, k: int, col_offset: int = 0) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]:
+def packed_shapes(kind: str, n: int, k: int,
+                  col_offset: int = 0) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]:
     """(shape, dtype) of the packed q, and the shape of the packed scales, for a [n, k] weight."""
     blocks, k2 = -(-n // 16), -(-k // 2)
     q = {"bf16": ((blocks, k2, 32), torch.bfloat16), "fp8": ((blocks, k2, 32), torch.uint8),
@@ -60,11 +63,10 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     return q.to(torch.int8), scale
 
 
-def quantize_fp8_rows(w: torch.Tensor, col_offset: int = 0, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(w: torch.Tensor, col_offset: int = 0,
+                      block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] → (float8 e4m3 bytes [N, K], fp32 scales per row [N, G]) in 128 × 128 blocks, as FP8
     checkpoints ship them; the column blocks start `col_offset` columns before w's first column."""
-    from dsaserve.model.fp8_blocks import quantize_fp8  # importing dsaserve.model loads the model package
-
     padded = torch.cat([w.new_zeros(w.shape[0], col_offset), w], dim=1)
     q, scale_inv = quantize_fp8(padded, (block, block))
     return q[:, col_offset:].contiguous().view(torch.uint8), scale_inv.repeat_interleave(block, 0)[: w.shape[0]]

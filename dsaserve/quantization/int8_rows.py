@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dsaserve.quantization import formats
+from dsaserve.quantization.fp8_blocks import as_float
 
 
 class Int8Rows(nn.Module):
@@ -32,8 +33,6 @@ class Int8Rows(nn.Module):
 
     @torch.no_grad()
     def load_rows(self, first: int, source, expert=None, name: str = "weight") -> None:
-        from dsaserve.model.fp8_blocks import as_float
-
         n, k = source.shape
         if k != self.in_features or first + n > self.out_features:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, which does not fit rows "

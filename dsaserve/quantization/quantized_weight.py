@@ -10,12 +10,11 @@ for FP8 checkpoints read as shipped, from the checkpoint's own bytes and block s
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from dsaserve.model.prepared_calls import PreparedCalls
 from dsaserve.native import torch_ops
+from dsaserve.prepared_calls import PreparedCalls
 from dsaserve.quantization import formats
-from dsaserve.model.fp8_blocks import Fp8Slice, as_float
+from dsaserve.quantization.fp8_blocks import Fp8Slice, as_float
 
 KERNEL_ROWS = 16  # activation rows the native kernel takes; more go to the GEMM
 
@@ -23,6 +22,11 @@ KERNEL_ROWS = 16  # activation rows the native kernel takes; more go to the GEMM
 def operator_args(kind: str, n: int, k: int, col_offset: int) -> tuple[int, int, int, int, int]:
     """(kind code, scale group, col_offset, N, K): what the operators take after the weight and its scales."""
     return formats.KINDS[kind], formats.group_of(kind, k), col_offset, n, k
+
+
+def packed_args(weight) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(packed bytes, scales, operator_args) of a QuantizedWeight or PackedMatrix: what a native call takes for it."""
+    return weight.qweight, weight.scale, list(weight.args)
 
 
 class PackedMatrix:

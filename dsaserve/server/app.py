@@ -21,9 +21,9 @@ from dsaserve.server.chat import admit_chat, chat_full, chat_stream, prepare_cha
 from dsaserve.server.completions import admit_prompts, completion_full, completion_stream, prepare_prompts
 from dsaserve.server.input_checks import check_encodable
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from dsaserve.server.responses_api import ResponsesRequest, ResponseStore
-from dsaserve.server.responses_api import respond as respond_to_responses
-from dsaserve.server.responses import new_id, now
+from dsaserve.server.response_pieces import new_id, now
+from dsaserve.server.responses_endpoint import ResponsesRequest, ResponseStore
+from dsaserve.server.responses_endpoint import respond as respond_to_responses
 from dsaserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,8 @@ class GuardMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                return b"", APIError(408, f"the request body did not arrive within {self.state.config.body_timeout:g} s",
-                                     code="request_timeout")
+                return b"", APIError(408, "the request body did not arrive within "
+                                          f"{self.state.config.body_timeout:g} s", code="request_timeout")
             if message["type"] != "http.request":
                 break
             chunks.append(message.get("body", b""))
@@ -217,8 +217,10 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         request_id = new_id("chatcmpl")
         # Rendering and tokenizing are CPU work: off the event loop, so other streams keep flowing.
         prepared = await asyncio.to_thread(prepare_chat, state, body)
-        admitted = await asyncio.to_thread(admit_chat, state, body, prepared, request_id)  # compiles a grammar; 400s first
-        return await respond(request, body.stream, chat_stream, chat_full, (state, body, request_id, prepared, admitted))
+        # compiles a grammar; 400s first
+        admitted = await asyncio.to_thread(admit_chat, state, body, prepared, request_id)
+        return await respond(request, body.stream, chat_stream, chat_full,
+                             (state, body, request_id, prepared, admitted))
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from dsaserve.chat_template import ChatTemplateError
 from dsaserve.engine.admission import EngineRequest
+from dsaserve.server.input_checks import check_encodable, check_template_kwargs, encode_bounded
 from dsaserve.server.parsers import CONTENT, REASONING, GlmOutputParser
 from dsaserve.server.parsers.glm import CALL_START, THINK_END, THINK_START
-from dsaserve.server.input_checks import check_encodable, check_template_kwargs, encode_bounded
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
-from dsaserve.server.responses import chat_logprobs, continuous_usage, now, sse, stream_error, usage
+from dsaserve.server.response_pieces import chat_logprobs, continuous_usage, now, sse, stream_error, usage
 from dsaserve.server.state import ServerState
 from dsaserve.server.structured_request import forced_tool_constraint, requested_constraint
 from dsaserve.structured_output import ReasoningMarkers, StructuredOutputsParams
@@ -87,10 +87,12 @@ def _reasoning_markers(state: ServerState, reasoning: bool, opened: bool) -> Rea
     end = state.engine.tokenizer.token_to_id(THINK_END)
     if not reasoning or end is None:
         return None
-    return ReasoningMarkers(end, None if opened else state.engine.tokenizer.token_to_id(THINK_START), in_reasoning=opened)
+    return ReasoningMarkers(end, None if opened else state.engine.tokenizer.token_to_id(THINK_START),
+                            in_reasoning=opened)
 
 
-def admit_chat(state: ServerState, req: ChatCompletionRequest, prepared: PreparedChat, request_id: str) -> EngineRequest:
+def admit_chat(state: ServerState, req: ChatCompletionRequest, prepared: PreparedChat,
+               request_id: str) -> EngineRequest:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     return state.admit(request_id, req, prepared.prompt_ids, req.max_completion_tokens or req.max_tokens, "messages",
@@ -171,7 +173,8 @@ async def chat_stream(state: ServerState, req: ChatCompletionRequest, request_id
                     delta["content"] = parsed.content
                 parsed.tool_calls = parsed.tool_calls[: max(0, max_calls(req) - calls_made[c.index])]
                 if parsed.tool_calls:
-                    delta["tool_calls"] = [call.to_openai(calls_made[c.index] + k) for k, call in enumerate(parsed.tool_calls)]
+                    delta["tool_calls"] = [call.to_openai(calls_made[c.index] + k)
+                                           for k, call in enumerate(parsed.tool_calls)]
                     calls_made[c.index] += len(parsed.tool_calls)
                 logprobs = None
                 if req.logprobs and c.logprobs:

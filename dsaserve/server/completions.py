@@ -11,8 +11,15 @@ from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import MAX_N
 from dsaserve.server.input_checks import check_encodable, encode_bounded
 from dsaserve.server.protocol import APIError, CompletionRequest
-from dsaserve.server.responses import (completion_logprobs, continuous_usage, now, prompt_logprobs_json, sse,
-                                       stream_error, usage)
+from dsaserve.server.response_pieces import (
+    completion_logprobs,
+    continuous_usage,
+    now,
+    prompt_logprobs_json,
+    sse,
+    stream_error,
+    usage,
+)
 from dsaserve.server.state import ServerState
 from dsaserve.server.structured_request import requested_constraint
 

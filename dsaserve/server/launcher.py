@@ -16,9 +16,9 @@ from starlette.middleware.cors import CORSMiddleware
 
 from dsaserve.chat_template import ChatTemplate
 from dsaserve.demo import demo_model_dir
-from dsaserve.engine.async_engine import AsyncLLMEngine
+from dsaserve.engine.async_llm_engine import AsyncLLMEngine
 from dsaserve.engine_args import EngineArgs
-from dsaserve.server.app import build_app
+from dsaserve.server.app import GuardMiddleware, build_app
 from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.state import ServerConfig, ServerState
 
@@ -95,8 +95,6 @@ def serve(engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1"
             engine.shutdown()  # aborts whatever is still running
 
     app = build_app(state, lifespan=lifespan)
-    from dsaserve.server.app import GuardMiddleware
-
     # CORS outside the guard: a browser's preflight carries no key, and every answer (errors included)
     # needs the Access-Control-* headers.
     outer = CORSMiddleware(GuardMiddleware(app, state), allow_origins=config.allowed_origins,

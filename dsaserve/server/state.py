@@ -6,14 +6,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from dsaserve.chat_template import ChatTemplate
 from dsaserve.engine.admission import EngineRequest, RequestRejected
-from dsaserve.engine.async_engine import AsyncLLMEngine
+from dsaserve.engine.async_llm_engine import AsyncLLMEngine
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams, SamplingParamsError
-from dsaserve.chat_template import ChatTemplate
 from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.protocol import APIError, SamplingFields
-
 
 # A token's text is at most Tokenizer.max_token_chars; Unicode normalization can merge a few input
 # characters into one (a letter and its combining accent), so the character pre-check allows this many.
@@ -70,7 +69,8 @@ class ServerState:
                            code="context_length_exceeded")
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                                f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {prompt_param}, "
+                                f"requested {len(prompt_ids) + max_tokens} tokens "
+                                f"({len(prompt_ids)} in the {prompt_param}, "
                                 f"{max_tokens} in the completion). Reduce the length of the {prompt_param} or "
                                 f"{max_tokens_param}.", param=max_tokens_param, code="context_length_exceeded")
         top_k = req.top_k if req.top_k not in (None, -1) else 0
@@ -86,7 +86,8 @@ class ServerState:
                 skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
                 **extra,
             )
-            return self.engine.make_request(request_id, prompt_ids, params)  # fixed limits only: safe off the engine thread
+            # fixed limits only: safe off the engine thread
+            return self.engine.make_request(request_id, prompt_ids, params)
         except SamplingParamsError as e:
             raise APIError(400, str(e), param=e.param) from e
         except RequestRejected as e:

@@ -3,24 +3,29 @@
 With one device the engine owns the only worker. With several ranks every rank's process owns one
 (rank 0's lives in the engine process, the driver) and every step they all run the same
 SchedulerOutput, exchanging partial results inside the model's layers; rank 0's output is the one
-the engine uses (engine/executor.py).
+the engine uses (engine/workers/executor.py).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from dsaserve.native import torch_ops
 from dsaserve.attention.context_shard import ContextShard
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
-from dsaserve.engine.kv_cache import KVCache, KVCacheLayout
-from dsaserve.engine.runner import ModelRunner
-from dsaserve.engine.runner_output import ModelRunnerOutput
-from dsaserve.engine.scheduler_output import SchedulerOutput
+from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
+from dsaserve.engine.workers.kv_cache import KVCache, KVCacheLayout
+from dsaserve.engine.workers.model_runner import ModelRunner
+from dsaserve.engine.workers.runner_output import ModelRunnerOutput
 from dsaserve.engine_args import EngineArgs
 from dsaserve.model import load_model
-from dsaserve.quantization.apply import fp8_params, weight_forms
+from dsaserve.model.loader import fp8_params
+from dsaserve.native import torch_ops
+from dsaserve.quantization.apply import weight_forms
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -30,13 +35,14 @@ class Worker:
         self.parallel = parallel or ParallelContext.single()
         self.with_mtp = args.speculative is not None
         page_budget = args.page_budget or max(1, cfg.index_topk // args.block_size)  # the same token budget as top-k
+        torch_ops.configure(args.native_kernels)  # before anything asks which kernels run
+        if device.type == "cpu" and self.parallel.tp.rank == 0:
+            logger.info("native kernels: %s", torch_ops.summary())  # (builds them the first time on this machine)
         forms = weight_forms(args.quantization, fp8_params(cfg, args.model), dtype, device)
         self.model = load_model(cfg, args.model, dtype, device, args.attention_backend, progress=progress,
                                 page_budget=page_budget, with_mtp=self.with_mtp, parallel=self.parallel,
-                                weight_forms=forms)
+                                weight_forms=forms, decode_plan=not args.enforce_eager, huge_pages=args.huge_pages)
         self.with_indexer = self.model.backend.uses_indexer
-        if self.with_indexer and device.type == "cpu":
-            torch_ops.load()  # build (first time on this machine) or load the CPU kernels now, not in a step
         # Bytes per token this rank stores (under DCP, per token it holds: 1/N of a request's tokens).
         self.kv_layout = KVCacheLayout.of(cfg, dtype, args.indexer_cache_dtype, self.with_indexer, self.with_mtp)
         self.kv_cache: KVCache | None = None

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.engine.runner_state import RunnerRequest
+from dsaserve.sampling.sampling_request import SamplingRequest
 from dsaserve.structured_output.request_grammar import apply_grammars
 
 
-def process_logits(logits: torch.Tensor, requests: list[RunnerRequest]) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
     """logits [N, V] fp32, one row per request."""
     if not any(_needs_processing(r) for r in requests):
         return logits
@@ -34,13 +34,13 @@ def process_logits(logits: torch.Tensor, requests: list[RunnerRequest]) -> torch
     return logits
 
 
-def _needs_processing(request: RunnerRequest) -> bool:
+def _needs_processing(request: SamplingRequest) -> bool:
     params = request.params
     return (bool(params.logit_bias) or params.has_penalties or len(request.output_token_ids) < params.min_tokens
             or (request.grammar is not None and request.grammar.constrains_next))
 
 
-def _apply_penalties(row: torch.Tensor, request: RunnerRequest) -> None:
+def _apply_penalties(row: torch.Tensor, request: SamplingRequest) -> None:
     params = request.params
     vocab = row.shape[0]
     if request.output_token_ids:

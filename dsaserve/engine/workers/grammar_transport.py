@@ -1,13 +1,13 @@
-"""Compiled grammars sent to other ranks: xgrammar's CompiledGrammar does not pickle, so it travels as
-its JSON serialization and is restored against the receiving rank's own tokenizer info (xgrammar checks
-that the two tokenizers match)."""
+"""Compiled grammars sent to other ranks inside a step's SchedulerOutput: xgrammar's CompiledGrammar does not
+pickle, so it travels as its JSON serialization (executor.py) and is restored against the receiving rank's own
+tokenizer info (worker_process.py; xgrammar checks that the two tokenizers match)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from dsaserve.engine.scheduler_output import SchedulerOutput
+from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True)

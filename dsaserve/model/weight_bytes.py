@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from dsaserve.config import ModelConfig
+from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
 from dsaserve.quantization.apply import pack_weights
 from dsaserve.quantization.packed import is_packed
 
@@ -13,8 +14,6 @@ from dsaserve.quantization.packed import is_packed
 def resident_bytes(cfg: ModelConfig, form: str | None, dtype: torch.dtype) -> int:
     """Bytes of one rank's weights (no MTP layer) with every projection packed in `form` (fp8, int8, int4,
     bf16; None: float), the other parameters in `dtype` (the router and the indexer's weights_proj fp32)."""
-    from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
-
     with torch.device("meta"):
         model = GlmMoeDsaForCausalLM(cfg)
         if form is not None:

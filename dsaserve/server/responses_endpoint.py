@@ -21,7 +21,7 @@ from pydantic import Field, ValidationError
 from dsaserve.server.chat import PreparedChat, admit_chat, prepare_chat
 from dsaserve.server.parsers import GlmOutputParser
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, Strict
-from dsaserve.server.responses import stream_error
+from dsaserve.server.response_pieces import stream_error
 from dsaserve.server.state import ServerState
 
 STORED_RESPONSES = 1000  # conversations kept for previous_response_id, least recently used dropped
@@ -88,7 +88,8 @@ def to_messages(req: ResponsesRequest, store: ResponseStore) -> list[dict]:
     for k, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role", "user"), "content": _text(item.get("content"), f"input.{k}.content")})
+            messages.append({"role": item.get("role", "user"),
+                             "content": _text(item.get("content"), f"input.{k}.content")})
         elif kind == "function_call":
             messages.append({"role": "assistant", "content": "", "tool_calls": [{
                 "id": item.get("call_id"), "type": "function",

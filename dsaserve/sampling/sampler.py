@@ -51,12 +51,14 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if any(m > 0 for m in min_p):
         probs = logits.softmax(-1)
-        threshold = torch.tensor(min_p, dtype=probs.dtype, device=logits.device)[:, None] * probs.max(-1, keepdim=True).values
+        threshold = (torch.tensor(min_p, dtype=probs.dtype, device=logits.device)[:, None]
+                     * probs.max(-1, keepdim=True).values)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits [N, V] fp32 → token ids [N] int64."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -1,9 +1,10 @@
 """ModelRunner: one step of the model on a SchedulerOutput, sampled into a ModelRunnerOutput.
 
 It owns the batch metadata, the logits processors and the sampler, and knows requests only by id: no
-scheduler or block-manager state, so the same runner can run on every rank of a parallel executor.
-With speculative decoding it verifies each request's drafts (rejection_sampler.py), commits a list
-of tokens per request, and drafts the next ones with the MTP layer (mtp_drafter.py).
+scheduler or KV-cache-manager state, so the same runner can run on every rank of a parallel executor.
+With speculative decoding it verifies each request's drafts (engine/speculative/rejection_sampler.py),
+commits a list of tokens per request, and drafts the next ones with the MTP layer
+(engine/speculative/mtp_drafter.py).
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 import torch
 
 from dsaserve.attention.metadata import BatchMetadata
-from dsaserve.engine.kv_cache import KVCache
-from dsaserve.engine.isolated_sampling import sample_isolated
-from dsaserve.engine.mtp_drafter import DraftInput, propose
-from dsaserve.engine.rejection_sampler import verify_drafts
-from dsaserve.engine.runner_output import ModelRunnerOutput, TokenLogprobs
-from dsaserve.engine.runner_state import RunnerRequest
-from dsaserve.engine.sampler import TopLogprobs, top_logprobs
-from dsaserve.engine.scheduler_output import SchedulerOutput
+from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
+from dsaserve.engine.speculative.mtp_drafter import DraftInput, propose
+from dsaserve.engine.speculative.rejection_sampler import verify_drafts
+from dsaserve.engine.workers.kv_cache import KVCache
+from dsaserve.engine.workers.runner_output import ModelRunnerOutput, TokenLogprobs
+from dsaserve.engine.workers.runner_state import RunnerRequest
+from dsaserve.sampling.isolated_sampling import sample_isolated
+from dsaserve.sampling.sampler import TopLogprobs, top_logprobs
+
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, device: torch.device, seed: int = 0, share_draft_index: bool = False):
@@ -51,7 +53,8 @@ class ModelRunner:
                 last = min(s.num_computed_tokens + n, len(state.prompt_token_ids) - 1)
                 if last > first:
                     prompt_rows[s.request_id] = (first, range(len(logits_rows), len(logits_rows) + last - first))
-                    logits_rows.extend(range(offset + first - s.num_computed_tokens, offset + last - s.num_computed_tokens))
+                    logits_rows.extend(range(offset + first - s.num_computed_tokens,
+                                             offset + last - s.num_computed_tokens))
             if s.sample and state.error:
                 output.errors[s.request_id] = state.error
             elif s.sample:  # the last known token's row, then one row per draft
@@ -69,7 +72,8 @@ class ModelRunner:
         hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
         logits = self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices]))
         for request_id, (first, rows) in prompt_rows.items():
-            output.prompt_logprobs[request_id] = self._prompt_logprobs(self.requests[request_id], first, logits[list(rows)])
+            output.prompt_logprobs[request_id] = self._prompt_logprobs(self.requests[request_id], first,
+                                                                       logits[list(rows)])
         plain = [(r, rows[0]) for r, rows in zip(sample_ids, sample_rows) if len(rows) == 1]
         if plain:
             self._sample([r for r, _ in plain], logits[[row for _, row in plain]], output)

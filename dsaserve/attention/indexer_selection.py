@@ -100,7 +100,8 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
         int8 = key_cache.int8_groups is not None
         return torch.ops.dsaserve.decode_selection.default(
             q.contiguous(), weights.contiguous(), key_cache.int8_groups if int8 else key_cache.groups,
-            meta.block_tables, meta.seq_lens_host, width, chunk_blocks, window_blocks, key_cache.scale if int8 else None)
+            meta.block_tables, meta.seq_lens_host, width, chunk_blocks, window_blocks,
+            key_cache.scale if int8 else None)
     out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
     scratch = None
     for i in range(meta.num_reqs):
@@ -163,7 +164,7 @@ def select_sharded(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKey
 def score_dtype(q: torch.Tensor) -> torch.dtype:
     """The dtype of q·k's inputs: bf16 in bf16 models (fp32 accumulation; faster than fp32 on CPU at a
     top-k recall close to fp32 scoring's, where production DSA kernels score in fp8; measurements in
-    docs/design-notes.md), fp32 otherwise, exactly as the reference computes it. The native kernel
+    docs/architecture.md#measurements), fp32 otherwise, exactly as the reference computes it. The native kernel
     keeps each head's score in fp32 through the relu and head sum; the torch path rounds it to bf16
     first."""
     return torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaserve.model.checkpoint_layout import CheckpointError
+from dsaserve.config import CheckpointError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128
@@ -98,3 +98,13 @@ class Fp8Slice:
 
 def as_float(source) -> torch.Tensor:
     return source.dequantized() if isinstance(source, Fp8Slice) else source
+
+
+def is_fp8_quantizable(name: str) -> bool:
+    """Whether a GLM FP8 checkpoint stores this tensor in FP8: linear projections do; embeddings, lm_head, norms,
+    the router and the indexer's weights_proj stay in their dtype."""
+    if not name.endswith(".weight") or "norm" in name or "embed_tokens" in name or name.startswith("lm_head"):
+        return False
+    if name.endswith("mlp.gate.weight") or "weights_proj" in name or "shared_head" in name:
+        return False
+    return True

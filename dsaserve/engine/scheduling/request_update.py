@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsaserve.engine.runner_output import TokenLogprobs
+from dsaserve.engine.workers.runner_output import TokenLogprobs
 
 
 @dataclass

@@ -14,13 +14,13 @@ import time
 from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_device, resolve_dtype
 from dsaserve.engine.admission import AdmissionLimits, EngineRequest, compile_grammar
-from dsaserve.engine.block_manager import KVCacheManager
-from dsaserve.engine.cache_plan import fit_max_model_len, plan_num_blocks, requested_max_model_len
-from dsaserve.engine.executor import InProcessExecutor, make_executor
 from dsaserve.engine.output_processor import OutputProcessor
-from dsaserve.engine.request import Request, samples_of
-from dsaserve.engine.scheduler import Scheduler, SchedulerConfig
+from dsaserve.engine.scheduling.cache_plan import fit_max_model_len, plan_num_blocks, requested_max_model_len
+from dsaserve.engine.scheduling.kv_cache_manager import KVCacheManager
+from dsaserve.engine.scheduling.request import Request, samples_of
+from dsaserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from dsaserve.engine.stats import EngineStats
+from dsaserve.engine.workers.executor import InProcessExecutor, make_executor
 from dsaserve.engine_args import EngineArgs
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams
@@ -54,7 +54,8 @@ class LLMEngine:
             num_blocks = plan_num_blocks(layout, args.block_size, args.kv_cache_bytes, max_model_len,
                                          args.max_num_seqs, tokens_per_block)
             self.max_model_len = fit_max_model_len(max_model_len, num_blocks * tokens_per_block,
-                                                   layout.bytes_per_token / dcp, explicit=args.max_model_len is not None)
+                                                   layout.bytes_per_token / dcp,
+                                                   explicit=args.max_model_len is not None)
             self.executor.init_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()
@@ -68,7 +69,8 @@ class LLMEngine:
         self.limits = AdmissionLimits(cfg.vocab_size, self.max_model_len, num_blocks, tokens_per_block,
                                       args.enable_chunked_prefill, args.max_num_batched_tokens, cfg.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)  # xgrammar loads on first use
+        # xgrammar loads on first use
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         logger.info(
             "engine ready in %.1fs: %s, %s, backend=%s, %d KV blocks of %d tokens (%.1f MiB%s), prefix caching %s",
             time.perf_counter() - start, self.device, str(self.dtype).removeprefix("torch."), args.attention_backend,

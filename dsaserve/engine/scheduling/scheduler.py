@@ -22,12 +22,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from dsaserve.engine.block_manager import KVCacheManager
-from dsaserve.engine.request import Request, RequestStatus
-from dsaserve.engine.request_update import RequestUpdate
-from dsaserve.engine.runner_output import ModelRunnerOutput
-from dsaserve.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
-from dsaserve.engine.spec_decode_stats import SpecDecodeStats
+from dsaserve.engine.scheduling.kv_cache_manager import KVCacheManager
+from dsaserve.engine.scheduling.request import Request, RequestStatus
+from dsaserve.engine.scheduling.request_update import RequestUpdate
+from dsaserve.engine.scheduling.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from dsaserve.engine.speculative.spec_decode_stats import SpecDecodeStats
+from dsaserve.engine.workers.runner_output import ModelRunnerOutput
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,8 @@ class Scheduler:
 
     # ---- after the step --------------------------------------------------------------------------
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = []
         for s in scheduler_output.scheduled:
             request = self.requests[s.request_id]

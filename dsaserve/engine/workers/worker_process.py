@@ -6,7 +6,7 @@ torchrun. The engine arguments come from the driver (through the rendezvous stor
 resolves the same config, dtype and cache; only the checkpoint directory may differ per node. A
 failure is reported to the driver through the store before the process exits non-zero.
 
-    python -m dsaserve.engine.worker_process --rank R --local-rank L --master-addr A --master-port P
+    python -m dsaserve.engine.workers.worker_process --rank R --local-rank L --master-addr A --master-port P
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ import torch
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed import process_group as pg
+from dsaserve.engine.workers.executor import config_fingerprint, threads_per_rank
+from dsaserve.engine.workers.grammar_transport import GrammarRestorer
+from dsaserve.engine.workers.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +49,13 @@ def watch_parent(parent_pid: int) -> None:
 def run_worker(rank: int, local_rank: int, master_addr: str, master_port: int, model: str | None = None,
                parent_pid: int | None = None, world_size: int | None = None) -> int:
     """Serve as rank `rank` until the driver shuts the ranks down; returns the exit code."""
-    from dsaserve.engine.executor import config_fingerprint, threads_per_rank
-    from dsaserve.engine.worker import Worker
-    from dsaserve.structured_output.transport import GrammarRestorer
-
     # Ctrl-C, and a SIGTERM sent to every process (systemd, torchrun), reach the driver too: it drains the
     # requests, then tells the workers to exit. A worker whose driver is gone exits by itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if parent_pid:
         watch_parent(parent_pid)
-    store = pg.connect_store(master_addr, master_port, False, pg.collective_timeout())
+    store = pg.connect_store(master_addr, master_port, False, pg.STORE_TIMEOUT)
     spec = pg.fetch(store, "spec")
     try:
         args = spec.args if model is None else dataclasses.replace(spec.args, model=model)
@@ -109,7 +108,7 @@ def run_worker(rank: int, local_rank: int, master_addr: str, master_port: int, m
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dsaserve.engine.worker_process")
+    parser = argparse.ArgumentParser(prog="python -m dsaserve.engine.workers.worker_process")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--local-rank", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=None, help="what the launcher expects the world to be")

@@ -14,10 +14,10 @@ import dataclasses
 
 import torch
 
-from dsaserve.engine.isolated_sampling import rows_finite
-from dsaserve.engine.logits_processors import process_logits
-from dsaserve.engine.runner_state import RunnerRequest
-from dsaserve.engine.sampler import apply_filters
+from dsaserve.engine.workers.runner_state import RunnerRequest
+from dsaserve.sampling.isolated_sampling import rows_finite
+from dsaserve.sampling.logits_processors import process_logits
+from dsaserve.sampling.sampler import apply_filters
 
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], state: RunnerRequest, rng: torch.Generator) -> list[int]:
@@ -34,7 +34,8 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], state: RunnerRequest,
             token = int(row.argmax())
         else:
             probs = apply_filters(row, [state.params]).softmax(-1)[0]
-            if draft is not None and float(torch.rand((), generator=generator, device=probs.device)) < float(probs[draft]):
+            if (draft is not None
+                    and float(torch.rand((), generator=generator, device=probs.device)) < float(probs[draft])):
                 token = draft
             else:
                 token = _draw(probs, draft, generator)

@@ -15,6 +15,7 @@ import time
 
 from dsaserve.distributed import process_group as pg
 from dsaserve.distributed.parallel_config import ParallelConfig
+from dsaserve.engine.workers.executor import how_it_ended, start_workers
 
 logger = logging.getLogger(__name__)
 
@@ -30,16 +31,16 @@ def torchrun_overrides() -> dict:
     """Engine arguments fixed by torchrun's environment (world size, nodes, where the ranks meet)."""
     world = int(os.environ["WORLD_SIZE"])
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return {"tensor_parallel_size": world, "nnodes": world // per_node, "node_rank": int(os.environ.get("GROUP_RANK", 0)),
+    return {"tensor_parallel_size": world, "nnodes": world // per_node,
+            "node_rank": int(os.environ.get("GROUP_RANK", 0)),
             "master_addr": os.environ["MASTER_ADDR"], "master_port": int(os.environ["MASTER_PORT"])}
 
 
 def run_node(parallel: ParallelConfig, model: str | None = None) -> int:
     """Start this node's ranks and wait for them; 0 when every one exited cleanly."""
-    from dsaserve.engine.executor import how_it_ended, start_workers
-
     if parallel.node_rank == 0:
-        raise ValueError("node 0 runs the server (`dsaserve serve ... --node-rank 0`); give workers --node-rank 1 or more")
+        raise ValueError("node 0 runs the server (`dsaserve serve ... --node-rank 0`); "
+                         "give workers --node-rank 1 or more")
     ranks = parallel.node_ranks()
     processes = start_workers(ranks, parallel.master_addr, parallel.master_port, parallel.ranks_per_node, model,
                               world_size=parallel.world_size)
@@ -56,7 +57,7 @@ def run_node(parallel: ParallelConfig, model: str | None = None) -> int:
             reported.add(rank)
             try:
                 store = store or pg.connect_store(parallel.master_addr, parallel.master_port, False,
-                                                  pg.collective_timeout())
+                                                  parallel.collective_timeout)
                 if not pg.reported_error(store, rank):  # it died without a word: say how
                     pg.report(store, "error", rank, f"its process {how_it_ended(proc.returncode)}")
             except Exception as e:  # node 0 is gone or unreachable: nobody to tell

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsaserve.engine.logits_processors import process_logits
-from dsaserve.engine.runner_state import RunnerRequest
-from dsaserve.engine.sampler import sample
+from dsaserve.sampling.logits_processors import process_logits
+from dsaserve.sampling.sampler import sample
+from dsaserve.sampling.sampling_request import SamplingRequest
 
 NON_FINITE = "the model produced non-finite logits for this request"
 EDITED_NON_FINITE = ("this request's logits were not finite after its grammar, logit_bias, min_tokens and penalties "
@@ -29,7 +29,7 @@ class SampledRows:
     errors: dict[int, str] = field(default_factory=dict)  # row → why its request fails
 
 
-def sample_isolated(logits: torch.Tensor, states: list[RunnerRequest], rng: torch.Generator) -> SampledRows:
+def sample_isolated(logits: torch.Tensor, states: list[SamplingRequest], rng: torch.Generator) -> SampledRows:
     """logits [N, V] fp32, one row per request in `states`."""
     out = SampledRows()
     finite = rows_finite(logits)
@@ -61,7 +61,7 @@ def rows_finite(logits: torch.Tensor) -> list[bool]:
     return finite
 
 
-def _edit(raw: torch.Tensor, states: list[RunnerRequest], rows: list[int], errors: dict[int, str]) -> torch.Tensor:
+def _edit(raw: torch.Tensor, states: list[SamplingRequest], rows: list[int], errors: dict[int, str]) -> torch.Tensor:
     """raw with each request's edits applied (raw itself when nobody edits); requests whose edits raise
     go to errors (their row is left unedited)."""
     try:
@@ -83,7 +83,7 @@ def _usable(edited: torch.Tensor) -> list[bool]:
             & (edited > float("-inf")).any(dim=-1)).tolist()
 
 
-def _draw(edited: torch.Tensor, states: list[RunnerRequest], keep: list[int], rng: torch.Generator,
+def _draw(edited: torch.Tensor, states: list[SamplingRequest], keep: list[int], rng: torch.Generator,
           errors: dict[int, str], rows: list[int]) -> tuple[list[int], list[int]]:
     """Tokens for edited[keep] (states in that order); returns (the positions in keep that drew, tokens)."""
     generators = [state.generator or rng for state in states]

@@ -1,8 +1,8 @@
 """What the model runner keeps per request between steps: sampling inputs that outlive one step.
 
 The generator, the output history and the grammar matcher stay across preemption (a recomputed request
-continues its seeded draws, its penalties and its grammar where it left off); the state is dropped when the scheduler reports the request
-finished.
+continues its seeded draws, its penalties and its grammar where it left off); the state is dropped when the
+scheduler reports the request finished. RunnerRequest is what dsaserve.sampling reads as a SamplingRequest.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsaserve.engine.scheduler_output import NewRequestData
+from dsaserve.engine.scheduling.scheduler_output import NewRequestData
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.structured_output.request_grammar import RequestGrammar
 

@@ -15,8 +15,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from dsaserve.engine.kv_cache import blocks_needed
-from dsaserve.engine.request import Request
+from dsaserve.engine.scheduling.request import Request
+from dsaserve.engine.workers.kv_cache import blocks_needed
 
 ROOT_KEY = b""  # parent of a request's first block
 

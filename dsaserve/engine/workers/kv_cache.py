@@ -15,6 +15,7 @@ import torch
 from dsaserve.attention.context_shard import ContextShard
 from dsaserve.attention.indexer_cache import IndexerKeyCache, can_pack
 from dsaserve.config import ModelConfig
+from dsaserve.native import index_scores
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,6 @@ def packs_indexer_keys(cfg: ModelConfig, block_size: int, dtype: torch.dtype, de
     """Whether the indexer key caches are kept in a native scoring kernel's layout: where that kernel scores
     this model's indexer (bf16 models on a CPU with AVX-512 BF16; int8 keys also need AVX-512 VNNI) and the
     cache holds plain bf16 keys or int8 ones."""
-    from dsaserve.native import index_scores
-
     fits = index_scores.fits_int8 if indexer_dtype == "int8" else index_scores.fits
     return (device.type == "cpu" and can_pack(indexer_dtype, dtype, block_size, cfg.index_head_dim)
             and fits(cfg.index_n_heads, cfg.index_head_dim))

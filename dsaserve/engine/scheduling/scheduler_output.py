@@ -1,6 +1,6 @@
 """What the scheduler hands the model runner each step: everything the runner needs, nothing it must look up.
 
-The runner holds no scheduler or block-manager state, so this is the whole contract between them (and
+The runner holds no scheduler or KV-cache-manager state, so this is the whole contract between them (and
 what a multi-process executor would send to every rank). A request's fixed facts (prompt, sampling
 parameters, resolved stop ids) travel once, in `new_requests`, the first time it is scheduled; every
 step then names the tokens to compute, where its context starts and its block table.

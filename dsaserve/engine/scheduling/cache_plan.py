@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from dsaserve.engine.kv_cache import KVCacheLayout, blocks_needed
+from dsaserve.engine.workers.kv_cache import KVCacheLayout, blocks_needed
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ response starts), then `stream(request)`; `generate` does both. Requests reach t
 through a queue; only that thread touches the engine's state. By default a background thread steps
 the engine. A server should instead call `run()` on the main thread and put its event loop on another
 thread: torch's OpenMP parallel regions cost more when started from a non-main thread, enough to slow
-whole decode steps (docs/design-notes.md has the numbers). Cancelling or closing the consumer aborts
+whole decode steps (docs/architecture.md#measurements has the numbers). Cancelling or closing the consumer aborts
 the request and frees its blocks. A request whose logits go non-finite ends with finish_reason
 "error"; an exception inside a step fails every running request (the step does not say which one
 broke it) and the loop carries on with the waiting ones and new arrivals. A failed rank of a
@@ -29,9 +29,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from dsaserve.engine.admission import EngineRequest
-from dsaserve.engine.engine import LLMEngine
-from dsaserve.engine.executor import ExecutorFailure
+from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine.stats import EngineStats
+from dsaserve.engine.workers.executor import ExecutorFailure
 from dsaserve.engine_args import EngineArgs
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams
@@ -111,7 +111,8 @@ class AsyncLLMEngine:
         """The engine's admission check (raises RequestRejected); safe on any thread."""
         return self.engine.make_request(request_id, prompt, params)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
         async for out in self.stream(self.make_request(request_id, prompt, params)):
             yield out
 

@@ -3,7 +3,7 @@ ModelRunnerOutput back.
 
 `InProcessExecutor` (one device, the default) calls its worker directly. `DistributedExecutor` runs
 one Worker per rank: rank 0's in this process (the driver), the others in worker processes it starts
-on this node (engine/worker_process.py) or that `dsaserve worker` starts on other nodes. Each step the
+on this node (engine/workers/worker_process.py) or that `dsaserve worker` starts on other nodes. Each step the
 driver broadcasts the SchedulerOutput to every rank, then all ranks run it together. Any failure of a
 rank, in a phase or a step, ends the executor: the error names the rank and the cause.
 """
@@ -27,11 +27,11 @@ import torch
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed import process_group as pg
-from dsaserve.engine.runner_output import ModelRunnerOutput
-from dsaserve.engine.scheduler_output import SchedulerOutput
-from dsaserve.engine.worker import Worker
+from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
+from dsaserve.engine.workers.grammar_transport import grammars_serialized
+from dsaserve.engine.workers.runner_output import ModelRunnerOutput
+from dsaserve.engine.workers.worker import Worker
 from dsaserve.engine_args import EngineArgs
-from dsaserve.structured_output.transport import grammars_serialized
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def free_port(addr: str) -> int:
 
 def worker_command(rank: int, local_rank: int, addr: str, port: int, world_size: int, model: str | None = None
                    ) -> list[str]:
-    command = [sys.executable, "-m", "dsaserve.engine.worker_process", "--rank", str(rank), "--local-rank",
+    command = [sys.executable, "-m", "dsaserve.engine.workers.worker_process", "--rank", str(rank), "--local-rank",
                str(local_rank), "--world-size", str(world_size), "--master-addr", addr, "--master-port", str(port),
                "--parent-pid", str(os.getpid())]
     return command + (["--model", model] if model else [])
@@ -134,8 +134,9 @@ class DistributedExecutor:
         if device.type == "cuda":
             device = torch.device("cuda", 0)  # local rank 0
             torch.cuda.set_device(device)
+        self.dist_timeout = parallel.dist_timeout
         port = parallel.master_port or free_port(parallel.master_addr)
-        self.store = pg.connect_store(parallel.master_addr, port, True, pg.collective_timeout())
+        self.store = pg.connect_store(parallel.master_addr, port, True, parallel.collective_timeout)
         try:
             pg.publish(self.store, "spec", WorkerSpec(args, str(dtype).removeprefix("torch."), device.type,
                                                       config_fingerprint(cfg)))
@@ -145,8 +146,7 @@ class DistributedExecutor:
             threading.Thread(target=self._monitor, name="dsaserve-rank-monitor", daemon=True).start()
             others = range(1, self.world)
             # Every rank must turn up within the collective timeout; loading then takes as long as it takes.
-            pg.wait_for_ranks(self.store, "hello", others, self._dead_rank,
-                              pg.collective_timeout().total_seconds())
+            pg.wait_for_ranks(self.store, "hello", others, self._dead_rank, parallel.dist_timeout)
             parallel_context, self.control = pg.join(self.store, 0, parallel, device.type)
             self.driver = Worker(args, cfg, device, dtype, parallel_context, progress=args.progress)
             pg.wait_for_ranks(self.store, "loaded", others, self._dead_rank)
@@ -194,8 +194,8 @@ class DistributedExecutor:
     def _own_cause(self, error: Exception) -> str:
         if "Timed out" in str(error):  # gloo's words: every rank is alive, one stopped answering
             others = "rank 1" if self.world == 2 else f"ranks 1-{self.world - 1}"
-            return (f"a collective timed out after {pg.collective_timeout().total_seconds():g}s "
-                    f"({pg.TIMEOUT_ENV}) waiting for {others}: one is hung or far slower than rank 0 ({error})")
+            return (f"a collective timed out after {self.dist_timeout:g}s (--dist-timeout) waiting for {others}: "
+                    f"one is hung or far slower than rank 0 ({error})")
         return f"rank 0 failed in a step: {type(error).__name__}: {error}"
 
     def _find_cause(self) -> str | None:

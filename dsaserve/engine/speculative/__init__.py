@@ -1,0 +1,1 @@
+"""Speculative decoding: MTP drafting, verifying drafts by rejection sampling, and their counters."""
