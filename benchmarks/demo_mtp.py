@@ -80,8 +80,8 @@ def main() -> None:
             settings[n]["disable_by_batch_size"] = args.disable_by_batch_size
     # No prefix caching: the rounds repeat the prompts, and every round should prefill them in full.
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llms = {n: LLM(args.model or demo_model_dir(), progress=False, kv_cache_memory="256MiB", enable_prefix_caching=False,
-                   speculative_config=spec) for n, spec in settings.items()}
+    llms = {n: LLM(args.model or demo_model_dir(), progress=False, kv_cache_memory="256MiB",
+                   enable_prefix_caching=False, speculative_config=spec) for n, spec in settings.items()}
     # Per round and batch size, each setting's (tokens, seconds) end to end and in decode. Every group of
     # chats is run by all settings one after the other, so a slow phase of a shared machine hits them all.
     totals = {}
@@ -111,11 +111,12 @@ def main() -> None:
         ratios = sorted(speed(n, b, r) / speed(0, b, r) for r in range(args.rounds))
         whole = statistics.median(speed(n, b, r, False) / speed(0, b, r, False) for r in range(args.rounds))
         return (f"batch {b}: {statistics.median(speed(n, b, r) for r in range(args.rounds)):.1f} decode tok/s "
-                f"({statistics.median(ratios):.2f}x, rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x; end to end {whole:.2f}x)")
+                f"({statistics.median(ratios):.2f}x, rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x; "
+                f"end to end {whole:.2f}x)")
 
     print("no speculation: " + ", ".join(
-        f"batch {b}: {statistics.median(speed(0, b, r) for r in range(args.rounds)):.1f} decode tok/s" for b in batches),
-        flush=True)
+        f"batch {b}: {statistics.median(speed(0, b, r) for r in range(args.rounds)):.1f} decode tok/s"
+        for b in batches), flush=True)
     for n, llm in llms.items():
         if not n:
             continue

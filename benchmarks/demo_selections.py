@@ -87,7 +87,8 @@ def main() -> None:
     lens = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     for name, path in models.items():
         longest = max(lens(args.prefill_lens) + lens(args.decode_lens)) + 64
-        engine_args = EngineArgs(model=path, max_model_len=min(longest, ModelConfig.from_pretrained(path).max_position_embeddings))
+        engine_args = EngineArgs(model=path,
+                                 max_model_len=min(longest, ModelConfig.from_pretrained(path).max_position_embeddings))
         results[name] = run(engine_args, ["dense", "sparse"], lens(args.decode_lens), lens(args.prefill_lens), 8,
                             prompt_source="document")
     print("\nprefill time to first token, s (dense / sparse = speedup):")

@@ -17,8 +17,19 @@ import random
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.demo import demo_model_dir
-from dsaserve.demo.tasks import (CITIES, WEATHER_TOOL, Chat, arithmetic_chat, codes, conversation, distinct_keys,
-                                 document, fact_sentence, question, words_chat)
+from dsaserve.demo.tasks import (
+    CITIES,
+    WEATHER_TOOL,
+    Chat,
+    arithmetic_chat,
+    codes,
+    conversation,
+    distinct_keys,
+    document,
+    fact_sentence,
+    question,
+    words_chat,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 NO_THINKING = {"enable_thinking": False}

@@ -68,7 +68,8 @@ def main() -> None:
     parser.add_argument("--overrides", default="{}", help="demo config fields to change (JSON)")
     parser.add_argument("--shared-embedding", action="store_true", help="demo: embedding rows share one direction")
     parser.add_argument("--attention-losses", default="", help="demo: comma-separated, of previous,lookup")
-    parser.add_argument("--lookup-layer", type=int, default=None, help="demo: the lookup head's layer (default: the trainer's)")
+    parser.add_argument("--lookup-layer", type=int, default=None,
+                        help="demo: the lookup head's layer (default: the trainer's)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.manual_seed(0)

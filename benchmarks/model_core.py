@@ -131,7 +131,8 @@ def main() -> None:
     for r in results:
         print(f"{r['name']:14}{r['dtype']:>10}{r['load_s']:>9.2f}{r['load_peak_rss_gib']:>14.2f}"
               f"{r['decode_ms_per_token_b1']:>13.1f}{r['output_tok_s_b16']:>11.1f}{r['peak_rss_gib']:>10.2f}")
-    print(f"dsaserve / transformers: batch-1 decode {ref['decode_ms_per_token_b1'] / ours['decode_ms_per_token_b1']:.2f}× faster, "
+    print(f"dsaserve / transformers: batch-1 decode "
+          f"{ref['decode_ms_per_token_b1'] / ours['decode_ms_per_token_b1']:.2f}× faster, "
           f"batch-16 throughput {ours['output_tok_s_b16'] / ref['output_tok_s_b16']:.2f}×")
     if args.out:
         with open(args.out, "w") as f:

@@ -33,8 +33,10 @@ def sample_sequences(model_dir: str, count: int, length: int, seed: int) -> list
     llm = LLM(model_dir, dtype="float32", progress=False, max_num_seqs=64)
     g = torch.Generator().manual_seed(seed)
     vocab = llm.engine.config.vocab_size
-    prompts = [{"prompt_token_ids": torch.randint(10, min(vocab, 590), (16,), generator=g).tolist()} for _ in range(count)]
-    params = [SamplingParams(max_tokens=length - 16, temperature=0 if i % 2 == 0 else 1.0, seed=seed + i, ignore_eos=True)
+    prompts = [{"prompt_token_ids": torch.randint(10, min(vocab, 590), (16,), generator=g).tolist()}
+               for _ in range(count)]
+    params = [SamplingParams(max_tokens=length - 16, temperature=0 if i % 2 == 0 else 1.0, seed=seed + i,
+                             ignore_eos=True)
               for i in range(count)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [p["prompt_token_ids"] + o.outputs[0].token_ids for p, o in zip(prompts, outs)]

@@ -11,9 +11,9 @@
   from a paged key cache kept in their kernel's layout: a prefill tile (64 queries × 2,048 keys) and a decode
   query (1 × 32,768 keys); the two kernels take turns.
 - top-k: 64 rows of 16K fp32 scores, k = 2,048, unsorted.
-- AMX tiles (only on a CPU with AMX-BF16 and AMX-INT8): the tile bodies of the selected rows (GLM-5.2's 64 heads, a prefill
-  tile of 64 queries and a decode query, 2,048 rows each) and of the indexer scores (a prefill tile and a decode
-  query, bf16 and int8 keys read in place) against the AVX-512 bodies, taking turns.
+- AMX tiles (only on a CPU with AMX-BF16 and AMX-INT8): the tile bodies of the selected rows (GLM-5.2's 64 heads,
+  a prefill tile of 64 queries and a decode query, 2,048 rows each) and of the indexer scores (a prefill tile and
+  a decode query, bf16 and int8 keys read in place) against the AVX-512 bodies, taking turns.
 Medians of repeated calls; it prints ms per call (µs per query for selected rows).
 """
 
@@ -55,7 +55,8 @@ def bench_selected_rows(g: torch.Generator) -> None:
             attend_own_keys(scaled[a:a + 2], keys.view(2, width, dim), None, out=wide[a:a + 2])
 
     native = median_ms(lambda: selected_rows.attend_selected_rows(q, rows, slots, 0.1, out))
-    print(f"selected rows   native {native * 1e3 / n:7.0f} µs/query   torch {median_ms(torch_path) * 1e3 / n:7.0f} µs/query")
+    print(f"selected rows   native {native * 1e3 / n:7.0f} µs/query   "
+          f"torch {median_ms(torch_path) * 1e3 / n:7.0f} µs/query")
 
 
 def bench_index_scores(g: torch.Generator) -> None:
@@ -113,7 +114,8 @@ def bench_index_scores_int8(g: torch.Generator) -> None:
 def bench_topk(g: torch.Generator) -> None:
     scores = torch.randn(64, 16384, generator=g)
     native = median_ms(lambda: topk_rows(scores, 2048))
-    print(f"top-k           native {native:7.2f} ms         torch {median_ms(lambda: scores.topk(2048, dim=1, sorted=False)):7.2f} ms")
+    print(f"top-k           native {native:7.2f} ms         "
+          f"torch {median_ms(lambda: scores.topk(2048, dim=1, sorted=False)):7.2f} ms")
 
 
 def bench_amx_tiles(g: torch.Generator) -> None:
@@ -138,7 +140,8 @@ def bench_amx_tiles(g: torch.Generator) -> None:
                                 packed=True)
         cache.write(torch.arange(keys), torch.randn(keys, index_dim, generator=g).bfloat16())
         q = torch.randn(t, index_heads, index_dim, generator=g).bfloat16()
-        weights, table, out = torch.rand(t, index_heads, generator=g), torch.randperm(keys // block_size), torch.empty(t, keys)
+        weights, table, out = (torch.rand(t, index_heads, generator=g), torch.randperm(keys // block_size),
+                               torch.empty(t, keys))
         paths[f"indexer scores, {t} x {keys} keys (ms)"] = (
             0, lambda q=q, weights=weights, cache=cache, table=table, keys=keys, out=out:
             index_scores.index_scores_blocks(q, weights, cache.groups, table, keys, out))

@@ -128,7 +128,8 @@ def main() -> None:
     llms = {b: LLM(model, attention_backend=b, max_model_len=limit, progress=False, kv_cache_memory="2GiB",
                    indexer_cache_dtype=args.indexer_cache_dtype) for b in backends}
     template = ChatTemplate(next(iter(llms.values())).tokenizer.chat_template)
-    results = {"accuracy": {b: {} for b in backends}, "recall": {}, "recall_by_layer": {}, "prompt_tokens": {}, "seconds": {}}
+    results = {"accuracy": {b: {} for b in backends}, "recall": {}, "recall_by_layer": {}, "prompt_tokens": {},
+               "seconds": {}}
     for length in lengths:
         docs = build_documents(next(iter(llms.values())).tokenizer, length, args.docs, args.questions)
         prompts, expected, keys, codes = [], [], [], []

@@ -51,7 +51,6 @@ def measure(path: str, prefix_caching: bool) -> dict:
 
 def main() -> None:
     import torch
-
     from model_core import checkpoint_dir
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -62,7 +61,8 @@ def main() -> None:
     for r in (on, off):
         print(f"{'on' if r['prefix_caching'] else 'off':<16}{r['hit_tokens_per_request']:>16}"
               f"{r['batch_ttft_s']:>14.2f}{r['total_s']:>10.2f}")
-    print(f"speed-up: TTFT {off['batch_ttft_s'] / on['batch_ttft_s']:.1f}×, total {off['total_s'] / on['total_s']:.1f}×")
+    print(f"speed-up: TTFT {off['batch_ttft_s'] / on['batch_ttft_s']:.1f}×, "
+          f"total {off['total_s'] / on['total_s']:.1f}×")
 
 
 if __name__ == "__main__":

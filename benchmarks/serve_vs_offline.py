@@ -68,7 +68,6 @@ def server_load(path: str, port: int = 8765) -> dict:
 
 def main() -> None:
     import torch
-
     from model_core import checkpoint_dir
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -80,7 +79,8 @@ def main() -> None:
     print(f"dsaserve serve:       {served['output_tokens_per_s']:.1f} output tok/s "
           f"({served['completed']} completed, {served['errors']} errors)")
     for name in ("ttft_ms", "tpot_ms", "itl_ms"):
-        print(f"  {name}: p50 {served[name + '_p50']:.1f}  p90 {served[name + '_p90']:.1f}  p99 {served[name + '_p99']:.1f}")
+        print(f"  {name}: p50 {served[name + '_p50']:.1f}  p90 {served[name + '_p90']:.1f}  "
+              f"p99 {served[name + '_p99']:.1f}")
     print(f"server / offline throughput: {served['output_tokens_per_s'] / offline:.1%}")
 
 

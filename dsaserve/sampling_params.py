@@ -47,7 +47,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
-        self._check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n={self.n!r} must be between 1 and {MAX_N}")
+        self._check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n",
+                    f"n={self.n!r} must be between 1 and {MAX_N}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -48,5 +48,6 @@ class SpeculativeConfig:
         limit = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size={limit!r} must be a positive integer "
-                             "(speculation pauses in steps with at least that many running sequences), or null to never pause")
+                             "(speculation pauses in steps with at least that many running sequences), "
+                             "or null to never pause")
         return cls(method, n, limit)

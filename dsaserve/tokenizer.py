@@ -13,7 +13,8 @@ class Tokenizer:
     def __init__(self, model_dir: str):
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no tokenizer.json in {model_dir!r}; dsaserve needs the checkpoint's fast tokenizer")
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir!r}; "
+                                    "dsaserve needs the checkpoint's fast tokenizer")
         self._tok = FastTokenizer.from_file(path)
         config = {}
         config_path = os.path.join(model_dir, "tokenizer_config.json")

@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from server_process import ServerProcess
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")

@@ -6,15 +6,16 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REFERENCE_CONFIG
 from safetensors.torch import load_file, save_file
 
-from conftest import REFERENCE_CONFIG
 from dsaserve import LLM, SamplingParams
 from dsaserve.demo import RANDOM_DEMO_VERSION
 
 
 def run(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "dsaserve", *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "dsaserve", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
 
 
 def test_doctor_on_config_only_glm52(tmp_path):
@@ -65,7 +66,8 @@ def test_generate_reports_bad_arguments(tiny_checkpoint):
 
 
 def test_demo_model_generates_without_a_checkpoint():
-    result = run("generate", "--prompt", "[gMASK]<sop><|user|>\nRepeat after me: pine river lotus comet<|assistant|></think>",
+    result = run("generate", "--prompt",
+                 "[gMASK]<sop><|user|>\nRepeat after me: pine river lotus comet<|assistant|></think>",
                  "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "pine river lotus comet\n"
@@ -83,7 +85,6 @@ def test_random_demo_is_built_once_into_the_cache(tmp_path):
 @pytest.mark.parametrize("flags", [[], ["--random"]], ids=["shipped", "random"])
 def test_demo_checkpoint_loads_unchanged_in_the_reference(tmp_path, flags):
     import torch
-
     from reference import dsaserve_forward, load_reference, reference_forward
 
     path = str(tmp_path / "demo")
@@ -137,7 +138,8 @@ def test_engine_args_name_the_bad_value():
 
     for kwargs, field in (({"max_num_seqs": 0}, "max_num_seqs"), ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
                           ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-                          ({"tensor_parallel_size": 2, "decode_context_parallel_size": 3}, "decode_context_parallel_size"),
+                          ({"tensor_parallel_size": 2, "decode_context_parallel_size": 3},
+                           "decode_context_parallel_size"),
                           ({"page_budget": 0}, "page_budget")):
         try:
             EngineArgs(**kwargs)

@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
-
 from conftest import REFERENCE_CONFIG
-from dsaserve.demo.checkpoint_builder import small_config
+
 from dsaserve.config import ConfigError, ModelConfig
+from dsaserve.demo.checkpoint_builder import small_config
 from dsaserve.model.glm_moe_dsa import GlmMoeDsaForCausalLM
 from dsaserve.model.layers import attention_scale, rope_inv_freq
 
@@ -63,16 +63,19 @@ def test_letters_accepted_in_list():
 
 def test_explicit_list_and_pattern_disagreeing_names_first_layer():
     with pytest.raises(ConfigError, match="disagree at layer 2"):
-        ModelConfig.from_dict(small_config(indexer_types=["full", "full", "shared", "shared"], index_topk_pattern="FFFS"))
+        ModelConfig.from_dict(small_config(indexer_types=["full", "full", "shared", "shared"],
+                                           index_topk_pattern="FFFS"))
 
 
 def test_pattern_longer_than_the_list_is_an_error_not_a_crash():
     with pytest.raises(ConfigError, match="disagree at layer 4"):
-        ModelConfig.from_dict(small_config(indexer_types=["full", "full", "shared", "shared"], index_topk_pattern="FFSSF"))
+        ModelConfig.from_dict(small_config(indexer_types=["full", "full", "shared", "shared"],
+                                           index_topk_pattern="FFSSF"))
 
 
 def test_explicit_list_and_pattern_agreeing_is_fine():
-    cfg = ModelConfig.from_dict(small_config(indexer_types=["full", "full", "shared", "shared"], index_topk_pattern="FFSS"))
+    cfg = ModelConfig.from_dict(small_config(indexer_types=["full", "full", "shared", "shared"],
+                                             index_topk_pattern="FFSS"))
     assert cfg.indexer_schedule.pattern == "FFSS"
 
 
@@ -99,7 +102,8 @@ def test_other_model_type_refused_listing_supported():
 
 
 def test_hf_overrides_patch_before_resolution():
-    cfg = ModelConfig.from_dict(glm52(), hf_overrides='{"indexer_types": null, "index_topk_pattern": "' + "F" * 78 + '"}')
+    cfg = ModelConfig.from_dict(glm52(),
+                                hf_overrides='{"indexer_types": null, "index_topk_pattern": "' + "F" * 78 + '"}')
     assert cfg.indexer_schedule.num_full == 78
     assert cfg.indexer_schedule.source == "index_topk_pattern"
     nested = ModelConfig.from_dict(glm52(), hf_overrides={"rope_parameters": {"rope_theta": 1000}})
@@ -150,7 +154,8 @@ def test_missing_config_json_names_the_directory(tmp_path):
 
 def test_model_construction_rejects_shared_layer_without_producer():
     cfg = ModelConfig.from_dict(small_config())
-    object.__setattr__(cfg, "indexer_schedule", cfg.indexer_schedule.__class__(("shared", "full", "full", "full"), "test"))
+    object.__setattr__(cfg, "indexer_schedule",
+                       cfg.indexer_schedule.__class__(("shared", "full", "full", "full"), "test"))
     with torch.device("meta"), pytest.raises(ValueError, match="no full layer before it|there is none"):
         GlmMoeDsaForCausalLM(cfg)
 

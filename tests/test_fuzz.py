@@ -8,7 +8,6 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-
 from server_process import ServerProcess
 
 EXAMPLES = 30  # per route and mode, bounded: the whole fuzz takes well under a minute on 2 cores

@@ -104,7 +104,8 @@ def fake_state(text: str):
     return SimpleNamespace(generate=generate, config=SimpleNamespace(model_name="tiny"))
 
 
-@pytest.mark.parametrize("parallel, expected", [(None, ["Paris", "Rome"]), (True, ["Paris", "Rome"]), (False, ["Paris"])])
+@pytest.mark.parametrize("parallel, expected",
+                         [(None, ["Paris", "Rome"]), (True, ["Paris", "Rome"]), (False, ["Paris"])])
 def test_parallel_tool_calls_false_keeps_the_first_call(parallel, expected):
     from dsaserve.server.chat import PreparedChat, chat_full, chat_stream
     from dsaserve.server.protocol import ChatCompletionRequest

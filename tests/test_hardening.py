@@ -6,7 +6,6 @@ import threading
 
 import httpx
 import pytest
-
 from server_process import ServerProcess
 
 KEY = "clé-🔑-secret"

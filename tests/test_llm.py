@@ -42,7 +42,8 @@ def test_outputs_keep_prompt_order_and_finish_by_length(llm):
 def test_stop_token_ends_generation(llm):
     first = llm.generate("hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop_at = first[3]
-    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0]
     completion = out.outputs[0]
     assert completion.token_ids == first[: first.index(stop_at) + 1]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop_at
@@ -78,14 +79,16 @@ def test_logprobs_and_prompt_logprobs(llm):
         assert entry[token].rank == 1  # greedy picks the most likely token
         assert len(entry) == 3 and sorted(e.rank for e in entry.values()) == [1, 2, 3]
         assert all(e.logprob <= 0 for e in entry.values())
-    assert math.isclose(completion.cumulative_logprob, sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)), rel_tol=1e-5)
+    assert math.isclose(completion.cumulative_logprob,
+                        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)), rel_tol=1e-5)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
     for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
         assert token in entry and len(entry) in (2, 3)
 
 
 def test_prompt_logprobs_equal_across_chunked_prefill(tiny_checkpoint, llm):
-    chunked = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, max_num_batched_tokens=5, progress=False)
+    chunked = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, max_num_batched_tokens=5,
+                  progress=False)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
     text = "the quick brown fox jumps over the lazy dog " * 2
     a = llm.generate(text, params, use_tqdm=False)[0].prompt_logprobs
@@ -100,7 +103,8 @@ def test_seeded_sampling_is_reproducible(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=42, ignore_eos=True)
     a = llm.generate("hello", params, use_tqdm=False)[0].outputs[0].token_ids
     b = llm.generate(["hello", "other prompt"], params, use_tqdm=False)[0].outputs[0].token_ids
-    c = llm.generate("hello", SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=43, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    c = llm.generate("hello", SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=43, ignore_eos=True),
+                     use_tqdm=False)[0].outputs[0].token_ids
     assert a == b and a != c
 
 
@@ -124,7 +128,8 @@ def test_blocks_return_to_the_pool(llm):
 
 def test_max_tokens_none_runs_to_max_model_len(tiny_checkpoint):
     small = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=40, progress=False)
-    out = small.generate(prompt_token_ids=[7] * 30, sampling_params=SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    out = small.generate(prompt_token_ids=[7] * 30, sampling_params=SamplingParams(max_tokens=None, ignore_eos=True),
+                         use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
 
 
@@ -164,13 +169,15 @@ def test_engine_args_validation(tiny_checkpoint):
 
 
 def test_kv_cache_memory_sets_the_pool_size(tiny_checkpoint):
-    small = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, kv_cache_memory="1MiB", progress=False)
+    small = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, kv_cache_memory="1MiB",
+                progress=False)
     cfg = small.engine.config
     per_block = 16 * 4 * (cfg.num_hidden_layers * cfg.kv_cache_dim + len(cfg.full_layers) * cfg.index_head_dim)
     assert small.engine.stats().num_blocks == (1 << 20) // per_block
     assert small.engine.kv_cache.nbytes() == small.engine.stats().num_blocks * per_block
     with pytest.raises(ValueError, match="max_model_len=512 needs 512 tokens of KV cache but the cache holds 32"):
-        LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, kv_cache_memory=per_block * 2, progress=False)
+        LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=512, kv_cache_memory=per_block * 2,
+            progress=False)
     fitted = LLM(tiny_checkpoint, dtype="float32", block_size=16, kv_cache_memory=per_block * 2, progress=False)
     assert fitted.engine.max_model_len == 32  # not given: lowered to what the cache holds
     with pytest.raises(RequestRejected, match="exceeds max_model_len=32"):

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsaserve.demo.checkpoint_builder import quantize_fp8, random_weights
 from dsaserve.config import ModelConfig
+from dsaserve.demo.checkpoint_builder import quantize_fp8, random_weights
 from dsaserve.device import resolve_dtype
-from dsaserve.model.loader import CheckpointError, dequantize_fp8
 from dsaserve.model import load_model
 from dsaserve.model.checkpoint_layout import checkpoint_shapes
+from dsaserve.model.loader import CheckpointError, dequantize_fp8
 
 CPU = torch.device("cpu")
 

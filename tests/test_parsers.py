@@ -68,7 +68,8 @@ def test_several_tool_calls_with_typed_values():
 
 
 def test_schema_decides_strings_versus_json():
-    text = "<tool_call>get_weather<arg_key>zip</arg_key><arg_value>01234</arg_value><arg_key>days</arg_key><arg_value>two</arg_value></tool_call>"
+    text = ("<tool_call>get_weather<arg_key>zip</arg_key><arg_value>01234</arg_value>"
+            "<arg_key>days</arg_key><arg_value>two</arg_value></tool_call>")
     out = parse_whole(text, tool_schemas={"get_weather": WEATHER})
     assert out["tool_calls"] == [("get_weather", {"zip": "01234", "days": "two"})]
     plain = parse_whole(text)  # no schema: JSON when it parses
@@ -101,7 +102,8 @@ SAMPLES = [
     "<tool_call>f<arg_key>x</arg_key><arg_value>1</arg_value></tool_call><tool_call>g</tool_call>",
     "content then <tool_call>unterminated<arg_key>x",
     "<thin",
-    "<think>reason with <tool_call> inside</think><tool_call>h<arg_key>s</arg_key><arg_value>x<y</arg_value></tool_call>",
+    ("<think>reason with <tool_call> inside</think>"
+     "<tool_call>h<arg_key>s</arg_key><arg_value>x<y</arg_value></tool_call>"),
 ]
 
 

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import torch
+from conftest import REFERENCE_CONFIG
 from safetensors.torch import load_file
 
 import dsaserve.model.loader as loader
-from conftest import REFERENCE_CONFIG
 from dsaserve.config import ModelConfig
 from dsaserve.demo.checkpoint_builder import quantize_fp8
 from dsaserve.distributed.communicator import Communicator
@@ -85,7 +85,8 @@ def test_each_rank_reads_only_its_slices(tiny_checkpoint, monkeypatch):
     # Whole experts 4-7 of 8, and none of the others.
     experts = {int(n.split(".")[5]) for n in log.whole | set(log.sliced) if ".experts." in n}
     assert experts == {4, 5, 6, 7}
-    assert torch.equal(params["model.layers.1.mlp.experts_down"][0], full["model.layers.1.mlp.experts.4.down_proj.weight"])
+    assert torch.equal(params["model.layers.1.mlp.experts_down"][0],
+                       full["model.layers.1.mlp.experts.4.down_proj.weight"])
     split = [n for n in full if n.endswith(("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight", "lm_head.weight",
                                             "embed_tokens.weight", "shared_experts.down_proj.weight"))]
     assert split and not log.whole & set(split)  # never read whole and then cut
@@ -119,7 +120,8 @@ def test_doctor_plan_is_what_each_rank_holds(tiny_checkpoint, ranks, expert_para
 
 
 def doctor(*args):
-    return subprocess.run([sys.executable, "-m", "dsaserve", "doctor", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "dsaserve", "doctor", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_doctor_prints_the_glm52_fp8_plan_with_and_without_dcp(tmp_path):

@@ -11,12 +11,12 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from structured_schemas import SCHEMAS
 
 from dsaserve.demo.tokenizer import CHAT_TEMPLATE, GLM_STOP_TOKENS
 from dsaserve.structured_output import ReasoningMarkers
 from dsaserve.structured_output.request_grammar import RequestGrammar, apply_grammars
 from dsaserve.tokenizer import Tokenizer
-from structured_schemas import SCHEMAS
 
 MAX_TOKENS = 400
 GENERATION_PROMPT = "{%- if enable_thinking is defined and not enable_thinking -%}</think>{%- endif -%}"
@@ -69,7 +69,8 @@ async def answer(client: httpx.AsyncClient, body: dict, stream: bool) -> dict:
         r = await client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
-        return {"content": choice["message"]["content"] or "", "reasoning": choice["message"]["reasoning_content"] or "",
+        return {"content": choice["message"]["content"] or "",
+                "reasoning": choice["message"]["reasoning_content"] or "",
                 "finish_reason": choice["finish_reason"], "tool_calls": choice["message"].get("tool_calls") or []}
     out = {"content": "", "reasoning": "", "finish_reason": None, "tool_calls": []}
     async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
@@ -126,12 +127,14 @@ def test_without_the_constraint_the_same_requests_fail_validation(server):
     """So the test above measures the grammar, not a model that happens to write valid JSON."""
     requests = [(chat_body(server, reasoning, seed=i, max_tokens=60), stream) for i, stream, reasoning in CASES]
     answers = run_all(server, requests)
-    valid = [(i, a["content"]) for (i, _, _), a in zip(CASES, answers) if validation_error(a["content"], SCHEMAS[i]) is None]
+    valid = [(i, a["content"]) for (i, _, _), a in zip(CASES, answers)
+             if validation_error(a["content"], SCHEMAS[i]) is None]
     assert valid == []
 
 
 def test_json_object_answers_are_json_objects(server):
-    requests = [(chat_body(server, False, seed=s, response_format={"type": "json_object"}), s % 2 == 0) for s in range(8)]
+    requests = [(chat_body(server, False, seed=s, response_format={"type": "json_object"}), s % 2 == 0)
+                for s in range(8)]
     for a in run_all(server, requests):
         if a["finish_reason"] == "stop":
             assert isinstance(json.loads(a["content"]), dict), a
@@ -170,9 +173,11 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_model(server):
 
 def test_regex_and_choice_hold_on_chat_and_completions(server):
     regex, choices = r"[0-9]{3}-[a-z]{2,5}( [A-Z]{1,6})?", ["yes", "no", "maybe so"]
-    for constraint, check in (({"regex": regex}, lambda t: re.fullmatch(regex, t)), ({"choice": choices}, lambda t: t in choices)):
+    for constraint, check in (({"regex": regex}, lambda t: re.fullmatch(regex, t)),
+                              ({"choice": choices}, lambda t: t in choices)):
         r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": "The answer:", "max_tokens": 40, "n": 8, "seed": 3, "structured_outputs": constraint})
+            "model": "tiny", "prompt": "The answer:", "max_tokens": 40, "n": 8, "seed": 3,
+            "structured_outputs": constraint})
         assert r.status_code == 200, r.text
         texts = [c["text"] for c in r.json()["choices"]]
         assert all(check(t) for t in texts), texts
@@ -198,9 +203,11 @@ TOOLS = [
                                          "hourly": {"type": "boolean"}},
         "required": ["city", "days"]}}},
     {"type": "function", "function": {"name": "lookup", "parameters": {
-        "type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+        "type": "object", "properties": {"ids": {"type": "array",
+                                                 "items": {"type": "integer", "minimum": 0, "maximum": 99},
                                                  "maxItems": 3},
-                                         "filter": {"type": "object", "properties": {"q": {"type": "string", "maxLength": 8}},
+                                         "filter": {"type": "object",
+                                                    "properties": {"q": {"type": "string", "maxLength": 8}},
                                                     "required": ["q"]}},
         "required": ["ids"]}}},
 ]
@@ -251,7 +258,8 @@ def test_forced_call_string_arguments_may_hold_angle_brackets():
 ])
 def test_what_the_grammar_cannot_enforce_is_a_400_naming_it(server, schema, named):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=chat_body(
-        server, False, max_tokens=4, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+        server, False, max_tokens=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "response_format" and named in error["message"], error
@@ -270,7 +278,8 @@ def test_what_the_grammar_cannot_enforce_is_a_400_naming_it(server, schema, name
         "a": {"type": "string", "pattern": "(?<=x)y"}}}}}], "tool_choice": "required"}, "tools"),
 ])
 def test_bad_constraints_are_a_400(server, extra, param):
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=chat_body(server, False, max_tokens=4, **extra))
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json=chat_body(server, False, max_tokens=4, **extra))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
 

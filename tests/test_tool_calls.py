@@ -30,7 +30,8 @@ def state_emitting(text: str, finish: str, pieces: int | None = None):
     async def generate(request):
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1
-            yield RequestOutput("id", None, [1, 2], [CompletionOutput(0, delta, [7], finish_reason=finish if last else None)],
+            yield RequestOutput("id", None, [1, 2],
+                                [CompletionOutput(0, delta, [7], finish_reason=finish if last else None)],
                                 finished=last)
 
     return SimpleNamespace(generate=generate, config=SimpleNamespace(model_name="tiny"))
@@ -38,16 +39,18 @@ def state_emitting(text: str, finish: str, pieces: int | None = None):
 
 def both(text: str, finish: str = "stop", reasoning: bool = False) -> tuple[dict, dict]:
     """(the whole answer's message and finish_reason, the same assembled from the stream)."""
-    args = {"tools": True, "tool_schemas": SCHEMAS, "reasoning": reasoning, "start_in": REASONING if reasoning else "content"}
+    args = {"tools": True, "tool_schemas": SCHEMAS, "reasoning": reasoning,
+            "start_in": REASONING if reasoning else "content"}
     prepared = PreparedChat([1, 2], args)
     fields = {"messages": [{"role": "user", "content": "x"}]}
-    full = asyncio.run(chat_full(state_emitting(text, finish, pieces=1), ChatCompletionRequest(**fields), "id", prepared,
-                                 None))["choices"][0]
+    full = asyncio.run(chat_full(state_emitting(text, finish, pieces=1), ChatCompletionRequest(**fields), "id",
+                                 prepared, None))["choices"][0]
 
     async def collect():
         request = ChatCompletionRequest(**fields, stream=True)
-        return [json.loads(line[6:]) async for line in chat_stream(state_emitting(text, finish), request, "id", prepared,
-                                                                   None) if line.startswith("data: {")]
+        return [json.loads(line[6:])
+                async for line in chat_stream(state_emitting(text, finish), request, "id", prepared, None)
+                if line.startswith("data: {")]
 
     streamed = {"content": "", "reasoning_content": "", "tool_calls": [], "finish_reason": None}
     for chunk in asyncio.run(collect()):
@@ -85,7 +88,8 @@ def test_several_calls_in_one_message_keep_their_order_and_indices():
     text = "Checking." + WEATHER.format(city="Paris") + "\n" + WEATHER.format(city="Rome")
     whole, streamed = both(text)
     for answer in (whole, streamed):
-        assert arguments(answer["tool_calls"]) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+        assert arguments(answer["tool_calls"]) == [("get_weather", {"city": "Paris"}),
+                                                   ("get_weather", {"city": "Rome"})]
         assert answer["content"] == "Checking." and answer["finish_reason"] == "tool_calls"
     assert [c["index"] for c in streamed["tool_calls"]] == [0, 1]
 
@@ -116,7 +120,8 @@ def test_a_call_forced_at_the_end_of_the_context_ends_by_length_without_a_call(s
             "ignore_eos": True}
     def prompt_tokens(words: int) -> int:
         return httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-            **body, "max_tokens": 1, "messages": [{"role": "user", "content": "x " * words}]}).json()["usage"]["prompt_tokens"]
+            **body, "max_tokens": 1,
+            "messages": [{"role": "user", "content": "x " * words}]}).json()["usage"]["prompt_tokens"]
 
     base, per_word = prompt_tokens(0), prompt_tokens(10) - prompt_tokens(0)
     assert per_word % 10 == 0, per_word
@@ -128,8 +133,10 @@ def test_a_call_forced_at_the_end_of_the_context_ends_by_length_without_a_call(s
         assert r.status_code == 200, r.text
         if stream:
             chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-            calls = [c for chunk in chunks for choice in chunk["choices"] for c in choice["delta"].get("tool_calls", [])]
-            finish = [choice["finish_reason"] for chunk in chunks for choice in chunk["choices"] if choice["finish_reason"]]
+            calls = [c for chunk in chunks for choice in chunk["choices"]
+                     for c in choice["delta"].get("tool_calls", [])]
+            finish = [choice["finish_reason"] for chunk in chunks for choice in chunk["choices"]
+                      if choice["finish_reason"]]
         else:
             choice = r.json()["choices"][0]
             calls, finish = choice["message"].get("tool_calls", []), [choice["finish_reason"]]

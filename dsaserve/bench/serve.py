@@ -126,7 +126,8 @@ def add_serve_bench_args(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--request-rate", type=float, default=None, help="requests/s, Poisson arrivals (default: all at once)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s, Poisson arrivals (default: all at once)")
     p.add_argument("--prompt-format", choices=["ids", "text"], default="ids")
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)

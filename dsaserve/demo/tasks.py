@@ -70,7 +70,8 @@ def key_name(rng: random.Random) -> str:
 
 
 def filler_sentence(rng: random.Random) -> str:
-    return f"{rng.choice(FILLER_SUBJECTS)} {rng.choice(FILLER_VERBS)} {rng.choice(FILLER_OBJECTS)} {rng.choice(FILLER_TAILS)}."
+    return (f"{rng.choice(FILLER_SUBJECTS)} {rng.choice(FILLER_VERBS)} "
+            f"{rng.choice(FILLER_OBJECTS)} {rng.choice(FILLER_TAILS)}.")
 
 
 def fact_sentence(key: str, code: str) -> str:

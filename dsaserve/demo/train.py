@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from dsaserve.chat_template import ChatTemplate
 from dsaserve.config import ModelConfig
 from dsaserve.demo.checkpoint_builder import save_checkpoint, save_tokenizer_files, small_config
+from dsaserve.demo.mtp_chain import ChainConfig, chain_loss, load_trainable, mtp_parameters
 from dsaserve.demo.tasks import Chat, conversation, retrieval_chat, short_chat, tokenizer_corpus, words_chat
 from dsaserve.demo.tokenizer import CHAT_TEMPLATE, build_tokenizer, stop_token_ids
-from dsaserve.demo.mtp_chain import ChainConfig, chain_loss, load_trainable, mtp_parameters
 from dsaserve.demo.train_model import ForwardOutput, TrainableGlmMoeDsa
 
 TRAINED_CONFIG = dict(
@@ -71,7 +71,8 @@ class TrainConfig:
     attention_weight: float = 1.0  # the offset and lookup heads' losses (attention_losses, index_pointer_loss)
     copy_steps: int = 500  # an induction warm-up first (copy_batch)
     copy_share: float = 0.05  # then this share of the steps, against 1.0 for the chats
-    mix: tuple[float, float, float, float] = (0.35, 0.2, 0.3, 0.15)  # the chats' shares: recall, retrieval, short, tools
+    # the chats' shares: recall, retrieval, short, tools
+    mix: tuple[float, float, float, float] = (0.35, 0.2, 0.3, 0.15)
     offsets: tuple[int, ...] = (1, 2, 3)  # first-layer heads that read these offsets back (attention_losses)
     index_pointer: bool = True  # the lookup layer's indexer learns the pointed keys too (index_pointer_loss)
     skill_pointers: bool = False  # the short chats' pointers too (skill_pointers; the skills phase turns them on)
@@ -123,7 +124,8 @@ class ChatEncoder:
             rendered = reply
             if j + 1 < len(msgs):  # the next turn opens with that same token, already appended
                 rendered += "<|observation|>" if stop == self.observation else "<|user|>"
-        example = Example(ids, target, code_pointers(ids, target, self.digit_tokens) if chat.kind == "retrieval" else [])
+        example = Example(ids, target,
+                          code_pointers(ids, target, self.digit_tokens) if chat.kind == "retrieval" else [])
         if self.skill_pointers:
             self.point_skills(chat, example)
         return example
@@ -474,7 +476,8 @@ def train_step(model: TrainableGlmMoeDsa, optimizer: torch.optim.Optimizer, para
         parts, out = losses(model, ids, target, sparse, pad, pointer_index(examples) if tc.attention_weight else None,
                             tc.offsets, tc.index_pointer, skills)
         on_attention = sum((v for k, v in parts.items() if k not in ("lm", "kl", "mtp")), torch.zeros(()))
-        loss = parts["lm"] + parts["kl"] + tc.mtp_weight * parts.get("mtp", torch.zeros(())) + tc.attention_weight * on_attention
+        loss = (parts["lm"] + parts["kl"] + tc.mtp_weight * parts.get("mtp", torch.zeros(()))
+                + tc.attention_weight * on_attention)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
@@ -584,7 +587,8 @@ def train_chain(checkpoint: str, cc: ChainConfig | None = None, log=lambda line:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             parts = chain_loss(model, ids, target, pad, cc.draft_steps)
         loss = sum(parts)
-        scale = min(1.0, (step + 1) / cc.warmup) * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(step / cc.steps * torch.pi)).item()))
+        scale = min(1.0, (step + 1) / cc.warmup) * (
+            0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(step / cc.steps * torch.pi)).item()))
         for group in optimizer.param_groups:
             group["lr"] = cc.lr * scale
         optimizer.zero_grad(set_to_none=True)

@@ -81,7 +81,8 @@ class TrainableGlmMoeDsa(nn.Module):
         shapes = checkpoint_shapes(cfg, include_mtp=include_mtp)
         self.names = list(shapes)
         self.weights = nn.ParameterDict({
-            key(n): nn.Parameter(init_weight(n, s, gen, cfg.num_hidden_layers, shared_embedding), requires_grad=not n.endswith("e_score_correction_bias"))
+            key(n): nn.Parameter(init_weight(n, s, gen, cfg.num_hidden_layers, shared_embedding),
+                                 requires_grad=not n.endswith("e_score_correction_bias"))
             for n, s in shapes.items()})
         self.inv_freq, _ = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim)  # the demo uses default rope (no yarn factor)
         self.include_mtp = include_mtp
@@ -171,7 +172,8 @@ class TrainableGlmMoeDsa(nn.Module):
         input h [B, S, hidden] at the positions cos/sin [S, rope / 2] stand for; and q_resid (the indexer's input)."""
         cfg = self.cfg
         b, s, _ = h.shape
-        heads, nope, rope_dim, vdim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        heads, nope, rope_dim, vdim = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                       cfg.v_head_dim)
         q_resid = rms(h @ self.w(f"{p}.q_a_proj.weight").T, self.w(f"{p}.q_a_layernorm.weight"), cfg.rms_norm_eps)
         q = (q_resid @ self.w(f"{p}.q_b_proj.weight").T).view(b, s, heads, nope + rope_dim)
         latent, k_pe = (h @ self.w(f"{p}.kv_a_proj_with_mqa.weight").T).split([cfg.kv_lora_rank, rope_dim], dim=-1)
@@ -195,7 +197,8 @@ class TrainableGlmMoeDsa(nn.Module):
         n, d, rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         q = (q_resid @ self.w(f"{p}.wq_b.weight").T).view(b, s, n, d)
         q = torch.cat([rope(q[..., :rope_dim], cos[:, None], sin[:, None]), q[..., rope_dim:]], dim=-1)
-        k = F.layer_norm(h @ self.w(f"{p}.wk.weight").T, (d,), self.w(f"{p}.k_norm.weight"), self.w(f"{p}.k_norm.bias"), 1e-6)
+        k = F.layer_norm(h @ self.w(f"{p}.wk.weight").T, (d,), self.w(f"{p}.k_norm.weight"),
+                         self.w(f"{p}.k_norm.bias"), 1e-6)
         k = torch.cat([rope(k[..., :rope_dim], cos, sin), k[..., rope_dim:]], dim=-1)
         per_head = torch.matmul(q.transpose(1, 2), k[:, None].transpose(-1, -2)).mul(d**-0.5).relu()  # [B, n, S, T]
         weights = (h @ self.w(f"{p}.weights_proj.weight").T) * n**-0.5  # [B, S, n]

@@ -83,5 +83,6 @@ def index_scores_int8_blocks(q: torch.Tensor, weights: torch.Tensor, groups: tor
     int8 values ki and scales ks as stored, the bf16 queries rounded per query and head to qi · qs (amax / 127).
     Only for shapes `fits_int8` accepts."""
     check_call(q, weights, out, "fits_int8")
-    torch.ops.dsaserve.index_scores_int8_blocks(q.to(torch.bfloat16).contiguous(), weights.to(torch.float32).contiguous(),
+    torch.ops.dsaserve.index_scores_int8_blocks(q.to(torch.bfloat16).contiguous(),
+                                                weights.to(torch.float32).contiguous(),
                                                 groups, scales, blocks.to(torch.int64).contiguous(), keys, out)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from collections.abc import Callable
 
 from dsaserve.engine.stats import EngineStats
 
@@ -50,8 +50,8 @@ class EngineCollector:
     def _spec_decode(self, stats: EngineStats):
         """vLLM's speculative-decoding counters (zero without speculation)."""
         spec = stats.spec_decode
-        yield self._counter("dsaserve:spec_decode_num_drafts", "Verification rounds (one request's drafts in one step).",
-                            spec.num_drafts)
+        yield self._counter("dsaserve:spec_decode_num_drafts",
+                            "Verification rounds (one request's drafts in one step).", spec.num_drafts)
         yield self._counter("dsaserve:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens)
         yield self._counter("dsaserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                             spec.num_accepted_tokens)

@@ -154,7 +154,8 @@ class SamplingFields(Strict):
 
     def check_unsupported(self) -> None:
         if self.structured_outputs is not None and self.structured_outputs.structural_tag is not None:
-            raise APIError(400, "structured_outputs.structural_tag is not supported; use json, regex, choice or grammar",
+            raise APIError(400, "structured_outputs.structural_tag is not supported; "
+                                "use json, regex, choice or grammar",
                            param="structured_outputs.structural_tag")
 
 

@@ -8,7 +8,8 @@ from dsaserve.server.protocol import APIError, SamplingFields
 from dsaserve.structured_output import ReasoningMarkers, StructuredOutputsParams
 
 
-def requested_constraint(req: SamplingFields, reasoning: ReasoningMarkers | None = None) -> StructuredOutputsParams | None:
+def requested_constraint(req: SamplingFields,
+                         reasoning: ReasoningMarkers | None = None) -> StructuredOutputsParams | None:
     fmt, so = req.response_format, req.structured_outputs
     if fmt is not None and fmt.type != "text" and so is not None:
         raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
@@ -28,7 +29,8 @@ def requested_constraint(req: SamplingFields, reasoning: ReasoningMarkers | None
         raise APIError(400, str(e), param="structured_outputs") from None
 
 
-def forced_tool_constraint(schemas: dict[str, dict], named: str | None, parallel: bool) -> StructuredOutputsParams | None:
+def forced_tool_constraint(schemas: dict[str, dict], named: str | None,
+                           parallel: bool) -> StructuredOutputsParams | None:
     """The grammar of the forced call(s); None without xgrammar (the call is then only opened in the prompt)."""
     try:
         import xgrammar

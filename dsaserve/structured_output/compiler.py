@@ -90,7 +90,8 @@ class GrammarCompiler:
         if kind == "regex":
             return compiler.compile_regex(spec.regex)
         if kind == "choice":  # EBNF string literals: JSON escaping is their escaping
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                     for c in spec.choice))
         return compiler.compile_grammar(spec.grammar)
 
     def _xgrammar_compiler(self):

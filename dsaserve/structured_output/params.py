@@ -44,7 +44,8 @@ class StructuredOutputsParams:
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"structured_outputs.{kind} must be a string")
             if value is not None and len(value) > MAX_SPEC_CHARS:
-                raise ValueError(f"structured_outputs.{kind} has {len(value)} characters; give at most {MAX_SPEC_CHARS}")
+                raise ValueError(f"structured_outputs.{kind} has {len(value)} characters; "
+                                 f"give at most {MAX_SPEC_CHARS}")
 
     @property
     def kind(self) -> str:

@@ -37,7 +37,8 @@ def unsupported_feature(schema, path: str = "") -> str | None:
         return f"'$ref' {ref!r} at {where} points outside the schema; only local references ('#/...') are supported"
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt not in KNOWN_FORMATS:
-        return f"'format': {fmt!r} at {where} is not supported by structured output; supported: {', '.join(sorted(KNOWN_FORMATS))}"
+        return (f"'format': {fmt!r} at {where} is not supported by structured output; "
+                f"supported: {', '.join(sorted(KNOWN_FORMATS))}")
     for key, value in _children(schema):
         found = unsupported_feature(value, f"{path}/{key}")
         if found:

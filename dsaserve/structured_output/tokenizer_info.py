@@ -15,5 +15,5 @@ def tokenizer_info(xgrammar, tokenizer, vocab_size: int, eos_token_ids: list[int
         if token_id < vocab_size and token_id not in tokenizer.all_special_ids:
             encoded[token_id] = text
     meta = xgrammar.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend_json())
-    return xgrammar.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=list(eos_token_ids),
-                                  add_prefix_space=meta["add_prefix_space"])
+    return xgrammar.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size,
+                                  stop_token_ids=list(eos_token_ids), add_prefix_space=meta["add_prefix_space"])

@@ -5,4 +5,5 @@ from dsaserve.server.parsers.glm import CONTENT, REASONING, GlmOutputParser, Par
 REASONING_PARSERS = ("glm45", "none")
 TOOL_CALL_PARSERS = ("glm47", "none")
 
-__all__ = ["CONTENT", "REASONING", "REASONING_PARSERS", "TOOL_CALL_PARSERS", "GlmOutputParser", "ParsedDelta", "ToolCall"]
+__all__ = ["CONTENT", "REASONING", "REASONING_PARSERS", "TOOL_CALL_PARSERS", "GlmOutputParser", "ParsedDelta",
+           "ToolCall"]

@@ -41,7 +41,8 @@ def tool_call_grammar(xgrammar, schemas: dict[str, dict], named: str | None, par
     if named is not None:
         root = f'args_{names.index(named)} "\\n"? {_lit(CALL_END)}'
     else:
-        rules.append("call ::= " + " | ".join(f'{_lit(n)} args_{i} "\\n"? {_lit(CALL_END)}' for i, n in enumerate(names)))
+        rules.append("call ::= " + " | ".join(f'{_lit(n)} args_{i} "\\n"? {_lit(CALL_END)}'
+                                              for i, n in enumerate(names)))
         root = f'call ("\\n"? {_lit(CALL_START)} call)*' if parallel else "call"
     return "\n".join([f"root ::= {root}"] + rules)
 
