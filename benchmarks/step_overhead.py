@@ -50,7 +50,7 @@ def direct_layer(model, layer: int, x, cos, sin, meta, cache):
     q = attn.query_binding()
     latents, output = attn.latents_binding(), attn.output_binding()
     mlp = block.mlp
-    route = mlp.gate.binding().native_args()
+    route = mlp.gate.binding().native_args
     experts, expert_tail = routed_expert_args(mlp.experts_gate_up, mlp.experts_down, mlp.shared_experts)
     rows = cache.view(-1, cache.shape[-1])
     slots = next(v for k, v in meta.derived.items() if k[0] == "causal rows").slots.contiguous()
@@ -66,7 +66,7 @@ def direct_layer(model, layer: int, x, cos, sin, meta, cache):
         wide = query.new_empty(query.shape[0], query.shape[1], rows.shape[1])
         out = wide[..., : attn.kv_lora_rank]
         ops.attend_selected_rows.default(query, rows, slots, attn.scale, out)
-        y = ops.mla_output.default(out, *output.native_args())
+        y = ops.mla_output.default(out, *output.native_args)
         h2, x2 = ops.add_rms_norm.default(y, x, post.weight, post.eps)
         weights, ids = ops.moe_route.default(h2, *route)
         moe = torch.empty_like(h2)

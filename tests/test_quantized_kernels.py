@@ -523,12 +523,12 @@ def test_gathered_operator_arguments_follow_the_modules_tensors():
     latent = torch.randn(2, heads, rank, generator=g)
     with torch.inference_mode():
         first = attn.attention_output(latent)
-        gathered = attn.prepared("output", lambda: None).native_args()
+        gathered = attn.prepared("output", lambda: None).native_args
         assert gathered[0] is attn.w_uv.qweight
         attn._apply(lambda t: t.clone())  # new tensor objects, same values
         assert gathered[0] is not attn.w_uv.qweight
         assert torch.equal(attn.attention_output(latent), first)
-        gathered = attn.prepared("output", lambda: None).native_args()
+        gathered = attn.prepared("output", lambda: None).native_args
         assert gathered[0] is attn.w_uv.qweight and gathered[3] is attn.o_proj.weight.qweight
         del attn.w_uv
         attn.w_uv = packed_w_uv(0.6)

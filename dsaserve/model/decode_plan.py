@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -43,7 +43,7 @@ NewRegister = Callable[[], int]
 class BoundCaches:
     """The engine's caches as the native plan holds them (set once: they live as long as the engine)."""
 
-    first: torch.Tensor  # layer 0's latent cache: a list whose first cache is another is another set of caches
+    first: torch.Tensor  # layer 0's latent cache, by which a set of caches is recognised
     count: int
     indexer: list  # per layer its indexer key cache (None: no selection of its own)
     keys_here: set[int] | None  # the layers whose keys the plan writes (packed caches); None: not the plan's dtype
@@ -52,7 +52,7 @@ class BoundCaches:
 @dataclass(frozen=True)
 class Piece:
     """One native operation of a module's forward: `kind` names the plan's native method (add_<kind>), `binding`
-    the arguments fixed at load (a dataclass whose native_args() the method takes after the registers), `reads` and
+    the arguments fixed at load (a dataclass whose native_args the method takes after the registers), `reads` and
     `writes` the registers of its tensor inputs and outputs."""
 
     kind: str
@@ -70,14 +70,13 @@ class DecodePlan:
         self.dtype = dtype
         self.native = torch.classes.dsaserve.DecodePlan()
         for layer, piece in pieces:
-            args = piece.binding.native_args() if piece.binding is not None else ()
+            args = piece.binding.native_args if piece.binding is not None else ()
             getattr(self.native, f"add_{piece.kind}")(layer, list(piece.reads), list(piece.writes), *args)
         self.selects_at = [i for i, (_, p) in enumerate(pieces) if p.kind == "select"]
         self.attends_at = [i for i, (_, p) in enumerate(pieces) if p.kind == "attend"]
         self.attends_natively = dtype == torch.bfloat16 and all(
-            attention_fits(max(layers[layer].self_attn.num_heads, FEW_HEADS_PADDED),
-                           layers[layer].self_attn.kv_lora_rank + layers[layer].self_attn.rope_dim,
-                           piece.binding.value_dim) for layer, piece in pieces if piece.kind == "attend")
+            attention_fits(max(p.binding.heads, FEW_HEADS_PADDED), p.binding.row_width, p.binding.value_dim)
+            for _, p in pieces if p.kind == "attend")
         self.keys_bound = {layer for layer, p in pieces if p.kind == "index_keys"}
         self.queries_bound = all(p.binding.wq is not None for _, p in pieces if p.kind == "select")
         self.backend = layers[0].self_attn.backend
@@ -97,7 +96,7 @@ class DecodePlan:
                 return None
             pieces += [(i, piece) for piece in made]
         dtype = layers[0].input_layernorm.weight.dtype
-        if dtype not in (torch.bfloat16, torch.float32) or any(t.dtype != dtype for t in norm_weights(pieces)):
+        if dtype not in (torch.bfloat16, torch.float32) or any(t.dtype != dtype for t in norm_tensors(pieces)):
             return None
         return cls(layers, pieces, dtype)
 
@@ -238,16 +237,18 @@ def layer_pieces(layer) -> list[Piece] | None:
     return _output_to_register_zero(pieces, output)
 
 
-def _output_to_register_zero(pieces: list[Piece], output: int) -> list[Piece] | None:
-    """The pieces with the layer's output written to register 0 (the next layer's input); None where a later piece
-    still reads register 0."""
-    last = max(i for i, p in enumerate(pieces) if output in p.writes)
-    if any(0 in p.reads for p in pieces[last + 1:]):
+def _output_to_register_zero(pieces: list[Piece], output) -> list[Piece] | None:
+    """The pieces with the layer's output register renamed 0 (the next layer's input) from the piece that writes it
+    on; None where no piece writes it, or a later piece still reads the layer's input."""
+    writers = [i for i, p in enumerate(pieces) if isinstance(output, int) and output in p.writes]
+    if not writers or any(0 in p.reads for p in pieces[writers[-1] + 1:]):
         return None
-    renamed = [Piece(p.kind, p.binding, p.reads, tuple(0 if w == output else w for w in p.writes)) if i == last else p
-               for i, p in enumerate(pieces)]
-    return [Piece(p.kind, p.binding, tuple(0 if r == output else r for r in p.reads), p.writes) if i > last else p
-            for i, p in enumerate(renamed)]
+
+    def renamed(registers: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(0 if r == output else r for r in registers)
+
+    last = writers[-1]
+    return pieces[:last] + [replace(p, reads=renamed(p.reads), writes=renamed(p.writes)) for p in pieces[last:]]
 
 
 class _LeavesTracer(torch.fx.Tracer):
@@ -257,13 +258,10 @@ class _LeavesTracer(torch.fx.Tracer):
         return True
 
 
-def norm_weights(pieces: list[tuple[int, Piece]]) -> list[torch.Tensor]:
-    """The norms' weights the pieces apply to the activations: they must be in the activations' dtype."""
-    found = []
-    for _, piece in pieces:
-        binding = piece.binding
-        for name in ("weight", "q_norm", "norm", "norm_weight"):
-            value = getattr(binding, name, None) if piece.kind != "moe" else None
-            if isinstance(value, torch.Tensor):
-                found.append(value)
-    return found
+# The fields of each kind's binding that hold a norm's tensors: they must be in the activations' dtype.
+NORM_FIELDS = {"rms_norm": ("weight",), "add_rms_norm": ("weight",), "mla_query": ("q_norm",),
+               "latent_rows": ("norm",), "index_keys": ("norm_weight", "norm_bias")}
+
+
+def norm_tensors(pieces: list[tuple[int, Piece]]) -> list[torch.Tensor]:
+    return [getattr(p.binding, name) for _, p in pieces for name in NORM_FIELDS.get(p.kind, ())]

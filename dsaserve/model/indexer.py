@@ -11,6 +11,7 @@ What the scores are and how the top-k is taken from them is the attention layer'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ class IndexKeysBinding:
     eps: float
     interleaved: bool
 
+    @cached_property
     def native_args(self) -> tuple:
         return *packed_args(self.wk), self.norm_weight, self.norm_bias, self.eps, self.interleaved
 
@@ -50,6 +52,7 @@ class SelectionBinding:
     head_dim: int = 0
     interleaved: bool = False
 
+    @cached_property
     def native_args(self) -> tuple:
         wq = packed_args(self.wq) if self.wq is not None else (None, None, [])
         return *wq, self.weights_proj, self.weight_scale, self.heads, self.head_dim, self.interleaved

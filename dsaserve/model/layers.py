@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ class NormBinding:
     weight: torch.Tensor
     eps: float
 
+    @cached_property
     def native_args(self) -> tuple:
         return self.weight, self.eps
 
@@ -83,6 +85,7 @@ class GatedMlpBinding:
     gate_up: QuantizedWeight
     down: QuantizedWeight
 
+    @cached_property
     def native_args(self) -> tuple:
         return *packed_args(self.gate_up), *packed_args(self.down)
 

@@ -13,6 +13,7 @@ every rank. With decode context parallelism the cache holds this rank's share of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -46,6 +47,7 @@ class MlaQueryBinding:
     nope: int
     rope: int
 
+    @cached_property
     def native_args(self) -> tuple:
         return (*packed_args(self.q_a), self.q_norm, self.q_eps, *packed_args(self.q_b), *packed_args(self.w_uk),
                 self.interleaved, self.heads, self.nope, self.rope)
@@ -61,17 +63,22 @@ class LatentRowsBinding:
     eps: float
     interleaved: bool
 
+    @cached_property
     def native_args(self) -> tuple:
         return *packed_args(self.kv), self.norm, self.eps, self.interleaved
 
 
 @dataclass(frozen=True)
 class AttendBinding:
-    """Attention over a step's cache rows (native/selected_rows.cpp): the softmax scale and the latent width."""
+    """Attention over a step's cache rows (native/selected_rows.cpp): the softmax scale and the latent width; the
+    heads and the cache row's width say whether the kernel takes the shape."""
 
     scale: float
     value_dim: int
+    heads: int
+    row_width: int
 
+    @cached_property
     def native_args(self) -> tuple:
         return self.scale, self.value_dim
 
@@ -84,6 +91,7 @@ class MlaOutputBinding:
     o: QuantizedWeight
     comm: object
 
+    @cached_property
     def native_args(self) -> tuple:
         return *packed_args(self.w_uv), *packed_args(self.o)
 
@@ -157,7 +165,8 @@ class MLAAttention(PreparedCalls):
         pieces = [Piece("mla_query", query, (h,), (q, q_resid)), Piece("latent_rows", latents, (h,))]
         if self.selects():
             pieces += self.indexer.decode_pieces(h, q_resid)
-        pieces += [Piece("attend", AttendBinding(self.scale, self.kv_lora_rank), (q,), (latent,)),
+        pieces += [Piece("attend", AttendBinding(self.scale, self.kv_lora_rank, self.num_heads,
+                                                 self.kv_lora_rank + self.rope_dim), (q,), (latent,)),
                    Piece("mla_output", output, (latent,), (attended,))]
         return pieces, (attended, None)  # (the output, the top-k: the plan carries it between layers itself)
 
@@ -171,7 +180,7 @@ class MLAAttention(PreparedCalls):
         if (output is not None and 0 < out_latent.shape[0] <= KERNEL_ROWS
                 and torch_ops.cpu_kernels() == "avx512_bf16"):
             # A few tokens, packed weights: one native call, the same bits as the two products.
-            y = torch.ops.dsaserve.mla_output.default(out_latent, *output.native_args())
+            y = torch.ops.dsaserve.mla_output.default(out_latent, *output.native_args)
             return y if output.comm.size == 1 else output.comm.all_reduce(y)
         out = per_head(out_latent, self.w_uv)  # [T, H, v]
         return self.o_proj(out.reshape(out_latent.shape[0], -1))
@@ -190,9 +199,8 @@ class MLAAttention(PreparedCalls):
         query = self.prepared("query", self.query_binding)
         if (query is not None and 0 < x.shape[0] <= KERNEL_ROWS and torch_ops.cpu_kernels() == "avx512_bf16"
                 and one_operator(x, query.q_norm, cos, sin)):  # a few tokens, packed weights: one call, the same bits
-            q, q_resid = torch.ops.dsaserve.mla_query.default(
-                x, *packed_args(query.q_a), query.q_norm, query.q_eps, *packed_args(query.q_b),
-                *packed_args(query.w_uk), cos, sin, query.interleaved, query.heads, query.nope, query.rope)
+            weights, shape = query.native_args[:11], query.native_args[11:]  # the operator takes cos, sin between
+            q, q_resid = torch.ops.dsaserve.mla_query.default(x, *weights, cos, sin, *shape)
             return q_resid, q
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(x.shape[0], self.num_heads, -1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ class RouterBinding:
     normalize: bool
     scaling: float
 
+    @cached_property
     def native_args(self) -> tuple:
         return self.weight, self.bias, self.top_k, self.n_group, self.topk_group, self.normalize, self.scaling
 
@@ -42,9 +44,10 @@ class MoEBinding:
     experts: GatedMlpBinding  # the stacked experts' gate|up and down
     shared: GatedMlpBinding | None
 
+    @cached_property
     def native_args(self) -> tuple:
-        shared = self.shared.native_args() if self.shared is not None else (None, None, [], None, None, [])
-        return *self.router.native_args(), *self.experts.native_args(), *shared
+        shared = self.shared.native_args if self.shared is not None else (None, None, [], None, None, [])
+        return *self.router.native_args, *self.experts.native_args, *shared
 
 
 class Router(PreparedCalls):
@@ -64,7 +67,7 @@ class Router(PreparedCalls):
         """x [T, hidden] → (weights fp32 [T, top_k], expert ids int64 [T, top_k])."""
         native = self.prepared("route", self.binding)
         if native is not None and x.shape[0] <= KERNEL_ROWS and one_operator(x):  # a few tokens (prefill: the GEMM)
-            return torch.ops.dsaserve.moe_route.default(x, *native.native_args())
+            return torch.ops.dsaserve.moe_route.default(x, *native.native_args)
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (a GEMM: many tokens, or no operators)
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:

@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import subprocess
-import sysconfig
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -80,8 +79,7 @@ def build(library: Path) -> None:
 
 def _compile(source: Path, obj: Path) -> None:
     torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
-    includes = [torch_include, os.path.join(torch_include, "torch", "csrc", "api", "include"),
-                sysconfig.get_paths()["include"]]
+    includes = [torch_include, os.path.join(torch_include, "torch", "csrc", "api", "include")]
     _run([compiler(), *FLAGS, *(f"-isystem{path}" for path in includes), "-c", str(source)], obj)
 
 
