@@ -185,22 +185,19 @@ def test_shared_embedding_gives_every_row_one_common_direction(tokenizer):
     assert means[0] < 0.1 * width and means[1] > 0.5 * width
 
 
-def test_watched_heads_return_the_attention_their_layer_used(tokenizer):
-    from dsaserve.demo.train_model import rms
+def test_watched_heads_return_the_attention_their_layer_used(tokenizer, tmp_path):
+    """The shared layer 1's head, in sparse mode: the reference's attention weights there, top-k mask included."""
+    from reference import load_reference
 
     raw, model = small_trainable(tokenizer)
+    save_checkpoint(str(tmp_path), raw, model.state_dict_for_checkpoint())
     ids = torch.randint(20, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
-    name = "model.layers.0.self_attn"
+    name = "model.layers.1.self_attn"
     with torch.no_grad():
-        out = model(ids, sparse=False, watch_heads=[(name, 1)])
-        angles = torch.arange(24)[:, None].float() * model.inv_freq[None]
-        h = rms(torch.nn.functional.embedding(ids, model.w("model.embed_tokens.weight")),
-                model.w("model.layers.0.input_layernorm.weight"), model.cfg.rms_norm_eps)
-        queries, keys, _, _ = model.project(name, h, angles.cos(), angles.sin())
-        logits = (queries[:, 1] @ keys[:, 1].transpose(-1, -2)) * model.softmax_scale
-        expected = logits.masked_fill(~torch.ones(24, 24, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
-    assert list(out.head_attention) == [(name, 1)]
-    assert torch.allclose(out.head_attention[name, 1], expected, atol=1e-6)
+        out = model(ids, sparse=True, watch_heads=[(name, 1)])
+        expected = load_reference(str(tmp_path))(ids, output_attentions=True).attentions[1][:, 1]
+    assert list(out.head_attention) == [(name, 1)] and (expected == 0).sum() > 2 * (24 * 25 // 2 - 16 * 8)
+    assert torch.allclose(out.head_attention[name, 1], expected, atol=1e-5)
 
 
 def test_attention_losses_vanish_exactly_when_the_heads_attend_where_they_are_told(tokenizer):
@@ -311,8 +308,8 @@ def test_indexer_learns_only_from_its_kl_and_the_model_only_from_the_language_lo
     ids, target = collate([encoder.encode(retrieval_chat(random.Random(1), 6, 3, 2))], raw["pad_token_id"])
     for sparse in (False, True):
         parts, _ = losses(model, ids, target, sparse, raw["pad_token_id"])
-        indexer = [p for n, p in model.weights.items() if "__indexer__" in n]
-        others = [p for n, p in model.weights.items() if "__indexer__" not in n and p.requires_grad]
+        indexer = [p for n, p in model.net.named_parameters() if ".indexer." in n]
+        others = [p for n, p in model.net.named_parameters() if ".indexer." not in n and p.requires_grad]
         kl_grads = torch.autograd.grad(parts["kl"], indexer + others, allow_unused=True)
         assert all(g is not None and g.abs().sum() > 0 for g in kl_grads[: len(indexer)])
         assert all(g is None or g.abs().sum() == 0 for g in kl_grads[len(indexer):])
@@ -402,14 +399,18 @@ def test_the_whole_run_gives_each_later_phase_the_steps_its_own_config_has():
 
 def test_chained_draft_steps_equal_the_layer_run_over_a_rounds_rows(tokenizer):
     """The chain's step k at base j is the MTP layer over the rows a draft round has at that point: step-1
-    rows 0…j, then this base's draft rows, each fed the previous step's output (written from the formulas)."""
+    rows 0…j, then this base's draft rows, each fed the previous step's output (its input written out here)."""
     from dsaserve.demo.mtp_chain import chain_logits
-    from dsaserve.demo.train_model import rms
+    from dsaserve.demo.train_model import TrainingPass
 
     raw, model = small_trainable(tokenizer)
-    cfg, pad, eps = model.cfg, raw["pad_token_id"], model.cfg.rms_norm_eps
+    cfg, pad, eps, net = model.cfg, raw["pad_token_id"], model.cfg.rms_norm_eps, model.net
     ids, _ = collate([ChatEncoder(tokenizer).encode(retrieval_chat(random.Random(8), 2, 3, 1))], pad)
     ids = ids[:, :40]
+
+    def rms(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * model.w(name)
+
     with torch.no_grad():
         ref = model(ids, sparse=False)
         chain = chain_logits(model, ids, ref.final_hidden, pad, 3)
@@ -419,15 +420,14 @@ def test_chained_draft_steps_equal_the_layer_run_over_a_rounds_rows(tokenizer):
 
         def block_input(token: int, prev: torch.Tensor, zero: bool) -> torch.Tensor:
             e = torch.zeros_like(embed[token]) if zero else embed[token]
-            return torch.cat([rms(e, model.w(f"{p}.enorm.weight"), eps),
-                              rms(prev, model.w(f"{p}.hnorm.weight"), eps)]) @ model.w(f"{p}.eh_proj.weight").T
+            return torch.cat([rms(e, f"{p}.enorm.weight"), rms(prev, f"{p}.hnorm.weight")]) @ model.w(
+                f"{p}.eh_proj.weight").T
 
-        def run(rows: list[torch.Tensor]) -> torch.Tensor:
+        def run(rows: list[torch.Tensor]) -> torch.Tensor:  # the block over these rows, causal and dense
             n = len(rows)
-            angles = torch.arange(n)[:, None].float() * model.inv_freq[None]
-            causal = torch.ones(n, n, dtype=torch.bool).tril()
-            out = model.layer(p, torch.stack(rows)[None], angles.cos(), angles.sin(), causal, True, False, [], {}, True)
-            return out[0, -1]
+            batch = TrainingPass.of(torch.zeros(1, n, dtype=torch.long), sparse=False, index=False)
+            cos, sin = net.rotary.cos_sin(batch.positions, torch.float32)
+            return net.mtp.block(torch.stack(rows), cos, sin, batch, None, None, None)[0][-1]
 
         tokens = ids[0].tolist()
         for j in (5, 21, 36):
@@ -436,5 +436,5 @@ def test_chained_draft_steps_equal_the_layer_run_over_a_rounds_rows(tokenizer):
             for k in (2, 3):
                 rows.append(block_input(tokens[j + k], prev, False))
                 prev = run(rows)
-                expected = rms(prev, model.w(f"{p}.shared_head.norm.weight"), eps) @ lm_head.T
+                expected = rms(prev, f"{p}.shared_head.norm.weight") @ lm_head.T
                 assert torch.allclose(chain[k - 1][0, j], expected, atol=1e-4), (j, k)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from dsaserve.config import ModelConfig
-from dsaserve.demo.train_model import TrainableGlmMoeDsa, rms
+from dsaserve.demo.train_model import TrainableGlmMoeDsa, TrainingPass
 
 
 @dataclass
@@ -45,44 +45,19 @@ class ChainConfig:
 
 def chain_logits(model: TrainableGlmMoeDsa, ids: torch.Tensor, h0: torch.Tensor, pad: int, steps: int
                  ) -> list[torch.Tensor]:
-    """The MTP layer's logits [B, S, vocab] at each draft step 1…steps, for every base position."""
-    cfg = model.cfg
-    p = f"model.layers.{cfg.num_hidden_layers}"
+    """The MTP layer's logits [B, S, vocab] at each draft step 1…steps, for every base position: the serving
+    layer (model/mtp.py) run once per step over a TrainingPass that sees the earlier steps' rows."""
+    net = model.net
     b, s = ids.shape
-    pos = torch.arange(s)
-    eps = cfg.rms_norm_eps
-    embed = model.w("model.embed_tokens.weight")
-    visible = torch.ones(s, s, dtype=torch.bool).tril()  # base j sees step-1 keys at positions ≤ j
-    first_keys = first_values = None
-    chain_keys: list[torch.Tensor] = []
-    chain_values: list[torch.Tensor] = []
-    prev, out = h0, []
+    earlier: list[torch.Tensor] = []
+    prev, out = h0.reshape(b * s, -1), []
     for k in range(1, steps + 1):
         fed = torch.cat([ids[:, k:], torch.full((b, k), pad, dtype=ids.dtype)], dim=1)  # t[j + k]
-        e = F.embedding(fed, embed)
-        if k == 1:
-            e = e.masked_fill((pos == 0)[None, :, None], 0.0)  # as serving does at position 0
-        x = model.mtp_input(e, prev)
-        angles = (pos + k - 1)[:, None].float() * model.inv_freq[None]
-        h = rms(x, model.w(f"{p}.input_layernorm.weight"), eps)
-        queries, keys, values, _ = model.project(f"{p}.self_attn", h, angles.cos(), angles.sin())
-        if k == 1:
-            first_keys, first_values = keys, values
-        else:
-            chain_keys.append(keys)
-            chain_values.append(values)
-        scores = torch.matmul(queries, first_keys.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
-        if chain_keys:  # this base's own draft rows, one key per step (the diagonal)
-            own = torch.stack(chain_keys, dim=-2)  # [B, H, S, k - 1, D]
-            scores = torch.cat([scores, (queries[..., None, :] * own).sum(-1)], dim=-1)
-        probs = (scores * model.softmax_scale).softmax(-1)
-        heads_out = torch.matmul(probs[..., :s], first_values)
-        if chain_values:
-            heads_out = heads_out + (probs[..., s:, None] * torch.stack(chain_values, dim=-2)).sum(-2)
-        x = x + model.attention_output(f"{p}.self_attn", heads_out)
-        x = x + model.moe(f"{p}.mlp", rms(x, model.w(f"{p}.post_attention_layernorm.weight"), eps), {})
-        prev = x
-        out.append(model.mtp_head(x))
+        # (the embedding at position 0 is zero, as serving has it: step 1 only)
+        batch = TrainingPass.of(fed, sparse=False, first_position=k - 1, index=False, earlier=list(earlier))
+        prev, _ = net.mtp(net.model.embed_tokens, net.rotary, batch, prev, None, None)
+        earlier += batch.rows
+        out.append(net.mtp.logits(net.lm_head, prev).view(b, s, -1))
     return out
 
 
@@ -107,11 +82,9 @@ def chain_loss(model: TrainableGlmMoeDsa, ids: torch.Tensor, target: torch.Tenso
 
 def mtp_parameters(model: TrainableGlmMoeDsa) -> list[torch.nn.Parameter]:
     """The MTP layer's trainable tensors; the target's are frozen."""
-    prefix = f"model.layers.{model.cfg.num_hidden_layers}."
     chosen = []
-    for name in model.names:
-        param = model.w(name)
-        param.requires_grad_(name.startswith(prefix) and not name.endswith("e_score_correction_bias"))
+    for name, param in model.net.named_parameters():
+        param.requires_grad_(name.startswith("mtp.") and not name.endswith("e_score_correction_bias"))
         if param.requires_grad:
             chosen.append(param)
     return chosen
@@ -122,7 +95,7 @@ def load_trainable(checkpoint: str, seed: int) -> tuple[TrainableGlmMoeDsa, dict
         raw = json.load(f)
     model = TrainableGlmMoeDsa(ModelConfig.from_dict(raw), seed=seed)
     state = load_file(os.path.join(checkpoint, "model.safetensors"))
-    with torch.no_grad():
-        for name in model.names:
-            model.w(name).copy_(state[name].float())
+    load = model.net.weight_loader()
+    for name in model.names:
+        load(name, state[name].float())
     return model, raw

@@ -429,7 +429,7 @@ def balance_routers(model: TrainableGlmMoeDsa, out: ForwardOutput, step_size: fl
     with torch.no_grad():
         for name, counts in out.expert_counts.items():
             load = counts.float()
-            model.w(name).add_(step_size * torch.sign(load.mean() - load))
+            model.net.get_parameter(name).add_(step_size * torch.sign(load.mean() - load))
 
 
 def train(out_dir: str, tc: TrainConfig | None = None, log=lambda line: print(line, flush=True),
@@ -527,9 +527,8 @@ def train_skills(checkpoint: str, sc: SkillsConfig | None = None, log=lambda lin
     sc = sc or SkillsConfig()
     model, raw, tok, rng = start_phase(checkpoint, sc.seed, sc.threads)
     encoder, pad = ChatEncoder(tok, skill_pointers=sc.skill_pointers), raw["pad_token_id"]
-    mtp_prefix = f"model.layers.{model.cfg.num_hidden_layers}."
-    for name in model.names:
-        model.w(name).requires_grad_(not name.startswith(mtp_prefix) and not name.endswith("e_score_correction_bias"))
+    for name, param in model.net.named_parameters():
+        param.requires_grad_(not name.startswith("mtp.") and not name.endswith("e_score_correction_bias"))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=sc.lr, betas=(0.9, 0.95), weight_decay=0.01)
     # Full-length documents (steps=1), no copy batches; the schedule is the main run's over this phase's steps.

@@ -23,6 +23,7 @@ from dsaserve.model.mla import MLAAttention
 from dsaserve.model.moe import MoE
 from dsaserve.model.mtp import MTPLayer, mtp_param_name
 from dsaserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+from dsaserve.model.training_pass import TrainingPass
 from dsaserve.prepared_calls import PreparedCalls
 from dsaserve.quantization.fp8_blocks import as_float
 from dsaserve.quantization.packed import is_packed
@@ -109,6 +110,10 @@ class GlmMoeDsaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward_hidden(self, meta: BatchMetadata, kv_caches: list[torch.Tensor], indexer_caches: dict) -> torch.Tensor:
         """Hidden states of every row [T, hidden], before the final norm."""
+        return self.hidden_states(meta, kv_caches, indexer_caches)
+
+    def hidden_states(self, meta: BatchMetadata | TrainingPass, kv_caches: list, indexer_caches: dict) -> torch.Tensor:
+        """forward_hidden's computation, differentiable: the demo trainer runs it over a TrainingPass (no caches)."""
         x = self.model.embed_tokens(meta.input_ids, self.model.norm.weight.dtype)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
         plan = self.model.prepared("decode plan", self._plan)
@@ -218,6 +223,26 @@ def _load_tensor(params: dict, name: str, tensor, first_expert: int = 0) -> None
         _copy_rows(dst, 0, tensor, name)
     else:
         raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+
+
+def checkpoint_tensor(params: dict[str, torch.Tensor], name: str, num_hidden_layers: int) -> torch.Tensor:
+    """Checkpoint tensor `name` rebuilt from an unpacked, unsplit model's parameters (by name, tied ones
+    included): _load_tensor's inverse, with which the demo trainer writes its checkpoints."""
+    if name.startswith(f"model.layers.{num_hidden_layers}."):
+        name = mtp_param_name(name, num_hidden_layers)
+    if m := _EXPERT.match(name):
+        moe, expert, kind = m.group(1), int(m.group(2)), m.group(3)
+        if kind == "down":
+            return params[f"{moe}.experts_down"][expert]
+        gate, up = params[f"{moe}.experts_gate_up"][expert].chunk(2)
+        return gate if kind == "gate" else up
+    if (m := _GATE_UP.match(name)) and f"{m.group(1)}.gate_up_proj" in params:
+        gate, up = params[f"{m.group(1)}.gate_up_proj"].chunk(2)
+        return gate if m.group(2) == "gate" else up
+    if m := _KV_B.match(name):
+        w_uk, w_uv = params[f"{m.group(1)}.w_uk"], params[f"{m.group(1)}.w_uv"]
+        return torch.cat([w_uk, w_uv], dim=1).reshape(-1, w_uk.shape[-1])
+    return params[name]
 
 
 def _copy_rows(dst, first: int, src, name: str, expert: int | None = None) -> None:

@@ -118,6 +118,18 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.weight_scale
         return self.rope(q, cos, sin), weights
 
+    def dense_scores(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     shape: tuple[int, int]) -> torch.Tensor:
+        """Every query's score of every key of its row in a padded [B, S] batch: [B, S, S], unmasked (training,
+        model/training_pass.py). The scores attention/indexer_selection.py takes from the cache."""
+        b, s = shape
+        keys = self.keys(x, cos, sin).view(b, s, self.head_dim)
+        q, weights = self.queries(x, q_resid, cos, sin)
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2).reshape(b, self.n_heads * s, self.head_dim)
+        per_head = torch.bmm(q, keys.transpose(1, 2)).view(b, self.n_heads, s, s)
+        weights = weights.view(b, s, self.n_heads).transpose(1, 2)[..., None].to(per_head.dtype)  # (bf16 in autocast)
+        return (per_head.relu() * weights).sum(1)
+
     def rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first rope_dim dims, the rest unchanged."""
         if t.shape[0] and cos.shape[1] * 2 == self.rope_dim and one_operator(t, cos, sin):

@@ -67,13 +67,14 @@ def one_operator(*tensors: torch.Tensor) -> bool:
     """Whether the native norm and rotary operators take these: CPU tensors of one dtype, bf16 or fp32,
     with the operators built. They compute what the torch operators below them do, rounding included
     (only the order of the norm's fp32 sum differs); a decode step calls them dozens of times, where
-    each torch operator's own cost outweighs its arithmetic."""
+    each torch operator's own cost outweighs its arithmetic. Not for tensors that need gradients."""
     first = tensors[0]
     dtype = first.dtype
     if not (first.is_cpu and (dtype is torch.bfloat16 or dtype is torch.float32) and torch_ops.load()):
         return False
+    grad = torch.is_grad_enabled()  # the operators have no backward: a training pass takes the torch ones
     for t in tensors:  # (a loop: a generator costs more than the check, dozens of times a step)
-        if t.dtype is not dtype:
+        if t.dtype is not dtype or (grad and t.requires_grad):
             return False
     return True
 

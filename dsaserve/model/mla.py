@@ -28,6 +28,7 @@ from dsaserve.model.indexer import Indexer
 from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale, one_operator
 from dsaserve.model.linear import Linear, linear
 from dsaserve.model.parallel_layers import RowParallelLinear
+from dsaserve.model.training_pass import TrainingPass
 from dsaserve.native import torch_ops
 from dsaserve.prepared_calls import PreparedCalls
 from dsaserve.quantization.quantized_weight import KERNEL_ROWS, PackedMatrix, QuantizedWeight, packed_args
@@ -135,7 +136,10 @@ class MLAAttention(PreparedCalls):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (attention output [T, hidden], top-k produced or reused here). With run_indexer off, a
         full layer attends with prev_topk instead (the MTP layer's later draft steps). decode_pieces() below
-        is this order of operations as native pieces: a change here is made there too."""
+        is this order of operations as native pieces: a change here is made there too. Given a TrainingPass for
+        meta, train_forward runs instead."""
+        if isinstance(meta, TrainingPass):
+            return self.train_forward(x, cos, sin, meta, prev_topk, run_indexer)
         q_resid, query = self.absorbed_query(x, cos, sin)
         self.write_latents(x, cos, sin, meta, kv_cache)
 
@@ -151,6 +155,21 @@ class MLAAttention(PreparedCalls):
             out_latent = attend_context_shard(query, kv_cache, meta, self.scale, self.kv_lora_rank,
                                               topk if self.backend.uses_indexer else None)
         return self.attention_output(out_latent), topk
+
+    def train_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: TrainingPass,
+                      prev_selected: torch.Tensor | None, run_indexer: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward() over a padded training batch (model/training_pass.py): the same query, rows and output, the
+        attention over the batch's own rows; (output, the selection made or reused here: None where dense). The
+        indexer sees its inputs detached, as in DeepSeek-V3.2's training: only its KL loss trains it."""
+        q_resid, query = self.absorbed_query(x, cos, sin)
+        selected = prev_selected
+        if self.selects() and run_indexer and batch.index:
+            scores = self.indexer.dense_scores(x.detach(), q_resid.detach(), cos, sin, batch.shape)
+            selected = batch.select(scores, self.indexer.selection.index_topk)
+        out_latent = batch.attend(f"model.layers.{self.layer_idx}.self_attn", query, self.latent_rows(x, cos, sin),
+                                  self.scale, self.kv_lora_rank, selected)
+        return self.attention_output(out_latent), selected
 
     def decode_pieces(self, reads: tuple[int, ...], new: NewRegister) -> tuple[list[Piece], object] | None:
         """forward()'s operations for a few decode tokens as native pieces, in forward's order (model/decode_plan.py):
@@ -227,9 +246,18 @@ class MLAAttention(PreparedCalls):
             torch.ops.dsaserve.write_latent_rows.default(kv, latents.norm, latents.eps, cos, sin, self.rope_interleave,
                                                          kv_cache.view(-1, kv.shape[-1]), meta.slot_mapping)
             return
-        latent, k_rope = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        row = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rope, cos, sin, self.rope_interleave)], dim=-1)
+        row = self.rows_of(kv, cos, sin)
         kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, meta.rows_to_write(row).to(kv_cache.dtype))
+
+    def latent_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The cache rows of these tokens [T, rank + rope], not written anywhere."""
+        latents = self.prepared("latents", self.latents_binding)
+        return self.rows_of(linear(x, latents.kv, latents.bias), cos, sin)
+
+    def rows_of(self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`[kv_a_layernorm(latent) | rope(k_rope)]` of kv_a_proj_with_mqa's output."""
+        latent, k_rope = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rope, cos, sin, self.rope_interleave)], dim=-1)
 
     def latents_binding(self) -> LatentRowsBinding:
         """kv_a_proj_with_mqa's weight (its packed matrix where packed) and bias, and kv_a_layernorm's weight

@@ -66,7 +66,8 @@ class Router(PreparedCalls):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] → (weights fp32 [T, top_k], expert ids int64 [T, top_k])."""
         native = self.prepared("route", self.binding)
-        if native is not None and x.shape[0] <= KERNEL_ROWS and one_operator(x):  # a few tokens (prefill: the GEMM)
+        trains = torch.is_grad_enabled() and self.weight.requires_grad  # the operator has no backward
+        if native is not None and x.shape[0] <= KERNEL_ROWS and one_operator(x) and not trains:  # (prefill: the GEMM)
             return torch.ops.dsaserve.moe_route.default(x, *native.native_args)
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (a GEMM: many tokens, or no operators)
         choice = scores + self.e_score_correction_bias.float()
