@@ -418,5 +418,5 @@ def test_without_xgrammar_a_constraint_is_refused_saying_what_to_install(engine,
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if not installed
     monkeypatch.setattr(engine.engine, "grammars", GrammarCompiler(engine.tokenizer, 640, [0]))
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
-    with pytest.raises(RequestRejected, match=r"pip install 'dsaserve\[structured\]'"):
+    with pytest.raises(RequestRejected, match=r"pip install 'xgrammar>=0.2.9'"):
         engine.make_request("no-xgrammar", "hi", params)

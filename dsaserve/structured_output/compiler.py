@@ -21,7 +21,7 @@ from dsaserve.structured_output.schema_support import unsupported_feature
 MAX_CACHED_GRAMMARS = 256
 COMPILE_TIMEOUT_S = 20.0
 MAX_JSON_WHITESPACE = 16  # per gap: allows pretty-printing, stops a model padding with whitespace forever
-INSTALL_HINT = "structured output needs the xgrammar package: pip install 'dsaserve[structured]'"
+INSTALL_HINT = "structured output needs the xgrammar package, a dsaserve dependency: pip install 'xgrammar>=0.2.9'"
 
 
 class GrammarError(ValueError):
