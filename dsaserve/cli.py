@@ -8,7 +8,7 @@ import logging
 import sys
 
 from dsaserve.bench import add_bench_args
-from dsaserve.engine_args import EngineArgs
+from dsaserve.engine_args import EngineArgs, parse_bytes
 from dsaserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
@@ -21,6 +21,14 @@ def json_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"{text!r} must be a JSON list of strings")
     return value
+
+
+def size(text: str) -> int:
+    """A CLI size in bytes: a number, or e.g. '64MiB', '1GB'."""
+    try:
+        return parse_bytes(text, field="size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -64,6 +72,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         idle_shutdown=args.idle_shutdown, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+        shutdown_timeout=args.shutdown_timeout, allowed_hosts=args.allowed_hosts,
+        responses_store_max_bytes=args.responses_store_max_bytes, header_timeout=args.header_timeout,
+        max_connections=args.max_connections,
     )
     return serve(EngineArgs.from_cli_args(args, **overrides), config, host=args.host, port=args.port,
                  chat_template=args.chat_template)
@@ -81,11 +92,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from dsaserve.distributed.parallel_config import ParallelConfig
     from dsaserve.doctor import report
-    from dsaserve.engine_args import parse_bytes
 
     parallel = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel, args.decode_context_parallel_size)
     text, ok = report(args.model, hf_overrides=args.hf_overrides, max_model_len=args.max_model_len, parallel=parallel,
-                      device_memory=parse_bytes(args.device_memory), utilization=args.memory_utilization)
+                      device_memory=parse_bytes(args.device_memory, "device_memory"),
+                      utilization=args.memory_utilization)
     print(text)
     return 0 if ok else 1
 
@@ -143,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     srv.add_argument("--idle-shutdown", type=float, default=None, metavar="SECONDS",
                      help="exit cleanly after this long with nothing running, waiting or arriving")
+    srv.add_argument("--shutdown-timeout", type=float, default=600.0, metavar="SECONDS",
+                     help="after SIGTERM, how long running requests may take to finish (new ones get 503); past "
+                          "it they end with an error and the exit code is 3 (default 600)")
+    srv.add_argument("--allowed-hosts", type=json_list, default=None,
+                     help='Host header names answered, a JSON list (default: the loopback names when --host is '
+                          'loopback, any otherwise; ["*"]: any)')
+    srv.add_argument("--responses-store-max-bytes", type=size, default="64MiB", metavar="SIZE",
+                     help="stored /v1/responses conversations (for previous_response_id), at most this much JSON "
+                          "together, oldest dropped first (default 64MiB)")
+    srv.add_argument("--header-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="close a connection that has not sent a request's headers within this long (default 30)")
+    srv.add_argument("--max-connections", type=int, default=1000,
+                     help="open connections at most; one past it is answered 503 and closed (default 1000)")
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion offline")

@@ -20,13 +20,13 @@ from dsaserve.quantization.formats import QUANTIZATION_MODES
 from dsaserve.speculative_config import SpeculativeConfig
 
 
-def parse_bytes(value: int | str | None) -> int | None:
-    """A size as bytes: an int, or a string such as '512MiB', '4GiB', '1.5GB'."""
+def parse_bytes(value: int | str | None, field: str = "kv_cache_memory") -> int | None:
+    """A size as bytes: an int, or a string such as '512MiB', '4GiB', '1.5GB'; `field` names it in the error."""
     if value is None or isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(value), re.IGNORECASE)
     if not m:
-        raise ValueError(f"kv_cache_memory={value!r} is not a size; use bytes or e.g. '512MiB', '4GiB'")
+        raise ValueError(f"{field}={value!r} is not a size; use bytes or e.g. '512MiB', '4GiB'")
     base = 1024 if m.group(3) or not m.group(2) else 1000
     power = " KMGT".index(m.group(2).upper() or " ")
     return int(float(m.group(1)) * base**power)

@@ -21,7 +21,8 @@ def guard(**config) -> tuple[GuardMiddleware, SimpleNamespace, list]:
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
-    state = SimpleNamespace(config=ServerConfig("tiny", **config), in_flight=0, last_activity=0.0, draining=False)
+    state = SimpleNamespace(config=ServerConfig("tiny", **config), in_flight=0, running=0, last_activity=0.0,
+                            draining=False)
     return GuardMiddleware(app, state), state, reached
 
 
@@ -34,6 +35,8 @@ async def call(middleware, path: str, receive) -> tuple[int, dict | None]:
     scope = {"type": "http", "path": path, "method": "POST", "headers": []}
     await middleware(scope, receive, send)
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    if sent[0]["status"] == 503:  # every 503 says when to come back
+        assert (b"retry-after", b"5") in sent[0]["headers"]
     return sent[0]["status"], json.loads(body) if body else None
 
 
@@ -59,7 +62,7 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408():
 
     status, body = asyncio.run(call(middleware, "/v1/completions", never))
     assert status == 408 and body["error"]["code"] == "request_timeout" and not reached
-    assert state.in_flight == 0
+    assert state.in_flight == 0 and state.running == 0
 
 
 def test_rendering_and_tokenizing_run_off_the_event_loop(engine, monkeypatch):

@@ -154,3 +154,19 @@ def test_a_failed_generation_is_an_error_answer_whole_and_in_band_streamed(engin
     last = asyncio.run(events())[-1]
     assert last.startswith("event: error") and "non-finite" in last
     assert not store.items  # a failed response is not kept for previous_response_id
+
+
+def test_the_store_is_bounded_in_bytes_and_drops_the_oldest_first():
+    from dsaserve.server.responses_endpoint import ResponseStore
+
+    store = ResponseStore(size=100, max_bytes=10_000)
+    conversation = [{"role": "user", "content": "x" * 3_000}]
+    for k in range(5):
+        store.put(f"resp_{k}", conversation)
+    assert list(store.items) == ["resp_2", "resp_3", "resp_4"] and store.bytes <= 10_000
+    store.get("resp_2")  # used: now the newest
+    store.put("resp_5", conversation)
+    assert list(store.items) == ["resp_4", "resp_2", "resp_5"]
+    store.put("resp_big", [{"role": "user", "content": "é" * 6_000}])  # 12,000 bytes of UTF-8: never kept
+    assert "resp_big" not in store.items and len(store.items) == 3
+    assert store.bytes == sum(size for _, size in store.items.values())

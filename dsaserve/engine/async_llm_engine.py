@@ -154,6 +154,10 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def end_all(self, error: Exception) -> None:
+        """Abort every request and end each stream with `error` (a server's shutdown deadline)."""
+        self._submit(("end all", error))
+
     def _on_executor_failure(self, cause: str) -> None:
         self.fatal_error = self.fatal_error or cause
         self._wakeup.set()
@@ -228,6 +232,11 @@ class AsyncLLMEngine:
                     stream = self._streams.get(request.request_id)
                     if stream is not None:
                         stream.put(e)
+            elif op[0] == "end all":
+                for request_id in self.engine.unfinished_request_ids():
+                    self.engine.abort_request(request_id)
+                for stream in list(self._streams.values()):
+                    stream.put(op[1])
             else:
                 self.engine.abort_request(op[1])
 

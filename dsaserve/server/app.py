@@ -37,12 +37,14 @@ class ErrorJSONResponse(JSONResponse):
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return ErrorJSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": "5"} if error.status == 503 else None
+    return ErrorJSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class GuardMiddleware:
-    """Counts requests in flight (for idle shutdown); on /v1 refuses new requests while draining and
-    enforces the API key; limits the body's size and the time a client may take to send it."""
+    """Counts requests in flight (for idle shutdown and draining); refuses a Host that is not allowed; on /v1
+    refuses new requests while draining (503, Retry-After) and enforces the API key; limits the body's size and
+    the time a client may take to send it."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -55,24 +57,46 @@ class GuardMiddleware:
         state.in_flight += 1
         state.last_activity = time.monotonic()
         try:
-            error = self._check_draining(scope) or self._check_key(scope)
+            error = self._check_host(scope) or self._check_draining(scope) or self._check_key(scope)
             if error is None:
-                body, error = await self._read_body(scope, receive)
-            if error is not None:
-                return await error_response(error)(scope, receive, send)
-            sent = False
-
-            async def replay():
-                nonlocal sent
-                if not sent:
-                    sent = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()  # later calls wait for the client's disconnect
-
-            await self.app(scope, replay, send)
+                state.running += 1  # (a drain waits for it)
+                try:
+                    body, error = await self._read_body(scope, receive)
+                    if error is None:
+                        return await self._forward(scope, receive, send, body)
+                finally:
+                    state.running -= 1
+            return await error_response(error)(scope, receive, send)
         finally:
             state.in_flight -= 1
             state.last_activity = time.monotonic()
+
+    async def _forward(self, scope, receive, send, body: bytes) -> None:
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls wait for the client's disconnect
+
+        await self.app(scope, replay, send)
+
+    def _check_host(self, scope) -> APIError | None:
+        """The Host header against --allowed-hosts: a page on another origin cannot reach a loopback server by
+        resolving its own name to 127.0.0.1 (DNS rebinding). /health is exempt: probes address a server by its IP,
+        and it tells a page nothing."""
+        allowed = self.state.config.allowed_hosts
+        host = dict(scope["headers"]).get(b"host")
+        if allowed is None or "*" in allowed or host is None or scope["path"] == "/health":
+            return None
+        name = host.decode("latin-1").strip().lower()
+        name = name[1:name.find("]")] if name.startswith("[") else name.rsplit(":", 1)[0] if ":" in name else name
+        if name in allowed:
+            return None
+        return APIError(400, f"Host {name!r} is not allowed; this server answers {', '.join(allowed)} "
+                             "(--allowed-hosts)", param="host", code="invalid_host")
 
     def _check_draining(self, scope) -> APIError | None:
         if self.state.draining and scope["path"].startswith("/v1"):
@@ -84,7 +108,11 @@ class GuardMiddleware:
         key = self.state.config.api_key
         if not key or not scope["path"].startswith("/v1"):
             return None
-        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        sent = [value for name, value in scope["headers"] if name == b"authorization"]
+        if len(sent) > 1:
+            return APIError(400, f"{len(sent)} Authorization headers; send one", param="authorization",
+                            code="invalid_api_key")
+        scheme, _, given = (sent[0] if sent else b"").strip().partition(b" ")
         # The scheme is case-insensitive (RFC 7235); keys compare as UTF-8 bytes, in constant time.
         if hmac.compare_digest(given.strip(), key.encode("utf-8")) and scheme.lower() == b"bearer":
             return None
@@ -153,10 +181,21 @@ def field_path(loc) -> list[str]:
     return path
 
 
+def validation_message(loc: list[str], msg: str) -> str:
+    """pydantic's message with the field's path: a validator that names its own path from the field's parent
+    ("function.parameters.properties.city must be …") gets the rest of the path in front of it."""
+    msg = msg.removeprefix("Value error, ")
+    for k in range(len(loc), 0, -1):
+        own = ".".join(loc[-k:])
+        if msg.startswith(own + ".") or msg.startswith(own + " "):
+            return ".".join(loc[:-k] + [msg])
+    return f"{'.'.join(loc)}: {msg}" if loc else msg
+
+
 def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="dsaserve", lifespan=lifespan)
     app.state.dsaserve = state
-    response_store = ResponseStore()
+    response_store = ResponseStore(max_bytes=state.config.responses_store_max_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -169,8 +208,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         if first.get("type") == "json_invalid":
             return error_response(APIError(400, f"the request body is not valid JSON: {first.get('msg', '')}"))
         param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
-        return error_response(APIError(400, message, param=param))
+        return error_response(APIError(400, validation_message(loc, first.get("msg", "invalid value")), param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, exc: StarletteHTTPException):
@@ -199,6 +237,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/health")
     async def health():
         alive = state.engine.is_running
+        if alive and state.draining:  # in-flight requests finishing, new ones refused: take this one out of rotation
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")

@@ -19,6 +19,7 @@ from dsaserve.demo import demo_model_dir
 from dsaserve.engine.async_llm_engine import AsyncLLMEngine
 from dsaserve.engine_args import EngineArgs
 from dsaserve.server.app import GuardMiddleware, build_app
+from dsaserve.server.connection_limits import limited_protocol
 from dsaserve.server.metrics import ServerMetrics
 from dsaserve.server.state import ServerConfig, ServerState
 
@@ -50,9 +51,27 @@ async def watch_idle(state: ServerState, server: uvicorn.Server, idle: float) ->
             server.should_exit = True
 
 
+async def watch_draining(state: ServerState, server: uvicorn.Server) -> None:
+    """Once draining (a first SIGTERM or SIGINT): ask uvicorn to exit when no request is being answered. Until then
+    the listener stays open and new requests get 503. Past --shutdown-timeout, the requests still running end with
+    an error (a stream: an error event, then [DONE]) and uvicorn exits, closing within CUT_GRACE whatever a client
+    has not read."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+        if not state.draining:
+            continue
+        if state.running == 0:
+            server.should_exit = True
+        elif time.monotonic() > state.cut_at:
+            logger.warning("shutdown timeout (%g s) passed with %d requests running: ending them",
+                           state.config.shutdown_timeout, state.running)
+            state.cut_running()
+            server.should_exit = True
+
+
 class Server(uvicorn.Server):
     """uvicorn on a side thread: the main thread steps the engine (see AsyncLLMEngine) and owns the
-    signal handlers, which ask this server to stop gracefully: in-flight requests finish, new ones get 503."""
+    signal handlers. The first signal drains (watch_draining); a second one stops at once."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
@@ -63,20 +82,31 @@ class Server(uvicorn.Server):
         yield  # signals are handled on the main thread, in serve()
 
     def handle_signal(self, sig, _frame) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C stops waiting for in-flight requests
-        self.state.draining = True
-        self.should_exit = True
+        if self.state.draining:  # a second signal stops waiting for in-flight requests
+            self.force_exit = self.should_exit = True
+            return
+        logger.info("draining: new requests get 503; exiting once the %d running finish (at most %g s)",
+                    self.state.running, self.state.config.shutdown_timeout)
+        self.state.start_draining()
+
+
+LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "::1"]
+CUT_EXIT_CODE = 3  # stopped, but some requests were ended by --shutdown-timeout
+CUT_GRACE = 5.0  # seconds uvicorn waits, once told to exit, for responses still being sent
 
 
 def serve(engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          chat_template: str | None = None, graceful_timeout: float = 30.0) -> int:
-    """config.model_name None: the model's path (or the demo's name); config.api_key None: DSASERVE_API_KEY."""
+          chat_template: str | None = None) -> int:
+    """config.model_name None: the model's path (or the demo's name); config.api_key None: DSASERVE_API_KEY;
+    config.allowed_hosts None: the loopback names when bound to loopback, any otherwise. Returns the exit code: 0,
+    1 when the server did not start or a rank failed, CUT_EXIT_CODE when requests were cut at shutdown."""
     if engine_args.model is None:
         engine_args = dataclasses.replace(engine_args, model=demo_model_dir())
         config = dataclasses.replace(config, model_name=config.model_name or DEMO_MODEL_NAME)
     config = dataclasses.replace(config, model_name=config.model_name or engine_args.model,
                                  api_key=config.api_key or os.environ.get("DSASERVE_API_KEY") or None)
+    if config.allowed_hosts is None and host in LOOPBACK_HOSTS:
+        config = dataclasses.replace(config, allowed_hosts=LOOPBACK_HOSTS)
     idle_shutdown = config.idle_shutdown
     engine = AsyncLLMEngine.from_engine_args(engine_args, start_thread=False)
     state = ServerState(engine, config, load_chat_template(engine, chat_template),
@@ -85,12 +115,16 @@ def serve(engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1"
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        watcher = asyncio.create_task(watch_idle(state, server, idle_shutdown)) if idle_shutdown else None
-        logger.info("dsaserve serving %s on http://%s:%d", config.model_name, host, port)
+        watchers = [asyncio.create_task(watch_draining(state, server))]
+        if idle_shutdown:
+            watchers.append(asyncio.create_task(watch_idle(state, server, idle_shutdown)))
+        logger.info("dsaserve serving %s on http://%s:%d (hosts: %s; stored responses: at most %d bytes)",
+                    config.model_name, host, port, ", ".join(config.allowed_hosts or ["any"]),
+                    config.responses_store_max_bytes)
         try:
             yield
         finally:
-            if watcher:
+            for watcher in watchers:
                 watcher.cancel()
             engine.shutdown()  # aborts whatever is still running
 
@@ -100,8 +134,10 @@ def serve(engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1"
     outer = CORSMiddleware(GuardMiddleware(app, state), allow_origins=config.allowed_origins,
                            allow_methods=config.allowed_methods, allow_headers=config.allowed_headers,
                            allow_credentials=config.allow_credentials)
+    # watch_draining tells uvicorn to exit only once nothing runs, or past --shutdown-timeout: its own wait is short.
     uv_config = uvicorn.Config(outer, host=host, port=port, log_level="info", lifespan="on",
-                               timeout_graceful_shutdown=graceful_timeout, access_log=False)
+                               timeout_graceful_shutdown=CUT_GRACE, access_log=False,
+                               http=limited_protocol(config.header_timeout, config.max_connections))
     server = Server(uv_config, state)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_signal)
@@ -111,7 +147,7 @@ def serve(engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1"
     if engine.fatal_error:  # a rank failed: the requests have their errors; stop serving, exit non-zero
         logger.error("shutting down: %s", engine.fatal_error)
         server.should_exit = True
-        http_thread.join(graceful_timeout + 5)
+        http_thread.join(CUT_GRACE + 5)
         return 1
     http_thread.join()
-    return 0 if server.started else 1
+    return (CUT_EXIT_CODE if state.cut else 0) if server.started else 1

@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dsaserve.structured_output.schema_support import misshapen
+
 MAX_LOGPROBS = 20
 
 
@@ -44,8 +46,8 @@ class FunctionDefinition(Strict):
         if value is not None:
             if value.get("type", "object") != "object":
                 raise ValueError("function.parameters must be a JSON schema of type 'object'")
-            if not isinstance(value.get("properties", {}), dict):
-                raise ValueError("function.parameters.properties must be an object")
+            if problem := misshapen(value, "function.parameters"):
+                raise ValueError(problem)
         return value
 
 
@@ -68,13 +70,19 @@ class ContentPart(Strict):
     text: str
 
 
+# Ids and names a chat template does not render escape the context limit, yet a stored conversation keeps them
+# (POST /v1/responses): bounded like OpenAI's own (call ids of ~30 characters).
+MAX_ID_CHARS = 512
+Identifier = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str | dict
 
 
 class ToolCallMessage(Strict):
-    id: str | None = None
+    id: Identifier | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -84,8 +92,8 @@ class ChatMessage(Strict):
     content: str | list[ContentPart] | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
+    tool_call_id: Identifier | None = None
+    name: Identifier | None = None
 
     def for_template(self) -> dict:
         out = {"role": "system" if self.role == "developer" else self.role}

@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError
 
 from dsaserve.server.chat import PreparedChat, admit_chat, prepare_chat
 from dsaserve.server.parsers import GlmOutputParser
-from dsaserve.server.protocol import APIError, ChatCompletionRequest, Strict
+from dsaserve.server.protocol import MAX_ID_CHARS, APIError, ChatCompletionRequest, Strict
 from dsaserve.server.response_pieces import stream_error
 from dsaserve.server.state import ServerState
 
@@ -45,24 +45,34 @@ class ResponsesRequest(Strict):
 
 
 class ResponseStore:
-    """Conversations (chat messages) of earlier responses, for previous_response_id."""
+    """Conversations (chat messages) of earlier responses, for previous_response_id: at most `size` of them and
+    `max_bytes` of their JSON text together, the least recently used dropped first (one larger than the whole
+    bound is not kept)."""
 
-    def __init__(self, size: int = STORED_RESPONSES):
-        self.size = size
-        self.items: OrderedDict[str, list[dict]] = OrderedDict()
+    def __init__(self, size: int = STORED_RESPONSES, max_bytes: int = 64 << 20):
+        self.size, self.max_bytes = size, max_bytes
+        self.items: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()
+        self.bytes = 0
 
     def get(self, response_id: str) -> list[dict]:
         if response_id not in self.items:
             raise APIError(404, f"previous_response_id {response_id!r} is not a response of this server (they are kept "
-                                f"for its lifetime, the last {self.size})", param="previous_response_id",
-                           code="response_not_found")
+                                f"for its lifetime, the last {self.size} within {self.max_bytes} bytes)",
+                           param="previous_response_id", code="response_not_found")
         self.items.move_to_end(response_id)
-        return list(self.items[response_id])
+        return list(self.items[response_id][0])
 
     def put(self, response_id: str, messages: list[dict]) -> None:
-        self.items[response_id] = messages
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
+        size = len(json.dumps(messages, ensure_ascii=False).encode())
+        if response_id in self.items:
+            self.bytes -= self.items.pop(response_id)[1]
+        if size > self.max_bytes:
+            return
+        self.items[response_id] = messages, size
+        self.bytes += size
+        while len(self.items) > self.size or self.bytes > self.max_bytes:
+            _, (_, dropped) = self.items.popitem(last=False)
+            self.bytes -= dropped
 
 
 def item_id(prefix: str) -> str:
@@ -90,6 +100,9 @@ def to_messages(req: ResponsesRequest, store: ResponseStore) -> list[dict]:
         if kind == "message":
             messages.append({"role": item.get("role", "user"),
                              "content": _text(item.get("content"), f"input.{k}.content")})
+        elif kind in ("function_call", "function_call_output") and len(str(item.get("call_id"))) > MAX_ID_CHARS:
+            raise APIError(400, f"input.{k}.call_id has {len(str(item.get('call_id')))} characters; give at most "
+                                f"{MAX_ID_CHARS}", param=f"input.{k}.call_id")
         elif kind == "function_call":
             messages.append({"role": "assistant", "content": "", "tool_calls": [{
                 "id": item.get("call_id"), "type": "function",

@@ -28,6 +28,11 @@ class ServerConfig:
     reasoning_parser: str | None = "glm45"
     tool_call_parser: str | None = "glm47"
     idle_shutdown: float | None = None
+    responses_store_max_bytes: int = 64 << 20  # stored /v1/responses conversations, for previous_response_id
+    allowed_hosts: list[str] | None = None  # Host header names answered (None: any)
+    shutdown_timeout: float = 600.0  # seconds in-flight requests may take to finish after SIGTERM
+    header_timeout: float = 30.0  # seconds a connection may take to send a request's headers
+    max_connections: int | None = 1000  # open connections; one past it is answered 503 and closed
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])  # CORS, vLLM's defaults
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
@@ -40,9 +45,22 @@ class ServerState:
     config: ServerConfig
     chat_template: ChatTemplate | None
     metrics: ServerMetrics
-    in_flight: int = 0
+    in_flight: int = 0  # HTTP requests at the guard, refused ones included
+    running: int = 0  # those past its checks, being answered
     last_activity: float = field(default_factory=time.monotonic)
     draining: bool = False  # set on SIGTERM: new /v1 requests get 503
+    cut_at: float | None = None  # while draining: when requests still running are ended with an error
+    cut: bool = False  # some were
+
+    def start_draining(self) -> None:
+        self.draining = True
+        self.cut_at = time.monotonic() + self.config.shutdown_timeout
+
+    def cut_running(self) -> None:
+        """End every request still running with a 503 (in a stream: an error event, then [DONE])."""
+        self.cut = True
+        self.engine.end_all(APIError(503, "the server shut down before this request finished (--shutdown-timeout "
+                                          f"{self.config.shutdown_timeout:g} s)", code="server_shutting_down"))
 
     @property
     def max_model_len(self) -> int:

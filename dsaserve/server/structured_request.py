@@ -19,7 +19,11 @@ def requested_constraint(req: SamplingFields,
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise APIError(400, "response_format type 'json_schema' needs json_schema.schema (a JSON schema object)",
                            param="response_format.json_schema.schema")
-        return StructuredOutputsParams(json=fmt.json_schema.schema_, reasoning=reasoning)
+        try:
+            return StructuredOutputsParams(json=fmt.json_schema.schema_, reasoning=reasoning)
+        except ValueError as e:  # the size limit, named as the engine names it
+            message = str(e).replace("structured_outputs.json", "response_format.json_schema.schema")
+            raise APIError(400, message, param="response_format.json_schema.schema") from None
     if so is None:
         return None
     try:

@@ -56,3 +56,46 @@ def _children(schema: dict):
     for key in _MAP_KEYS:
         if isinstance(schema.get(key), dict):
             yield from ((f"{key}/{name}", s) for name, s in schema[key].items())
+
+
+_TYPES = frozenset(("string", "integer", "number", "boolean", "object", "array", "null"))
+
+
+def misshapen(schema, path: str) -> str | None:
+    """The first place where `schema` is not a JSON schema in shape (a subschema neither an object nor a boolean, a
+    keyword holding the wrong kind of value), with its dotted path from `path`; None where it is one."""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"{path} must be a JSON schema (an object), not {type(schema).__name__} {_shown(schema)}"
+    kind = schema.get("type")
+    if kind is not None and not (isinstance(kind, str) and kind in _TYPES
+                                 or isinstance(kind, list) and all(isinstance(k, str) and k in _TYPES for k in kind)):
+        return f"{path}.type must be one of {', '.join(sorted(_TYPES))} (or a list of them), not {_shown(kind)}"
+    for key, want in (("required", list), ("enum", list), *((k, dict) for k in _MAP_KEYS),
+                      *((k, list) for k in _LIST_KEYS)):
+        if key in schema and not isinstance(schema[key], want):
+            return f"{path}.{key} must be {'a list' if want is list else 'an object'}, not {_shown(schema[key])}"
+    if isinstance(schema.get("required"), list) and not all(isinstance(r, str) for r in schema["required"]):
+        return f"{path}.required must list property names (strings)"
+    for key in _SCHEMA_KEYS:
+        value = schema.get(key)
+        children = enumerate(value) if key == "items" and isinstance(value, list) else None  # (tuple form)
+        found = (next((f for i, s in children if (f := misshapen(s, f"{path}.{key}.{i}"))), None) if children
+                 else misshapen(value, f"{path}.{key}") if key in schema else None)
+        if found:
+            return found
+    for key in _LIST_KEYS:
+        for i, sub in enumerate(schema.get(key, ())):
+            if found := misshapen(sub, f"{path}.{key}.{i}"):
+                return found
+    for key in _MAP_KEYS:
+        for name, sub in schema.get(key, {}).items():
+            if found := misshapen(sub, f"{path}.{key}.{name}"):
+                return found
+    return None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

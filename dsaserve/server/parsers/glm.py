@@ -163,7 +163,9 @@ def parse_tool_call(block: str, schemas: dict[str, dict]) -> ToolCall | None:
     name = (block if first < 0 else block[:first]).strip()
     if not name or "<" in name or "\n" in name:
         return None
-    properties = (schemas.get(name) or {}).get("properties") or {}
+    schema = schemas.get(name)
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    properties = properties if isinstance(properties, dict) else {}  # (a malformed schema converts nothing)
     arguments = {}
     rest = block[first:] if first >= 0 else ""
     while rest.strip():
@@ -183,8 +185,9 @@ _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean":
 
 
 def convert_value(raw: str, schema: dict | None):
-    """JSON when it parses, else the string; a schema type narrows that choice."""
-    wanted = (schema or {}).get("type")
+    """JSON when it parses, else the string; a schema type narrows that choice. Never raises: a schema it cannot
+    read keeps the raw text."""
+    wanted = schema.get("type") if isinstance(schema, dict) else None
     wanted = wanted if isinstance(wanted, list) else [wanted] if wanted else []
     if "string" in wanted and len(wanted) == 1:
         return raw
@@ -195,7 +198,7 @@ def convert_value(raw: str, schema: dict | None):
     if not wanted:
         return value
     for t in wanted:
-        py = _JSON_TYPES.get(t)
+        py = _JSON_TYPES.get(t) if isinstance(t, str) else None
         if py is not None and isinstance(value, py) and not (t in ("integer", "number") and isinstance(value, bool)):
             return value
     return raw
