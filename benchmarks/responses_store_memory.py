@@ -26,14 +26,7 @@ import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from server_process import free_port  # noqa: E402
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+from soak import rss_mib  # noqa: E402
 
 
 def start(tree: str, model: str | None, store_max_bytes: str, port: int) -> subprocess.Popen:

@@ -36,8 +36,11 @@ class ErrorJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8", errors="replace")
 
 
+RETRY_AFTER = "5"  # seconds, on every 503: draining, a stopped engine, too many connections
+
+
 def error_response(error: APIError) -> JSONResponse:
-    headers = {"Retry-After": "5"} if error.status == 503 else None
+    headers = {"Retry-After": RETRY_AFTER} if error.status == 503 else None
     return ErrorJSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -238,7 +241,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     async def health():
         alive = state.engine.is_running
         if alive and state.draining:  # in-flight requests finishing, new ones refused: take this one out of rotation
-            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": RETRY_AFTER})
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")

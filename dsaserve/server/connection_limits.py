@@ -15,13 +15,15 @@ import json
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from dsaserve.server.app import RETRY_AFTER
+
 
 def _too_many_connections(limit: int) -> bytes:
     body = json.dumps({"error": {"message": f"the server has {limit} open connections, its limit "
                                             "(--max-connections); retry shortly", "type": "service_unavailable",
                                  "param": None, "code": "too_many_connections"}}).encode()
     head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "retry-after: 5\r\nconnection: close\r\n\r\n")
+            f"retry-after: {RETRY_AFTER}\r\nconnection: close\r\n\r\n")
     return head.encode() + body
 
 
