@@ -34,6 +34,17 @@ def test_doctor_on_config_only_glm52(tmp_path):
     assert "KV cache per token (bfloat16): 93.0 KiB" in out
 
 
+
+def test_doctor_on_config_only_glm53(tmp_path):
+    """tests/data/glm-5.3-config.json: GLM-5.2's config grown by one MoE layer to the published 753B (same 1M
+    context, same per-layer geometry); its schedule comes from its own indexer_types."""
+    shutil.copy(os.path.join(os.path.dirname(REFERENCE_CONFIG), "glm-5.3-config.json"), tmp_path / "config.json")
+    result = run("doctor", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "22 full / 57 shared, from indexer_types" in result.stdout
+    assert "753.25B params" in result.stdout
+
+
 def test_doctor_checks_tensors_against_schedule(tiny_checkpoint, tmp_path):
     good = run("doctor", tiny_checkpoint)
     assert good.returncode == 0

@@ -48,10 +48,9 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
         if not tools:
             raise APIError(400, "tool_choice 'required' needs at least one tool in tools", param="tool_choice")
         forced = CALL_START
-    kwargs = dict(req.chat_template_kwargs or {})
     try:
         text = state.chat_template.render([m.for_template() for m in req.messages], tools=tools,
-                                          add_generation_prompt=req.add_generation_prompt, **kwargs)
+                                          add_generation_prompt=req.add_generation_prompt, **req.template_kwargs())
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from e
     closed = text.rstrip().endswith(THINK_END)  # the template turned thinking off

@@ -111,6 +111,10 @@ class ChatMessage(Strict):
 
 Probability = Annotated[float, Field(ge=0, le=1)]
 
+# The efforts OpenAI's API and GLM's own API name; the chat template maps them to what the model knows (GLM-5.3:
+# low, high, else max; GLM-5.2: high, else max).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
 
 class JsonSchemaFormat(Strict):
     name: str = "response"
@@ -177,6 +181,18 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict | None = None
     add_generation_prompt: bool = True
     parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None  # passed to the chat template as `reasoning_effort`
+
+    def template_kwargs(self) -> dict:
+        """The chat template's variables beyond messages and tools: chat_template_kwargs plus reasoning_effort."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            given = kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            if given != self.reasoning_effort:
+                raise APIError(400, f"reasoning_effort is {self.reasoning_effort!r} but "
+                                    f"chat_template_kwargs.reasoning_effort is {given!r}; set only one of them",
+                               param="reasoning_effort")
+        return kwargs
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]

@@ -20,11 +20,16 @@ from pydantic import Field, ValidationError
 
 from dsaserve.server.chat import PreparedChat, admit_chat, prepare_chat
 from dsaserve.server.parsers import GlmOutputParser
-from dsaserve.server.protocol import MAX_ID_CHARS, APIError, ChatCompletionRequest, Strict
+from dsaserve.server.protocol import MAX_ID_CHARS, APIError, ChatCompletionRequest, ReasoningEffort, Strict
 from dsaserve.server.response_pieces import stream_error
 from dsaserve.server.state import ServerState
 
 STORED_RESPONSES = 1000  # conversations kept for previous_response_id, least recently used dropped
+
+
+class ReasoningOptions(Strict):
+    effort: ReasoningEffort | None = None  # reaches the chat template as reasoning_effort
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; the reasoning comes back whole
 
 
 class ResponsesRequest(Strict):
@@ -40,7 +45,7 @@ class ResponsesRequest(Strict):
     store: bool = True
     previous_response_id: str | None = None
     parallel_tool_calls: bool | None = None
-    reasoning: dict | None = None  # accepted; GLM decides its own effort
+    reasoning: ReasoningOptions | None = None
     text: dict | None = None  # {"format": {"type": "json_schema", "schema": …}} constrains the answer
 
 
@@ -124,7 +129,8 @@ def to_chat(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionReques
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     fields = dict(model=req.model, messages=messages, tools=tools or None, tool_choice=choice,
                   max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-                  parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text))
+                  parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text),
+                  reasoning_effort=req.reasoning.effort if req.reasoning else None)
     try:
         return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
@@ -160,6 +166,7 @@ class ResponseBuilder:
                "previous_response_id": self.req.previous_response_id,
                "max_output_tokens": self.req.max_output_tokens, "temperature": self.req.temperature,
                "top_p": self.req.top_p, "store": self.req.store, "error": None, "incomplete_details": None,
+               "reasoning": {"effort": self.req.reasoning.effort if self.req.reasoning else None, "summary": None},
                "usage": {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                          "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                          "total_tokens": self.prompt_tokens + self.output_tokens}}
