@@ -1,4 +1,5 @@
-"""Model configuration: read a glm_moe_dsa config.json once and resolve everything derived from it.
+"""Model configuration: read a config.json (glm_moe_dsa or deepseek_v32) once and resolve everything derived
+from it.
 
 The indexer schedule is the part real deployments got wrong, so it is resolved here, once, from the
 checkpoint's own fields in a fixed order of authority (see `resolve_indexer_types`), validated, and
@@ -13,9 +14,11 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from dsaserve.model_family import FAMILIES, ModelFamily
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("glm_moe_dsa",)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 FULL, SHARED = "full", "shared"
 _LETTER_TO_TYPE = {"F": FULL, "S": SHARED, FULL: FULL, SHARED: SHARED}
 
@@ -106,6 +109,10 @@ class ModelConfig:
     raw: dict = field(repr=False, compare=False)
 
     @property
+    def family(self) -> ModelFamily:
+        return FAMILIES[self.model_type]
+
+    @property
     def indexer_types(self) -> tuple[str, ...]:
         return self.indexer_schedule.types
 
@@ -142,10 +149,13 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"model_type={model_type!r} is not supported; dsaserve serves {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(GLM-5.x with DeepSeek Sparse Attention)"
+                "(GLM-5.x and DeepSeek-V3.2, with DeepSeek Sparse Attention)"
             )
+        family = FAMILIES[model_type]
+        raw = {**family.defaults, **raw}
         num_layers = _require_int(raw, "num_hidden_layers")
-        schedule = resolve_indexer_types(raw, num_layers)
+        schedule = resolve_indexer_types(raw, num_layers) if family.index_share else every_layer_full(raw, num_layers,
+                                                                                                       family)
         for note in schedule.warnings:
             logger.info(note)
         logger.info(
@@ -328,6 +338,16 @@ def resolve_indexer_types(raw: dict, num_layers: int) -> IndexerSchedule:
                 f"{source} is authoritative and was used"
             )
     return IndexerSchedule(types=tuple(types), source=source, warnings=tuple(warnings))
+
+
+def every_layer_full(raw: dict, num_layers: int, family: ModelFamily) -> IndexerSchedule:
+    """A family without IndexShare: schedule fields that would make a layer shared are an error, not ignored."""
+    if any(key in raw for key in ("indexer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset")):
+        given = resolve_indexer_types(raw, num_layers)
+        if given.num_shared:
+            raise ConfigError(f"{given.source} makes layers shared ({given.pattern}), but {family.model_type} runs "
+                              "its own indexer on every layer (no IndexShare); remove the field")
+    return IndexerSchedule(types=(FULL,) * num_layers, source=f"{family.model_type} (every layer runs its indexer)")
 
 
 def resolve_mlp_layer_types(raw: dict, num_layers: int) -> tuple[str, ...]:

@@ -59,7 +59,8 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     lines.append(f"  index_topk {cfg.index_topk}, indexer {cfg.index_n_heads} heads × {cfg.index_head_dim}")
     for warning in sched.warnings:
         lines.append(f"  WARNING: {warning}")
-    lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
+    if cfg.family.index_share:
+        lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
     lines.append(f"native kernels: {_native_line()}")
     lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
     lines.append(f"indexer kernels: {_index_scores_path(cfg)}")

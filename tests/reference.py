@@ -15,9 +15,11 @@ from dsaserve.model import load_model
 
 
 def load_reference(model_dir: str, **config_overrides):
-    from transformers import GlmMoeDsaForCausalLM
+    """The transformers class of the checkpoint's family (GlmMoeDsaForCausalLM, DeepseekV32ForCausalLM), fp32."""
+    import transformers
 
-    return GlmMoeDsaForCausalLM.from_pretrained(
+    architecture = ModelConfig.from_pretrained(model_dir).family.architecture
+    return getattr(transformers, architecture).from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager", **config_overrides
     ).eval()
 
@@ -66,8 +68,10 @@ def reference_greedy(ref, ids: list[int], steps: int) -> list[int]:
 
 def reference_index_scores(ref, ids: list[int]) -> dict[int, torch.Tensor]:
     """Each full layer's indexer scores [S, S] (before the causal mask), recomputed from the hook's inputs."""
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
+    rotate = apply_rotary_pos_emb if ref.config.model_type == "deepseek_v32" else apply_rotary_pos_emb_interleave
     out = {}
 
     def hook(layer, module, args, kwargs, _):
@@ -76,7 +80,7 @@ def reference_index_scores(ref, ids: list[int]) -> dict[int, torch.Tensor]:
         q = module.wq_b(q_resid).view(b, s, module.n_heads, module.head_dim)
         k = module.k_norm(module.wk(hidden)).unsqueeze(2)
         r = module.qk_rope_head_dim
-        q_rot, k_rot = apply_rotary_pos_emb_interleave(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+        q_rot, k_rot = rotate(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
         q = torch.cat([q_rot, q[..., r:]], -1)
         k = torch.cat([k_rot, k[..., r:]], -1).squeeze(2)
         scores = torch.relu(q.float() @ k.transpose(-1, -2).float().unsqueeze(1)) * module.softmax_scale

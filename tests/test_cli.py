@@ -34,6 +34,23 @@ def test_doctor_on_config_only_glm52(tmp_path):
     assert "KV cache per token (bfloat16): 93.0 KiB" in out
 
 
+def test_doctor_on_config_only_deepseek_v32(tmp_path):
+    """tests/data/deepseek-v3.2-config.json (DeepSeek-V3.2's published config.json; its fields equal the
+    transformers defaults): every layer runs its indexer, so every layer also caches indexer keys."""
+    shutil.copy(os.path.join(os.path.dirname(REFERENCE_CONFIG), "deepseek-v3.2-config.json"),
+                tmp_path / "config.json")
+    result = run("doctor", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "F" * 61 in out and "61 full / 0 shared, from deepseek_v32 (every layer runs its indexer)" in out
+    assert "to pin this schedule" not in out  # no IndexShare to pin
+    assert "index_topk 2048, indexer 64 heads × 128" in out
+    assert "rope: yarn, theta 10000, factor 40" in out
+    assert "671.88B params" in out  # DeepSeek-V3's 671B without its MTP layer
+    assert "latent: 61 layers × 576 × 2 B = 68.6 KiB" in out
+    assert "indexer keys: 61 full layers × 128 × 2 B = 15.2 KiB" in out
+    assert "KV cache per token (bfloat16): 83.9 KiB" in out
+
 
 def test_doctor_on_config_only_glm53(tmp_path):
     """tests/data/glm-5.3-config.json: GLM-5.2's config grown by one MoE layer to the published 753B (same 1M

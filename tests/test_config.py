@@ -97,8 +97,9 @@ def test_invalid_schedules_are_rejected_with_the_field(overrides, message):
 
 
 def test_other_model_type_refused_listing_supported():
-    with pytest.raises(ConfigError, match="model_type='deepseek_v3' is not supported; dsaserve serves glm_moe_dsa"):
-        ModelConfig.from_dict(small_config(model_type="deepseek_v3"))
+    with pytest.raises(ConfigError, match="model_type='deepseek_v3' is not supported; dsaserve serves glm_moe_dsa, "
+                                          "deepseek_v32"):
+        ModelConfig.from_dict({**small_config(), "model_type": "deepseek_v3"})
 
 
 def test_hf_overrides_patch_before_resolution():

@@ -63,11 +63,12 @@ def test_sharded_checkpoint_loads_like_single_file(make_checkpoint):
         assert torch.equal(p, q), name
 
 
-def test_fp8_block_scaled_checkpoint_dequantizes_within_fp8_error(make_checkpoint):
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+def test_fp8_block_scaled_checkpoint_dequantizes_within_fp8_error(make_checkpoint, model_type):
     # hidden 192 and intermediate 320 make partial 128-blocks in both directions
-    dims = dict(hidden_size=192, intermediate_size=320, moe_intermediate_size=136)
-    bf16 = make_checkpoint("fp8_source", seed=7, dtype=torch.bfloat16, **dims)
-    fp8 = make_checkpoint("fp8", seed=7, dtype=torch.bfloat16, fp8=True, **dims)
+    dims = dict(hidden_size=192, intermediate_size=320, moe_intermediate_size=136, model_type=model_type)
+    bf16 = make_checkpoint(f"fp8_source_{model_type}", seed=7, dtype=torch.bfloat16, **dims)
+    fp8 = make_checkpoint(f"fp8_{model_type}", seed=7, dtype=torch.bfloat16, fp8=True, **dims)
     with open(os.path.join(fp8, "config.json")) as f:
         assert json.load(f)["quantization_config"]["weight_block_size"] == [128, 128]
     stored = load_file(os.path.join(fp8, "model.safetensors"))

@@ -1,4 +1,4 @@
-"""Write random-weight glm_moe_dsa checkpoints in the real layout (demo model and test fixtures).
+"""Write random-weight checkpoints (glm_moe_dsa or deepseek_v32) in the real layout (demo model and test fixtures).
 
 The tensors come from `checkpoint_layout`, so what is written is exactly what the loader expects and
 what the transformers reference loads: per-expert tensors, indexer tensors only on full layers,
@@ -20,8 +20,13 @@ from dsaserve.model.checkpoint_layout import checkpoint_shapes
 from dsaserve.quantization.fp8_blocks import FP8_MAX, is_fp8_quantizable, quantize_fp8  # noqa: F401 (tests and scripts import them here)
 
 
-def small_config(**overrides) -> dict:
-    """A small GLM-MoE-DSA config.json (mixed F/S schedule, dense prefix, MoE) to build on."""
+# Fields only GLM's config carries: the IndexShare schedule and its RoPE layouts (DeepSeek-V3.2 fixes both).
+GLM_ONLY_FIELDS = ("indexer_types", "index_topk_pattern", "indexer_rope_interleave", "rope_interleave")
+
+
+def small_config(model_type: str = "glm_moe_dsa", **overrides) -> dict:
+    """A small config.json to build on: GLM-MoE-DSA (mixed F/S schedule, dense prefix, MoE), or DeepSeek-V3.2 (the
+    same geometry, every layer full, with YaRN RoPE as DeepSeek ships it)."""
     cfg = {
         "architectures": ["GlmMoeDsaForCausalLM"],
         "model_type": "glm_moe_dsa",
@@ -69,6 +74,15 @@ def small_config(**overrides) -> dict:
         "dtype": "float32",
         "use_cache": True,
     }
+    if model_type == "deepseek_v32":
+        for key in GLM_ONLY_FIELDS:
+            del cfg[key]
+        cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", rms_norm_eps=1e-6,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "mscale": 1.0, "mscale_all_dim": 1.0})
+    elif model_type != "glm_moe_dsa":
+        raise ValueError(f"model_type={model_type!r}: the builder writes glm_moe_dsa or deepseek_v32 checkpoints")
     cfg.update(overrides)
     # Fields the published configs carry that follow from the others (MLA has as many KV heads as heads).
     cfg["num_key_value_heads"] = cfg["num_attention_heads"]
