@@ -1,14 +1,15 @@
 """What a sparse decode step spends on its selections, past index_topk.
 
     python benchmarks/decode_selection.py [--context 8192] [--batch 1] [--steps 300] [--checkpoint DIR]
-                                          [--indexer-cache-dtype auto|int8]
+                                          [--indexer-cache-dtype auto|int8] [--enforce-eager]
 
 `batch` requests (1 by default) on the benchmark model (benchmarks/model_core.py) whose first `context` tokens are
 cached synthetically each (as `dsaserve bench longctx` does for its decode points), decoded greedily with the sparse
 backend. Where a full layer's selection runs in Python between the step's native calls, this reports the median
 time of one full layer's selection (the indexer's queries, scoring, top-k: Indexer.select) and the time per step
 spent turning the selections into cache slots (the backend's decode_slots, once per selection); where the step's one
-native call selects, it says so; and the median step.
+native call selects, it says so (--enforce-eager runs every step through the modules, so the selections are
+timed, and their share of the step reported); and the median step.
 Run it in two trees taking turns to compare them (PYTHONPATH=TREE).
 """
 
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--indexer-cache-dtype", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true", help="no decode plan: the modules one by one")
     args = parser.parse_args()
     from model_core import checkpoint_dir
 
@@ -46,7 +48,7 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(model=args.checkpoint or checkpoint_dir(), kv_cache_memory=f"{cache_mib}MiB",
                                   max_model_len=32768, progress=False, attention_backend="sparse",
                                   max_num_batched_tokens=4096, enable_prefix_caching=False,
-                                  indexer_cache_dtype=args.indexer_cache_dtype))
+                                  indexer_cache_dtype=args.indexer_cache_dtype, enforce_eager=args.enforce_eager))
     g = torch.Generator().manual_seed(0)
     for r in range(args.batch):
         ids = torch.randint(10, 1000, (args.context,), generator=g).tolist()
@@ -81,9 +83,10 @@ def main() -> None:
     if "select" in times:  # selections made in Python between the step's native calls
         per_step = len(times["slots"]) // steps
         slots = [sum(times["slots"][i:i + per_step]) for i in range(0, per_step * steps, per_step)]
-        line += (f"one full layer's selection, median {statistics.median(times['select']):.0f} µs "
-                 f"({len(times['select']) / steps:.0f} a step); slots from the selections "
-                 f"{statistics.median(slots):.0f} µs a step; ")
+        per_layer, per_step_selections = statistics.median(times["select"]), len(times["select"]) / steps
+        share = per_layer * per_step_selections / statistics.median(times["step"])
+        line += (f"one full layer's selection, median {per_layer:.0f} µs ({per_step_selections:.0f} a step: "
+                 f"{share:.0%} of the step); slots from the selections {statistics.median(slots):.0f} µs a step; ")
     else:
         line += "selections made inside the step's native call; "
     print(line + f"step {statistics.median(times['step']) / 1e3:.2f} ms")

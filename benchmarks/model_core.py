@@ -26,17 +26,24 @@ BENCH_CONFIG = dict(
     indexer_types=["full", "full", "full", "shared", "shared", "shared", "full", "shared"],
     max_position_embeddings=65536,
 )
+# The same widths in DeepSeek-V3.2's layout and per-head geometry (nope 128, v 128, indexer 64×128): every layer
+# runs its own indexer; 8 experts in 4 groups, the best 2 groups chosen.
+V32_BENCH_CONFIG = dict({k: v for k, v in BENCH_CONFIG.items() if k != "indexer_types"}, model_type="deepseek_v32",
+                        qk_nope_head_dim=128, v_head_dim=128, index_n_heads=64, n_group=4, topk_group=2)
 PROMPT, OUTPUT, BATCH = 128, 128, 16
 
 
-def checkpoint_dir() -> str:
+def checkpoint_dir(model_type: str = "glm_moe_dsa") -> str:
+    """The benchmark checkpoint of a family, built once (bf16) under $DSASERVE_BENCH_DIR (/tmp/dsaserve-bench)."""
     import torch
 
     from dsaserve.demo.checkpoint_builder import build_checkpoint
 
-    path = os.path.join(os.environ.get("DSASERVE_BENCH_DIR", "/tmp/dsaserve-bench"), "glm52-geometry-215m")
+    name, config = {"glm_moe_dsa": ("glm52-geometry-215m", BENCH_CONFIG),
+                    "deepseek_v32": ("v32-geometry", V32_BENCH_CONFIG)}[model_type]
+    path = os.path.join(os.environ.get("DSASERVE_BENCH_DIR", "/tmp/dsaserve-bench"), name)
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        build_checkpoint(path, seed=0, dtype=torch.bfloat16, **BENCH_CONFIG)
+        build_checkpoint(path, seed=0, dtype=torch.bfloat16, **config)
     return path
 
 
@@ -112,7 +119,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--side", choices=["dsaserve", "transformers"], help="run one side (used internally)")
     parser.add_argument("--out", default=None, help="also write the results as JSON")
+    parser.add_argument("--build-only", choices=["glm_moe_dsa", "deepseek_v32"],
+                        help="build that family's benchmark checkpoint (if missing), print its path and stop")
     args = parser.parse_args()
+    if args.build_only:
+        print(checkpoint_dir(args.build_only))
+        return
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)

@@ -8,6 +8,8 @@ import logging
 import sys
 
 from dsaserve.bench import add_bench_args
+from dsaserve.chat_format import BUILT_IN_ENCODINGS
+from dsaserve.config import SUPPORTED_MODEL_TYPES
 from dsaserve.engine_args import EngineArgs, parse_bytes
 from dsaserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
@@ -77,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
     )
     return serve(EngineArgs.from_cli_args(args, **overrides), config, host=args.host, port=args.port,
-                 chat_template=args.chat_template)
+                 chat_template=args.chat_template, tokenizer_mode=args.tokenizer_mode)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -102,6 +104,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_build_demo(args: argparse.Namespace) -> int:
+    if args.train and args.model_type != "glm_moe_dsa":
+        raise ValueError(f"--train with --model-type {args.model_type}: the demo trainer trains the GLM demo model "
+                         "only; drop --train for random weights in that layout")
     if args.train:
         from dsaserve.demo.train import TrainConfig, train
 
@@ -112,15 +117,15 @@ def cmd_build_demo(args: argparse.Namespace) -> int:
             phase: round(getattr(defaults, phase) * share)
             for phase in ("dense_steps", "copy_steps", "chain_steps", "skills_steps")}))
         print(f"trained demo checkpoint written to {args.path}")
-    elif args.random:
+    elif args.random or args.model_type != "glm_moe_dsa":
         import torch
 
-        from dsaserve.demo import RANDOM_DEMO_CONFIG
+        from dsaserve.demo import random_demo_config
         from dsaserve.demo.checkpoint_builder import build_checkpoint
 
         build_checkpoint(args.path, seed=args.seed, dtype=getattr(torch, args.dtype), include_mtp=True,
-                         **RANDOM_DEMO_CONFIG)
-        print(f"random-weight demo checkpoint written to {args.path}")
+                         **random_demo_config(args.model_type))
+        print(f"random-weight {args.model_type} demo checkpoint written to {args.path}")
     else:
         import shutil
 
@@ -142,8 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or DSASERVE_API_KEY)")
     srv.add_argument("--chat-template", default=None, help="jinja file overriding the checkpoint's chat template")
-    srv.add_argument("--reasoning-parser", default="glm45", choices=REASONING_PARSERS)
-    srv.add_argument("--tool-call-parser", default="glm47", choices=TOOL_CALL_PARSERS)
+    srv.add_argument("--reasoning-parser", default="auto", choices=("auto", *REASONING_PARSERS),
+                     help="auto: the model family's (glm45 for GLM, deepseek_v3 for DeepSeek-V3.2)")
+    srv.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_CALL_PARSERS),
+                     help="auto: the model family's (glm47 for GLM, deepseek_v32 for DeepSeek-V3.2's DSML)")
+    srv.add_argument("--tokenizer-mode", default="auto", choices=("auto", *BUILT_IN_ENCODINGS),
+                     help="deepseek_v32: encode chats with DeepSeek-V3.2's own encoding whatever template the "
+                          "checkpoint ships (auto uses it when it ships none)")
     srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
     srv.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="a client that has not sent its whole request body by then gets 408")
@@ -211,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("path")
     demo.add_argument("--seed", type=int, default=1234)
     demo.add_argument("--random", action="store_true", help="random weights (the earlier demo geometry)")
+    demo.add_argument("--model-type", default="glm_moe_dsa", choices=SUPPORTED_MODEL_TYPES,
+                      help="the checkpoint's family: deepseek_v32 writes random weights in DeepSeek-V3.2's layout "
+                           "(every layer its own indexer, grouped routing, no chat template: its own encoding)")
     demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                       help="weight dtype (with --random)")
     demo.add_argument("--train", action="store_true",

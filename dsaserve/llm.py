@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from dsaserve.chat_template import ChatTemplate
+from dsaserve.chat_format import chat_format
 from dsaserve.demo import demo_model_dir
 from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine_args import EngineArgs
@@ -76,11 +76,11 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template (or `chat_template`), then generate."""
-        source = chat_template or self.tokenizer.chat_template
-        if source is None:
+        """Render each conversation with the checkpoint's chat template (or `chat_template`, jinja source; a
+        DeepSeek-V3.2 checkpoint without one: its own encoding), then generate."""
+        template = chat_format(self.tokenizer, self.engine.config.family, chat_template)
+        if template is None:
             raise ValueError("this checkpoint has no chat template; pass chat_template=")
-        template = ChatTemplate(source, self.tokenizer.special_tokens)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.encode(

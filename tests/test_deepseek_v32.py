@@ -15,8 +15,8 @@ from reference import (
     reference_forward,
     reference_greedy,
 )
-from test_speculative import oracle_drafts, token_ids
 from test_speculative import make_llm as make_spec_llm
+from test_speculative import oracle_drafts, token_ids
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.config import ConfigError, ModelConfig

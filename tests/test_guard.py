@@ -10,6 +10,7 @@ import pytest
 from dsaserve.chat_template import ChatTemplate
 from dsaserve.server.app import GuardMiddleware, build_app
 from dsaserve.server.metrics import ServerMetrics
+from dsaserve.server.parsers.glm import GLM47
 from dsaserve.server.state import ServerConfig, ServerState
 
 
@@ -114,7 +115,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parallel, expected):
     from dsaserve.server.protocol import ChatCompletionRequest
 
     schemas = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}
-    prepared = PreparedChat([1, 2], {"tools": True, "tool_schemas": schemas})
+    prepared = PreparedChat([1, 2], {"tool_format": GLM47, "tools": True, "tool_schemas": schemas})
     fields = {"messages": [{"role": "user", "content": "x"}]}
     if parallel is not None:
         fields["parallel_tool_calls"] = parallel
@@ -142,7 +143,8 @@ def test_continuous_usage_stats_put_usage_in_every_chunk():
     async def collect(stream):
         return [json.loads(line[6:]) async for line in stream if line.startswith("data: {")]
 
-    chunks = asyncio.run(collect(chat_stream(fake_state("Hi there"), request, "id", PreparedChat([1, 2], {}), None)))
+    chunks = asyncio.run(collect(chat_stream(fake_state("Hi there"), request, "id",
+                                                     PreparedChat([1, 2], {"tool_format": GLM47}), None)))
     assert all("usage" in c for c in chunks)
     assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
 

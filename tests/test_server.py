@@ -11,7 +11,8 @@ from server_process import ServerProcess
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.chat_template import ChatTemplate
-from dsaserve.server.parsers import GlmOutputParser
+from dsaserve.server.parsers import OutputParser
+from dsaserve.server.parsers.glm import GLM47
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -49,7 +50,7 @@ def test_models(client):
 def test_chat_equals_offline_generation(client, offline):
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
     out = offline_text(offline, rendered_ids(offline, MESSAGES), 16)
-    parser = GlmOutputParser(tools=False)
+    parser = OutputParser(GLM47, tools=False)
     parsed = [parser.feed(out.text), parser.finish()]
     choice = resp.choices[0]
     assert choice.message.content == "".join(p.content for p in parsed)
@@ -353,7 +354,7 @@ def test_chat_template_override_file(tmp_path, offline):
                     "{% if add_generation_prompt %}[assistant]{% endif %}")
 
     class FakeEngine:
-        tokenizer = offline.tokenizer
+        tokenizer, model_config = offline.tokenizer, offline.engine.config
 
     template = load_chat_template(FakeEngine(), str(path))
     assert template.render([{"role": "user", "content": "hi"}]) == "[user]hi[assistant]"
@@ -401,7 +402,8 @@ def test_an_error_inside_a_started_stream_is_reported_and_the_stream_ends():
         return [line async for line in stream]
 
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True)
-    lines = asyncio.run(collect(chat_stream(state, chat, "id", PreparedChat([1, 2], {"tools": False}), None)))
+    prepared = PreparedChat([1, 2], {"tool_format": GLM47, "tools": False})
+    lines = asyncio.run(collect(chat_stream(state, chat, "id", prepared, None)))
     completion = CompletionRequest(prompt="x", stream=True)
     lines2 = asyncio.run(collect(completion_stream(state, completion, "id", [PreparedPrompt([1, 2], "x")], [None])))
     for out in (lines, lines2):

@@ -231,10 +231,11 @@ def test_forced_call_string_arguments_may_hold_angle_brackets():
     """A raw string argument may contain `<` (code, HTML, generics), but not the start of `</arg_value>`."""
     import xgrammar
 
-    from dsaserve.server.parsers.glm_tool_grammar import tool_call_grammar
+    from dsaserve.server.parsers.glm import GLM_GRAMMAR
+    from dsaserve.server.parsers.tool_call_grammar import tool_call_grammar
 
-    grammar = tool_call_grammar(xgrammar, {"run": {"type": "object", "properties": {"code": {"type": "string"}}}},
-                                "run", False)
+    schema = {"type": "object", "properties": {"code": {"type": "string"}}}
+    grammar = tool_call_grammar(xgrammar, GLM_GRAMMAR, {"run": schema}, "run", False)
     compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([chr(i) for i in range(32, 127)]))
     compiled = compiler.compile_grammar(grammar)
 

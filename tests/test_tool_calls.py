@@ -12,7 +12,7 @@ import pytest
 from dsaserve.outputs import CompletionOutput, RequestOutput
 from dsaserve.server.chat import PreparedChat, chat_full, chat_stream
 from dsaserve.server.parsers import REASONING
-from dsaserve.server.parsers.glm import parse_tool_call
+from dsaserve.server.parsers.glm import GLM47, parse_tool_call
 from dsaserve.server.protocol import ChatCompletionRequest
 
 SCHEMAS = {
@@ -40,7 +40,7 @@ def state_emitting(text: str, finish: str, pieces: int | None = None):
 
 def both(text: str, finish: str = "stop", reasoning: bool = False) -> tuple[dict, dict]:
     """(the whole answer's message and finish_reason, the same assembled from the stream)."""
-    args = {"tools": True, "tool_schemas": SCHEMAS, "reasoning": reasoning,
+    args = {"tool_format": GLM47, "tools": True, "tool_schemas": SCHEMAS, "reasoning": reasoning,
             "start_in": REASONING if reasoning else "content"}
     prepared = PreparedChat([1, 2], args)
     fields = {"messages": [{"role": "user", "content": "x"}]}

@@ -33,6 +33,16 @@ RANDOM_DEMO_CONFIG = dict(
 )
 
 
+def random_demo_config(model_type: str = "glm_moe_dsa") -> dict:
+    """The random demo's geometry in a family's layout: DeepSeek-V3.2 runs an indexer on every layer and routes
+    within groups of experts (4 groups of 4, the best 2 groups chosen)."""
+    if model_type == "glm_moe_dsa":
+        return dict(RANDOM_DEMO_CONFIG)
+    glm_only = ("indexer_types", "index_share_for_mtp_iteration")
+    config = {k: v for k, v in RANDOM_DEMO_CONFIG.items() if k not in glm_only}
+    return dict(config, model_type=model_type, n_group=4, topk_group=2)
+
+
 def demo_model_dir() -> str:
     """The trained demo checkpoint shipped with the package (no download, no training at start)."""
     if not os.path.isfile(os.path.join(TRAINED_DIR, "model.safetensors")):

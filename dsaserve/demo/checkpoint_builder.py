@@ -15,10 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from dsaserve.config import ModelConfig
-from dsaserve.demo.tokenizer import build_tokenizer, save_tokenizer, stop_token_ids
+from dsaserve.demo.tokenizer import GLM_STYLE, STYLES, TokenizerStyle, build_tokenizer, save_tokenizer, stop_token_ids
 from dsaserve.model.checkpoint_layout import checkpoint_shapes
 from dsaserve.quantization.fp8_blocks import FP8_MAX, is_fp8_quantizable, quantize_fp8  # noqa: F401 (tests and scripts import them here)
-
 
 # Fields only GLM's config carries: the IndexShare schedule and its RoPE layouts (DeepSeek-V3.2 fixes both).
 GLM_ONLY_FIELDS = ("indexer_types", "index_topk_pattern", "indexer_rope_interleave", "rope_interleave")
@@ -78,6 +77,7 @@ def small_config(model_type: str = "glm_moe_dsa", **overrides) -> dict:
         for key in GLM_ONLY_FIELDS:
             del cfg[key]
         cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", rms_norm_eps=1e-6,
+                   bos_token_id=0,
                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                     "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "mscale": 1.0, "mscale_all_dim": 1.0})
@@ -172,8 +172,9 @@ def build_checkpoint(model_dir: str, seed: int = 0, std: float = 0.0, shards: in
                      tokenizer_vocab: int = 1024, **config_overrides) -> str:
     """Write config.json, weights, tokenizer and generation_config.json; returns model_dir."""
     os.makedirs(model_dir, exist_ok=True)
-    tok = build_tokenizer(tokenizer_vocab)
-    eos = stop_token_ids(tok)
+    style = STYLES[config_overrides.get("model_type", "glm_moe_dsa")]
+    tok = build_tokenizer(tokenizer_vocab, style=style)
+    eos = stop_token_ids(tok, style)
     config_overrides.setdefault("vocab_size", max(64 * math.ceil(tok.get_vocab_size() / 64), 64))
     config_overrides.setdefault("eos_token_id", eos)
     config_overrides.setdefault("pad_token_id", eos[0])
@@ -183,12 +184,12 @@ def build_checkpoint(model_dir: str, seed: int = 0, std: float = 0.0, shards: in
     cfg = ModelConfig.from_dict(raw)
     weights = random_weights(cfg, seed=seed, std=std, include_mtp=include_mtp)
     save_checkpoint(model_dir, raw, weights, shards=shards, dtype=dtype, fp8=fp8)
-    save_tokenizer_files(tok, model_dir, eos)
+    save_tokenizer_files(tok, model_dir, eos, style)
     return model_dir
 
 
-def save_tokenizer_files(tok, model_dir: str, eos: list[int]) -> None:
-    """tokenizer.json, tokenizer_config.json (with the chat template) and generation_config.json."""
-    save_tokenizer(tok, model_dir)
+def save_tokenizer_files(tok, model_dir: str, eos: list[int], style: TokenizerStyle = GLM_STYLE) -> None:
+    """tokenizer.json, tokenizer_config.json (with the family's chat template, if any) and generation_config.json."""
+    save_tokenizer(tok, model_dir, style)
     with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": eos, "pad_token_id": eos[0]}, f, indent=2)

@@ -1,15 +1,17 @@
-"""A small byte-level BPE tokenizer with GLM's special tokens and a GLM-style chat template.
+"""A small byte-level BPE tokenizer with GLM's special tokens and a GLM-style chat template, or DeepSeek-V3.2's
+special tokens and no template (that family's chats use their own encoding).
 
-Used by the built-in demo model and by test fixtures: it exercises the same files a real GLM
-checkpoint ships (tokenizer.json, tokenizer_config.json with a jinja chat template).
+Used by the built-in demo model and by test fixtures: it exercises the same files a real checkpoint ships
+(tokenizer.json, tokenizer_config.json with a jinja chat template where the family has one).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 # Control tokens: special, dropped from text when skip_special_tokens is set.
 GLM_SPECIAL_TOKENS = (
@@ -24,6 +26,11 @@ GLM_MARKUP_TOKENS = (
 )
 # Generation stops at these (GLM's eos ids point at the same three tokens).
 GLM_STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
+
+# DeepSeek-V3.2's control tokens, begin and end of sentence first (ids 0 and 1, as in its checkpoints).
+DEEPSEEK_SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>",
+                           "<｜Assistant｜>")
+DEEPSEEK_MARKUP_TOKENS = ("<think>", "</think>")
 
 _CORPUS = """\
 dsaserve serves GLM models with sparse attention. The lightning indexer scores the past tokens and
@@ -98,7 +105,27 @@ For each function call, output the function name and arguments within the follow
 NUMBER_AWARE_SPLIT = r"(?: is)? ?\d\d?|'(?:s|t|re|ve|m|ll|d)| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 
-def build_tokenizer(vocab_size: int = 1024, corpus: list[str] | None = None, split_digits: bool = False) -> Tokenizer:
+@dataclass(frozen=True)
+class TokenizerStyle:
+    """A family's tokens: control tokens (dropped from text with skip_special_tokens), markup tokens (single
+    tokens kept in decoded text, so reasoning and tool calls can be parsed), stop tokens, and its template."""
+
+    special: tuple[str, ...]
+    markup: tuple[str, ...]
+    stop: tuple[str, ...]
+    eos_token: str
+    bos_token: str | None
+    chat_template: str | None
+
+
+GLM_STYLE = TokenizerStyle(GLM_SPECIAL_TOKENS, GLM_MARKUP_TOKENS, GLM_STOP_TOKENS, "<|endoftext|>", None, CHAT_TEMPLATE)
+DEEPSEEK_STYLE = TokenizerStyle(DEEPSEEK_SPECIAL_TOKENS, DEEPSEEK_MARKUP_TOKENS, ("<｜end▁of▁sentence｜>",),
+                                "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", None)
+STYLES = {"glm_moe_dsa": GLM_STYLE, "deepseek_v32": DEEPSEEK_STYLE}
+
+
+def build_tokenizer(vocab_size: int = 1024, corpus: list[str] | None = None, split_digits: bool = False,
+                    style: TokenizerStyle = GLM_STYLE) -> Tokenizer:
     """Train a byte-level BPE (deterministic), specials first; on a fixed built-in text unless given one.
 
     split_digits: numbers in pieces of at most two digits, " is" joined to the number after it
@@ -114,34 +141,40 @@ def build_tokenizer(vocab_size: int = 1024, corpus: list[str] | None = None, spl
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(GLM_SPECIAL_TOKENS),
+        special_tokens=list(style.special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus or _CORPUS.splitlines(), trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in GLM_MARKUP_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in style.markup])
+    if style.bos_token is not None:  # a plain prompt starts with it, as DeepSeek's tokenizer does
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{style.bos_token} $A", special_tokens=[(style.bos_token, tok.token_to_id(style.bos_token))])
     return tok
 
 
-def save_tokenizer(tok: Tokenizer, model_dir: str) -> None:
+def save_tokenizer(tok: Tokenizer, model_dir: str, style: TokenizerStyle = GLM_STYLE) -> None:
     tok.save(os.path.join(model_dir, "tokenizer.json"))
     added = {
-        str(tok.token_to_id(t)): {"content": t, "special": t in GLM_SPECIAL_TOKENS, "lstrip": False,
+        str(tok.token_to_id(t)): {"content": t, "special": t in style.special, "lstrip": False,
                                   "rstrip": False, "normalized": False, "single_word": False}
-        for t in GLM_SPECIAL_TOKENS + GLM_MARKUP_TOKENS
+        for t in style.special + style.markup
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
+        "eos_token": style.eos_token,
+        "pad_token": style.eos_token,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 20,
         "added_tokens_decoder": added,
-        "chat_template": CHAT_TEMPLATE,
     }
+    if style.bos_token is not None:
+        config["bos_token"] = style.bos_token
+    if style.chat_template is not None:
+        config["chat_template"] = style.chat_template
     with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
 
 
-def stop_token_ids(tok: Tokenizer) -> list[int]:
-    return [tok.token_to_id(t) for t in GLM_STOP_TOKENS]
+def stop_token_ids(tok: Tokenizer, style: TokenizerStyle = GLM_STYLE) -> list[int]:
+    return [tok.token_to_id(t) for t in style.stop]

@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from dsaserve.config import ModelConfig
 from dsaserve.engine.admission import EngineRequest
 from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine.stats import EngineStats
@@ -83,6 +84,10 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.config
 
     @property
     def max_model_len(self) -> int:

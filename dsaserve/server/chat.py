@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from dsaserve.chat_template import ChatTemplateError
 from dsaserve.engine.admission import EngineRequest
 from dsaserve.server.input_checks import check_encodable, check_template_kwargs, encode_bounded
-from dsaserve.server.parsers import CONTENT, REASONING, GlmOutputParser
-from dsaserve.server.parsers.glm import CALL_START, THINK_END, THINK_START
+from dsaserve.server.parsers import CONTENT, REASONING, THINK_END, THINK_START, OutputParser
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from dsaserve.server.response_pieces import chat_logprobs, continuous_usage, now, sse, stream_error, usage
 from dsaserve.server.state import ServerState
@@ -43,11 +42,11 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
         if choice.function.name not in schemas:
             raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not in tools",
                            param="tool_choice")
-        forced = CALL_START + choice.function.name
+        forced = state.tool_format.forced_prefix(choice.function.name)
     elif choice == "required":
         if not tools:
             raise APIError(400, "tool_choice 'required' needs at least one tool in tools", param="tool_choice")
-        forced = CALL_START
+        forced = state.tool_format.forced_prefix(None)
     try:
         text = state.chat_template.render([m.for_template() for m in req.messages], tools=tools,
                                           add_generation_prompt=req.add_generation_prompt, **req.template_kwargs())
@@ -61,7 +60,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
     ids = encode_bounded(state.engine.tokenizer, text, state.max_model_len, state.max_prompt_chars, "messages",
                          add_special_tokens=False)
     parser_args = dict(
-        reasoning=reasoning and not forced,
+        tool_format=state.tool_format, reasoning=reasoning and not forced,
         tools=state.config.tool_call_parser is not None and bool(tools) and choice != "none",
         start_in=REASONING if (reasoning and opened and not forced) else CONTENT,
         tool_schemas=schemas, prefix=forced,
@@ -76,7 +75,7 @@ def _constraint(state: ServerState, req: ChatCompletionRequest, schemas: dict, f
             raise APIError(400, "a forced tool_choice already constrains the output; drop response_format / "
                                 "structured_outputs or use tool_choice 'auto'", param="tool_choice")
         named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
-        return forced_tool_constraint(schemas if named is None else {named: schemas[named]}, named,
+        return forced_tool_constraint(state.tool_format, schemas if named is None else {named: schemas[named]}, named,
                                       req.parallel_tool_calls is not False)
     return requested_constraint(req, _reasoning_markers(state, reasoning, opened))
 
@@ -121,7 +120,7 @@ async def chat_full(state: ServerState, req: ChatCompletionRequest, request_id: 
             final.add(out)
     choices = []
     for c in final.outputs:
-        parser = GlmOutputParser(**prepared.parser_args)  # the same parser streaming uses, fed all at once
+        parser = OutputParser(**prepared.parser_args)  # the same parser streaming uses, fed all at once
         parsed = parser.feed(c.text, last=True)
         content, calls = parsed.content, parsed.tool_calls[: max_calls(req)]
         message = {"role": "assistant", "content": content or (None if calls else ""),
@@ -141,7 +140,7 @@ async def chat_full(state: ServerState, req: ChatCompletionRequest, request_id: 
 async def chat_stream(state: ServerState, req: ChatCompletionRequest, request_id: str,
                       prepared: PreparedChat, admitted: EngineRequest) -> AsyncIterator[str]:
     created, model = now(), state.config.model_name
-    parsers = [GlmOutputParser(**prepared.parser_args) for _ in range(req.n)]
+    parsers = [OutputParser(**prepared.parser_args) for _ in range(req.n)]
     calls_made = [0] * req.n
     completion_tokens = 0
 

@@ -14,10 +14,11 @@ import time
 import uvicorn
 from starlette.middleware.cors import CORSMiddleware
 
-from dsaserve.chat_template import ChatTemplate
+from dsaserve.chat_format import ChatFormat, chat_format
 from dsaserve.demo import demo_model_dir
 from dsaserve.engine.async_llm_engine import AsyncLLMEngine
 from dsaserve.engine_args import EngineArgs
+from dsaserve.model_family import ModelFamily
 from dsaserve.server.app import GuardMiddleware, build_app
 from dsaserve.server.connection_limits import limited_protocol
 from dsaserve.server.metrics import ServerMetrics
@@ -28,16 +29,25 @@ logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "dsaserve-demo"
 
 
-def load_chat_template(engine: AsyncLLMEngine, override: str | None) -> ChatTemplate | None:
-    tokenizer = engine.tokenizer
-    source = tokenizer.chat_template
+def load_chat_template(engine: AsyncLLMEngine, override: str | None, mode: str = "auto") -> ChatFormat | None:
+    source = None
     if override:
         with open(override) as f:
             source = f.read()
-    if source is None:
+    found = chat_format(engine.tokenizer, engine.model_config.family, source, mode)
+    if found is None:
         logger.warning("no chat template: /v1/chat/completions will answer 400 (give --chat-template FILE)")
-        return None
-    return ChatTemplate(source, tokenizer.special_tokens)
+    return found
+
+
+def with_family_parsers(config: ServerConfig, family: ModelFamily) -> ServerConfig:
+    """--reasoning-parser / --tool-call-parser "auto": the model family's own."""
+    reasoning, tools = config.reasoning_parser, config.tool_call_parser
+    config = dataclasses.replace(config, reasoning_parser=family.reasoning_parser if reasoning == "auto" else reasoning,
+                                 tool_call_parser=family.tool_call_parser if tools == "auto" else tools)
+    logger.info("output parsers: reasoning %s, tool calls %s", config.reasoning_parser or "off",
+                config.tool_call_parser or "off")
+    return config
 
 
 async def watch_idle(state: ServerState, server: uvicorn.Server, idle: float) -> None:
@@ -96,7 +106,7 @@ CUT_GRACE = 5.0  # seconds uvicorn waits, once told to exit, for responses still
 
 
 def serve(engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          chat_template: str | None = None) -> int:
+          chat_template: str | None = None, tokenizer_mode: str = "auto") -> int:
     """config.model_name None: the model's path (or the demo's name); config.api_key None: DSASERVE_API_KEY;
     config.allowed_hosts None: the loopback names when bound to loopback, any otherwise. Returns the exit code: 0,
     1 when the server did not start or a rank failed, CUT_EXIT_CODE when requests were cut at shutdown."""
@@ -109,7 +119,8 @@ def serve(engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1"
         config = dataclasses.replace(config, allowed_hosts=LOOPBACK_HOSTS)
     idle_shutdown = config.idle_shutdown
     engine = AsyncLLMEngine.from_engine_args(engine_args, start_thread=False)
-    state = ServerState(engine, config, load_chat_template(engine, chat_template),
+    config = with_family_parsers(config, engine.model_config.family)
+    state = ServerState(engine, config, load_chat_template(engine, chat_template, tokenizer_mode),
                         ServerMetrics(engine.stats, config.model_name))
     server: uvicorn.Server | None = None
 

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError
 
 from dsaserve.server.chat import PreparedChat, admit_chat, prepare_chat
-from dsaserve.server.parsers import GlmOutputParser
+from dsaserve.server.parsers import OutputParser
 from dsaserve.server.protocol import MAX_ID_CHARS, APIError, ChatCompletionRequest, ReasoningEffort, Strict
 from dsaserve.server.response_pieces import stream_error
 from dsaserve.server.state import ServerState
@@ -220,7 +220,7 @@ async def respond(state: ServerState, req: ResponsesRequest, store: ResponseStor
 
 
 async def _events(state, req, store, messages, prepared, admitted, builder: ResponseBuilder) -> AsyncIterator[str]:
-    parser = GlmOutputParser(**prepared.parser_args)
+    parser = OutputParser(**prepared.parser_args)
     yield builder.event("response.created", response=builder.response("in_progress"))
     yield builder.event("response.in_progress", response=builder.response("in_progress"))
     open_item: dict | None = None

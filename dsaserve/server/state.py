@@ -6,12 +6,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from dsaserve.chat_template import ChatTemplate
+from dsaserve.chat_format import ChatFormat
 from dsaserve.engine.admission import EngineRequest, RequestRejected
 from dsaserve.engine.async_llm_engine import AsyncLLMEngine
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams, SamplingParamsError
 from dsaserve.server.metrics import ServerMetrics
+from dsaserve.server.parsers import TOOL_CALL_FORMATS, ToolCallFormat
 from dsaserve.server.protocol import APIError, SamplingFields
 
 # A token's text is at most Tokenizer.max_token_chars; Unicode normalization can merge a few input
@@ -25,8 +26,8 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
     body_timeout: float = 30.0  # seconds a client may take to send its request body
-    reasoning_parser: str | None = "glm45"
-    tool_call_parser: str | None = "glm47"
+    reasoning_parser: str | None = "auto"  # "auto": the model family's (serve() resolves it); None: off
+    tool_call_parser: str | None = "auto"
     idle_shutdown: float | None = None
     responses_store_max_bytes: int = 64 << 20  # stored /v1/responses conversations, for previous_response_id
     allowed_hosts: list[str] | None = None  # Host header names answered (None: any)
@@ -43,7 +44,7 @@ class ServerConfig:
 class ServerState:
     engine: AsyncLLMEngine
     config: ServerConfig
-    chat_template: ChatTemplate | None
+    chat_template: ChatFormat | None
     metrics: ServerMetrics
     in_flight: int = 0  # HTTP requests at the guard, refused ones included
     running: int = 0  # those past its checks, being answered
@@ -51,6 +52,15 @@ class ServerState:
     draining: bool = False  # set on SIGTERM: new /v1 requests get 503
     cut_at: float | None = None  # while draining: when requests still running are ended with an error
     cut: bool = False  # some were
+
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        """How tool calls are written: --tool-call-parser's format, the model family's when that is none (a forced
+        tool_choice still opens a call in it)."""
+        name = self.config.tool_call_parser
+        if name in (None, "auto"):
+            name = self.engine.model_config.family.tool_call_parser
+        return TOOL_CALL_FORMATS[name]
 
     def start_draining(self) -> None:
         self.draining = True

@@ -3,7 +3,8 @@ tool-call grammar a forced `tool_choice` implies, as engine StructuredOutputsPar
 
 from __future__ import annotations
 
-from dsaserve.server.parsers.glm_tool_grammar import ToolSchemaError, tool_call_grammar
+from dsaserve.server.parsers import ToolCallFormat
+from dsaserve.server.parsers.tool_call_grammar import ToolSchemaError, tool_call_grammar
 from dsaserve.server.protocol import APIError, SamplingFields
 from dsaserve.structured_output import ReasoningMarkers, StructuredOutputsParams
 
@@ -33,7 +34,7 @@ def requested_constraint(req: SamplingFields,
         raise APIError(400, str(e), param="structured_outputs") from None
 
 
-def forced_tool_constraint(schemas: dict[str, dict], named: str | None,
+def forced_tool_constraint(tool_format: ToolCallFormat, schemas: dict[str, dict], named: str | None,
                            parallel: bool) -> StructuredOutputsParams | None:
     """The grammar of the forced call(s); None without xgrammar (the call is then only opened in the prompt)."""
     try:
@@ -41,7 +42,8 @@ def forced_tool_constraint(schemas: dict[str, dict], named: str | None,
     except ImportError:
         return None
     try:
-        return StructuredOutputsParams(grammar=tool_call_grammar(xgrammar, schemas, named, parallel))
+        return StructuredOutputsParams(grammar=tool_call_grammar(xgrammar, tool_format.grammar, schemas, named,
+                                                                    parallel))
     except ToolSchemaError as e:
         raise APIError(400, str(e), param="tools") from None
     except (ValueError, RuntimeError) as e:  # too large a grammar, or a schema xgrammar cannot convert

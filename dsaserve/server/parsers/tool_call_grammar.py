@@ -1,13 +1,10 @@
-"""The grammar of GLM tool calls, so `tool_choice: "required"` or a named function yields a call whose
-arguments fit the tool's schema.
+"""The grammar of a forced tool call, so `tool_choice: "required"` or a named function yields calls whose
+arguments fit the tools' schemas, written in the model family's format (its ToolCallFormat's CallGrammar).
 
-The prompt already ends with `<tool_call>` (required) or `<tool_call>NAME` (named); the grammar covers
-the rest, in the format the glm47 parser reads:
-    NAME<arg_key>K</arg_key><arg_value>V</arg_value>…</tool_call>
-A plain string argument is written raw (the parser keeps it as text; it may hold `<`, but not the
-sequence `</a` with which `</arg_value>` begins, nor end in `<` or `</`), any other value as JSON for
-its schema. Properties come in the schema's order, required ones always; a newline may separate the tags,
-as GLM-4.5 writes them.
+The prompt already ends with the format's forced prefix (the call opened, and named when one function is
+forced); the grammar covers the rest, in the form the family's parser reads. A plain string argument is written
+raw (the parser keeps it as text; it may hold `<`, but not the start of the markup that closes the value), any
+other value as JSON for its schema. Properties come in the schema's order, required ones always.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-from dsaserve.server.parsers.glm import CALL_END, CALL_START, KEY_END, KEY_START, VALUE_END, VALUE_START
+from dsaserve.server.parsers.output_parser import CallGrammar
 from dsaserve.structured_output.compiler import json_grammar
 from dsaserve.structured_output.schema_support import unsupported_feature
 
@@ -29,53 +26,50 @@ class ToolSchemaError(ValueError):
     """A tool's parameters use a schema feature the grammar cannot enforce."""
 
 
-def tool_call_grammar(xgrammar, schemas: dict[str, dict], named: str | None, parallel: bool) -> str:
+def tool_call_grammar(xgrammar, shape: CallGrammar, schemas: dict[str, dict], named: str | None,
+                      parallel: bool) -> str:
     """EBNF for what follows the prompt: the named call's arguments, or one or more calls to any tool."""
     rules: list[str] = []
     for i, (name, schema) in enumerate(schemas.items()):
         problem = unsupported_feature(schema)
         if problem:
             raise ToolSchemaError(f"tool {name!r}: {problem}")
-        rules.append(f"args_{i} ::= {_arguments(xgrammar, f'f{i}', schema or {}, rules)}")
+        rules.append(f"args_{i} ::= {_arguments(xgrammar, shape, f'f{i}', schema or {}, rules)}")
     names = list(schemas)
     if named is not None:
-        root = f'args_{names.index(named)} "\\n"? {_lit(CALL_END)}'
+        root = shape.named_root(f"args_{names.index(named)}")
     else:
-        rules.append("call ::= " + " | ".join(f'{_lit(n)} args_{i} "\\n"? {_lit(CALL_END)}'
-                                              for i, n in enumerate(names)))
-        root = f'call ("\\n"? {_lit(CALL_START)} call)*' if parallel else "call"
+        rules.append("call ::= " + " | ".join(shape.call(n, f"args_{i}") for i, n in enumerate(names)))
+        root = shape.calls_root("call", parallel)
     return "\n".join([f"root ::= {root}"] + rules)
 
 
-def _arguments(xgrammar, prefix: str, schema: dict, rules: list[str]) -> str:
+def _arguments(xgrammar, shape: CallGrammar, prefix: str, schema: dict, rules: list[str]) -> str:
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or ())
     parts = []
     for j, (key, prop) in enumerate(properties.items()):
-        value = _value(xgrammar, f"{prefix}_p{j}", prop if isinstance(prop, dict) else {}, rules)
-        pair = f'"\\n"? {_lit(KEY_START + key + KEY_END)} "\\n"? {_lit(VALUE_START)} {value} {_lit(VALUE_END)}'
-        rules.append(f"{prefix}_p{j} ::= {pair}")
+        value, raw = _value(xgrammar, shape, f"{prefix}_p{j}", prop if isinstance(prop, dict) else {}, rules)
+        rules.append(f"{prefix}_p{j} ::= {shape.pair(key, value, raw)}")
         parts.append(f"{prefix}_p{j}" + ("" if key in required else "?"))
     return " ".join(parts) or '""'
 
 
-def _value(xgrammar, name: str, schema: dict, rules: list[str]) -> str:
-    """The rule for one argument value: raw text for a plain string, else JSON for its schema."""
+def _value(xgrammar, shape: CallGrammar, name: str, schema: dict, rules: list[str]) -> tuple[str, bool]:
+    """The rule for one argument value, and whether it is raw text (a plain string) rather than JSON."""
     if schema.get("type") == "string" and set(schema) <= _RAW_STRING_KEYS:
         if isinstance(schema.get("enum"), list) and all(isinstance(e, str) for e in schema["enum"]):
-            return "(" + " | ".join(_lit(e) for e in schema["enum"]) + ")"
+            return "(" + " | ".join(literal(e) for e in schema["enum"]) + ")", True
         if isinstance(schema.get("pattern"), str):
             rules.append(_renamed(str(xgrammar.Grammar.from_regex(schema["pattern"])), name))
-            return f"{name}_root"
+            return f"{name}_root", True
         low, high = schema.get("minLength", 0), schema.get("maxLength")
         if low or high is not None:  # counted in characters: no `<` at all then
-            return f"[^<]{{{low},{'' if high is None else high}}}"
-        return RAW_TEXT
+            return f"[^<]{{{low},{'' if high is None else high}}}", True
+        return shape.raw_text, True
     rules.append(_renamed(json_grammar(xgrammar, json.dumps(schema), strict=True), name))
-    return f"{name}_root"
+    return f"{name}_root", False
 
-
-RAW_TEXT = '([^<] | "<" [^/] | "</" [^a])*'  # any text in which </arg_value> cannot begin
 
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*')
 
@@ -87,5 +81,6 @@ def _renamed(ebnf: str, prefix: str) -> str:
     return _TOKEN.sub(lambda m: f"{prefix}_{m.group(0)}" if m.group(0) in names else m.group(0), ebnf)
 
 
-def _lit(text: str) -> str:
+def literal(text: str) -> str:
+    """text as an EBNF string literal."""
     return json.dumps(text, ensure_ascii=False)
