@@ -71,6 +71,7 @@ def main() -> None:
         setattr(owner, name, call)
 
     timed(Indexer, "select", "select")
+    timed(Indexer, "forward", "select")  # through the modules (--enforce-eager): keys, their write and the selection
     timed(SparseAttention, "decode_slots", "slots")
     timed(engine, "step", "step")
     for _ in range(20):
@@ -81,12 +82,14 @@ def main() -> None:
     steps = len(times["step"])
     line = f"context {args.context}, batch {args.batch}, indexer keys {args.indexer_cache_dtype}: "
     if "select" in times:  # selections made in Python between the step's native calls
-        per_step = len(times["slots"]) // steps
-        slots = [sum(times["slots"][i:i + per_step]) for i in range(0, per_step * steps, per_step)]
         per_layer, per_step_selections = statistics.median(times["select"]), len(times["select"]) / steps
         share = per_layer * per_step_selections / statistics.median(times["step"])
         line += (f"one full layer's selection, median {per_layer:.0f} µs ({per_step_selections:.0f} a step: "
-                 f"{share:.0%} of the step); slots from the selections {statistics.median(slots):.0f} µs a step; ")
+                 f"{share:.0%} of the step); ")
+        if "slots" in times:
+            per_step = len(times["slots"]) // steps
+            slots = [sum(times["slots"][i:i + per_step]) for i in range(0, per_step * steps, per_step)]
+            line += f"slots from the selections {statistics.median(slots):.0f} µs a step; "
     else:
         line += "selections made inside the step's native call; "
     print(line + f"step {statistics.median(times['step']) / 1e3:.2f} ms")
