@@ -17,7 +17,15 @@ from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.engine.workers.kv_cache import KVCacheLayout
 from dsaserve.model import huge_pages
 from dsaserve.model.checkpoint_layout import checkpoint_shapes, component_of, is_mtp_tensor
-from dsaserve.model.loader import CheckpointError, check_tensors, checkpoint_files, read_tensor_infos
+from dsaserve.model.load_memory import available_memory, default_scratch_budget
+from dsaserve.model.loader import (
+    SCRATCH_PER_THREAD,
+    CheckpointError,
+    check_tensors,
+    checkpoint_files,
+    load_threads,
+    read_tensor_infos,
+)
 from dsaserve.model.weight_bytes import resident_bytes
 from dsaserve.native import amx, index_scores, selected_rows, torch_ops
 from dsaserve.parallel_plan import plan_lines, stored_items
@@ -101,7 +109,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
         source = f"config.json at {cfg.checkpoint_dtype}"
         stored = stored_items(cfg, checkpoint_shapes(cfg), item)
     lines += _component_table(sizes, source)
-    lines += _weight_form_lines(cfg)
+    lines += _weight_form_lines(cfg, len(files) or UNKNOWN_FILES)
     lines += _kv_lines(cfg, max_model_len)
     if parallel is not None and parallel.distributed:
         parallel.check_model(cfg, "sparse")
@@ -215,13 +223,27 @@ def _component_table(sizes: dict, source: str) -> list[str]:
     return lines
 
 
-def _weight_form_lines(cfg: ModelConfig) -> list[str]:
-    """Resident weight bytes in each form dsaserve can hold them in (the MTP layer not counted)."""
+UNKNOWN_FILES = 64  # shards assumed for a config-only directory (a large checkpoint has more than threads)
+
+
+def _weight_form_lines(cfg: ModelConfig, files: int) -> list[str]:
+    """Resident weight bytes in each form dsaserve can hold them in (the MTP layer not counted), and the peak a load
+    into that form reaches: those bytes plus the loading threads' conversion scratch."""
     params = resident_bytes(cfg, None, torch.float32) // 4
-    lines = ["resident weights by form (--quantization; an FP8 checkpoint stays fp8 where the CPU kernels run):"]
+    available = available_memory()
+    budget = default_scratch_budget(available)
+    threads = load_threads(files, budget)
+    scratch = threads * SCRATCH_PER_THREAD
+    lines = ["resident weights by form (--quantization; an FP8 checkpoint stays fp8 where the CPU kernels run), and "
+             f"the peak while loading ({threads} thread{'s' if threads > 1 else ''} × {human(SCRATCH_PER_THREAD)} "
+             "of conversion scratch, --load-scratch-memory):"]
     for form, what in ((None, "bf16, float"), ("fp8", "fp8"), ("int8", "int8"), ("int4", "int4")):
         size = resident_bytes(cfg, form, torch.bfloat16)
-        lines.append(f"  {what:<12} {human(size):>12}  {size / params:.3f} bytes per parameter")
+        fits = "" if available is None else ("  fits here" if size + scratch <= available else "  does not fit here")
+        lines.append(f"  {what:<12} {human(size):>12}  {size / params:.3f} bytes per parameter, peak while loading "
+                     f"{human(size + scratch)}{fits}")
+    if available is not None:
+        lines.append(f"  (memory available here: {human(available)})")
     return lines
 
 

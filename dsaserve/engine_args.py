@@ -90,6 +90,9 @@ class EngineArgs:
         "CPU kernels this process uses: auto (the best bodies this CPU has: AMX tiles where they pass their check at "
         "load, VNNI int8 weight products, VBMI fp8 lookups), avx512 (the same without the AMX tiles and the VNNI and "
         "VBMI weight-product paths, for comparing) or off (torch's operators only)", choices=NATIVE_KERNELS))
+    load_scratch_memory: int | str | None = field(default=None, metadata=_help(
+        "memory the weight-loading threads may use to convert tensors, e.g. 256MiB: 64 MiB per thread, so it also "
+        "caps their number (default: a sixteenth of the memory available, between 64 and 512 MiB)"))
     huge_pages: bool = field(default=True, metadata=_help(
         "keep the weights out of 2 MiB transparent huge pages (on by default where Linux allows them)"))
     enforce_eager: bool = field(default=False, metadata=_help(
@@ -112,6 +115,7 @@ class EngineArgs:
             raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
                              f"{', '.join(QUANTIZATION_MODES)} (or leave it unset)")
         parse_bytes(self.kv_cache_memory)  # a bad size fails here, before anything loads
+        parse_bytes(self.load_scratch_memory, "load_scratch_memory")
         SpeculativeConfig.parse(self.speculative_config)  # and so does a bad speculative config
 
     @property

@@ -1,6 +1,7 @@
 """Strict checkpoint loading: sharded, FP8 block-scaled, and the errors for broken checkpoints."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -206,3 +207,100 @@ def test_reference_loads_the_builders_checkpoint_unchanged(tiny_checkpoint):
     inter = cfg.moe_intermediate_size
     assert torch.equal(gate_up[:inter], original["model.layers.1.mlp.experts.3.gate_proj.weight"])
     assert ref.model.layers[2].self_attn.indexer is None
+
+
+class _Inline:
+    """ThreadPoolExecutor stand-in that runs each job at once on the calling thread (where a dispatch mode sees it)."""
+
+    def __init__(self, max_workers=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8", "fp8"])
+def test_loading_streams_rows_and_never_widens_a_whole_tensor(make_checkpoint, monkeypatch, quantization):
+    """With the loader's scratch capped, no float32 tensor made while loading an FP8 checkpoint is larger than a
+    chunk of rows (128 rows of the widest tensor, padded to its groups): a whole embedding, head or projection
+    converted at once fails this."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import dsaserve.model.loader as loader
+
+    dims = dict(hidden_size=192, intermediate_size=320, moe_intermediate_size=136, vocab_size=4096)
+    path = make_checkpoint("fp8_vocab4096", seed=7, dtype=torch.bfloat16, fp8=True, **dims)
+    cfg = ModelConfig.from_pretrained(path)
+    largest = max(math.prod(s) for s in checkpoint_shapes(cfg).values())
+    cap = 128 * 512  # 128 rows × the widest tensor's columns (320), padded to whole groups of 128
+    assert largest > 2 * cap  # (else the test could not tell)
+
+    class LargestFloat(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    LargestFloat.numel = max(LargestFloat.numel, t.numel())
+            return out
+
+    original = loader.load_checkpoint
+
+    def watched(*args, **kwargs):
+        with LargestFloat():
+            return original(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "SCRATCH_PER_THREAD", 64 << 10)  # one 128-row chunk at a time here
+    monkeypatch.setattr(loader, "ThreadPoolExecutor", _Inline)
+    monkeypatch.setattr("dsaserve.model.load_checkpoint", watched)
+    llm_model = load_model(cfg, path, torch.bfloat16, CPU, progress=False,
+                           weight_forms=quantization)
+    assert 0 < LargestFloat.numel <= cap, f"a float32 tensor of {LargestFloat.numel} elements was made while loading"
+    assert llm_model is not None
+
+
+def test_a_load_the_machine_cannot_hold_is_refused_with_the_forms_that_fit(tiny_checkpoint, monkeypatch):
+    import dsaserve.model as model_package
+    from dsaserve.model.load_memory import LoadMemoryError
+    from dsaserve.model.weight_bytes import resident_bytes
+
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    scratch = 64 << 20  # one loading thread's
+    int4 = resident_bytes(cfg, "int4", torch.float32)
+    monkeypatch.setattr(model_package, "available_memory", lambda: scratch + int4 + 1)
+    with pytest.raises(LoadMemoryError, match=r"loading needs about .* MiB \(weights .* MiB, plus 64 MiB of "
+                                              r"conversion scratch\) but .* MiB is available; options that fit: "
+                                              r"--quantization int4 \("):
+        load_model(cfg, tiny_checkpoint, torch.float32, CPU, progress=False, scratch_budget=scratch)
+    monkeypatch.setattr(model_package, "available_memory", lambda: 1 << 40)
+    load_model(cfg, tiny_checkpoint, torch.float32, CPU, progress=False, scratch_budget=scratch)
+
+
+@pytest.mark.skipif(not __import__("dsaserve.native.torch_ops", fromlist=["load"]).load(),
+                    reason="the native operators did not build here")
+@pytest.mark.parametrize("rows, cols, full", [((0, 576), (0, 301), (576, 301)), ((128, 430), (64, 250), (576, 301)),
+                                              ((256, 384), (0, 7168), (384, 7168))])
+def test_the_native_fp8_dequantization_is_torchs(monkeypatch, rows, cols, full):
+    """The loader's table-per-byte FP8 conversion gives torch's values exactly, for parts of a tensor that start
+    and end inside its tiles (a 576-row weight's last tile is partial) and for special bytes (NaN, subnormals)."""
+    from dsaserve.native import torch_ops
+
+    w, scale = quantize_fp8(torch.randn(full) * 100)
+    w.view(torch.uint8)[0, :8] = torch.tensor([0x7F, 0xFF, 0x01, 0x81, 0x00, 0x80, 0x7E, 0x08], dtype=torch.uint8)
+    part = w[rows[0]:rows[1], cols[0]:cols[1]]
+    native = dequantize_fp8(part, scale, (128, 128), "w", full, (rows[0], cols[0]))
+    monkeypatch.setattr(torch_ops, "load", lambda: False)
+    reference = dequantize_fp8(part, scale, (128, 128), "w", full, (rows[0], cols[0]))
+    assert torch.equal(native.isnan(), reference.isnan())
+    assert torch.equal(native.nan_to_num(), reference.nan_to_num())

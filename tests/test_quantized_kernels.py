@@ -258,6 +258,28 @@ def test_the_torch_fallback_matches_the_reference(monkeypatch):
     assert torch.allclose(m.matmul(x), x @ weight.T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_torch_fallback_dequantizes_a_slab_of_rows_at_a_time(monkeypatch, kind):
+    """A product without kernels never holds the whole weight in floats: with room for 16 rows, a 37-row weight is
+    dequantized in three slabs (the last one partial), and the product is the whole one's."""
+    from dsaserve.quantization import quantized_weight
+
+    monkeypatch.setattr(torch_ops, "cpu_kernels", lambda: "none")
+    monkeypatch.setattr(quantized_weight, "FALLBACK_SCRATCH", 16 * 301 * 4)
+    m, weight = matrix(kind, 37, 301, 0)
+    seen, dequantize = [], quantized_weight.PackedMatrix.dequantize
+
+    def counted(self, dtype=torch.float32, rows=None):
+        out = dequantize(self, dtype, rows)
+        seen.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(quantized_weight.PackedMatrix, "dequantize", counted)
+    x = torch.randn(3, 301)
+    assert torch.allclose(m.matmul(x), x @ weight.T, atol=1e-4, rtol=1e-4)
+    assert seen == [16, 16, 5]
+
+
 @needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -78,7 +78,7 @@ def test_each_rank_reads_only_its_slices(tiny_checkpoint, monkeypatch):
     params = dict(model.named_parameters())
     attn = "model.layers.2.self_attn"
     assert log.sliced[f"{attn}.q_b_proj.weight"] == (slice(48, 96), slice(None))  # heads 2-3 of 4, 24 rows each
-    assert log.sliced[f"{attn}.o_proj.weight"] == (slice(None), slice(32, 64))
+    assert log.sliced[f"{attn}.o_proj.weight"] == (slice(0, cfg.hidden_size), slice(32, 64))  # rows: one chunk
     assert log.sliced["lm_head.weight"] == (slice(cfg.vocab_size // 2, cfg.vocab_size), slice(None))
     assert torch.equal(params[f"{attn}.q_b_proj.weight"], full[f"{attn}.q_b_proj.weight"][48:96])
     assert torch.equal(params[f"{attn}.o_proj.weight"], full[f"{attn}.o_proj.weight"][:, 32:64])

@@ -169,10 +169,12 @@ class GlmMoeDsaForCausalLM(nn.Module):
         first_mtp = f"model.layers.{self.config.num_hidden_layers}."
         first_expert, _ = self.parallel.plan.local_experts(self.config.n_routed_experts)
 
-        def load(name: str, tensor: torch.Tensor) -> None:
+        def load(name: str, tensor: torch.Tensor, first: int = 0, rows: int | None = None) -> None:
+            """tensor: rows [first, first + n) of this rank's part of checkpoint tensor `name`, which has `rows`
+            rows in all (None: tensor is the whole part)."""
             if name.startswith(first_mtp):
                 name = mtp_param_name(name, self.config.num_hidden_layers)
-            _load_tensor(params, name, tensor, first_expert)
+            _load_tensor(params, name, tensor, first_expert, first, tensor.shape[0] if rows is None else rows)
 
         return load
 
@@ -189,38 +191,43 @@ def param_of(checkpoint_name: str, num_hidden_layers: int) -> str:
     return name
 
 
-def _load_tensor(params: dict, name: str, tensor, first_expert: int = 0) -> None:
-    """tensor: this rank's slice of checkpoint tensor `name` (distributed/sharding.py), a float tensor or,
-    from an FP8 checkpoint, an Fp8Slice. A target is a Parameter or a QuantizedWeight (packed)."""
+def _load_tensor(params: dict, name: str, tensor, first_expert: int = 0, first: int = 0,
+                 rows: int | None = None) -> None:
+    """tensor: rows [first, first + n) of this rank's part of checkpoint tensor `name` (distributed/sharding.py),
+    which has `rows` rows (all of them when None); a float tensor or, from an FP8 checkpoint, an Fp8Slice. A target
+    is a Parameter or a QuantizedWeight (packed). kv_b_proj arrives in whole heads."""
+    rows = tensor.shape[0] if rows is None else rows
     if m := _EXPERT.match(name):
         moe, expert, kind = m.group(1), int(m.group(2)) - first_expert, m.group(3)
         if kind == "down":
-            _copy_rows(params[f"{moe}.experts_down"], 0, tensor, name, expert)
+            _copy_rows(params[f"{moe}.experts_down"], first, tensor, name, expert)
         else:
-            _copy_rows(params[f"{moe}.experts_gate_up"], 0 if kind == "gate" else tensor.shape[0], tensor, name, expert)
+            _copy_rows(params[f"{moe}.experts_gate_up"], first + (0 if kind == "gate" else rows), tensor, name, expert)
     elif (m := _GATE_UP.match(name)) and f"{m.group(1)}.gate_up_proj" in params:
         fused = params[f"{m.group(1)}.gate_up_proj"]
-        _copy_rows(fused, 0 if m.group(2) == "gate" else fused.shape[0] // 2, tensor, name)
+        _copy_rows(fused, first + (0 if m.group(2) == "gate" else fused.shape[0] // 2), tensor, name)
     elif m := _KV_B.match(name):
         w_uk, w_uv = params[f"{m.group(1)}.w_uk"], params[f"{m.group(1)}.w_uv"]
-        heads, v = w_uv.shape[0], w_uv.shape[1]
+        v = w_uv.shape[1]
+        nope = w_uk.shape[2] if isinstance(w_uk, QuantizedWeight) else w_uk.shape[1]
         rank = tensor.shape[1]
-        per_head = as_float(tensor).view(heads, -1, rank)
-        nope = per_head.shape[1] - v
+        per_head = as_float(tensor).view(-1, nope + v, rank)
+        h0 = first // (nope + v)
         if isinstance(w_uk, QuantizedWeight):  # packed per head, W_UK transposed
-            for h in range(heads):
-                w_uk.load_rows(0, per_head[h, :nope].T, h, name)
-                w_uv.load_rows(0, per_head[h, nope:], h, name)
+            for h in range(per_head.shape[0]):
+                w_uk.load_rows(0, per_head[h, :nope].T, h0 + h, name)
+                w_uv.load_rows(0, per_head[h, nope:], h0 + h, name)
         else:
-            _copy(w_uk, per_head[:, :nope], name)
-            _copy(w_uv, per_head[:, nope:], name)
+            heads = slice(h0, h0 + per_head.shape[0])
+            _copy(w_uk[heads], per_head[:, :nope], name)
+            _copy(w_uv[heads], per_head[:, nope:], name)
     elif name in params:
         dst = params[name]
-        if name.endswith(_VOCAB_PARAMS) and tensor.shape[0] < dst.shape[0]:  # the last rank's padding rows
+        if name.endswith(_VOCAB_PARAMS) and first == 0 and rows < dst.shape[0]:  # the last rank's padding rows
             if isinstance(dst, torch.Tensor):
                 with torch.no_grad():
-                    dst[tensor.shape[0]:].zero_()
-        _copy_rows(dst, 0, tensor, name)
+                    dst[rows:].zero_()
+        _copy_rows(dst, first, tensor, name)
     else:
         raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
 

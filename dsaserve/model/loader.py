@@ -1,9 +1,14 @@
-"""Load safetensors checkpoints (single file or sharded) strictly, in parallel, with FP8 dequantization;
+"""Load safetensors checkpoints (single file or sharded) strictly, streaming, with FP8 kept or converted;
 under tensor parallelism each rank reads only its slices.
 
 Strict means: the set of tensors must equal the layout derived from the config (indexer weights on
 every full layer and on no shared layer, per-expert MoE tensors; the MTP layers are skipped),
 shapes must match, and a truncated or corrupt file is reported by name.
+
+Streaming means: every tensor goes from the file to its resident form (packed FP8, int8, int4, bf16, or a float
+Parameter) a chunk of rows at a time, read from the memory-mapped file and converted in one bounded scratch per
+loading thread (SCRATCH_PER_THREAD): no whole tensor is ever held in full precision. Each file's tensors are read
+in file order, and the threads (one file each) are as many as the scratch budget allows.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,6 +34,9 @@ from dsaserve.quantization.fp8_blocks import Fp8Slice, dequantize_fp8  # noqa: F
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+SCRATCH_PER_THREAD = 64 << 20  # bytes of conversion temporaries a loading thread may hold
+SCRATCH_COPIES = 8  # fp32 copies of a chunk the conversions make at most (dequantize, scale, round, pack)
+CHUNK_ALIGN = 128  # rows: an FP8 block row, and a whole number of the packed layout's 16-row blocks
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` holds the block scales of an FP8 `X.weight`
 FP8_DTYPES = ("F8_E4M3",)
 
@@ -36,6 +46,8 @@ class TensorInfo:
     file: str
     dtype: str  # safetensors dtype string, e.g. "BF16", "F8_E4M3"
     shape: tuple[int, ...]
+    offset: int = 0  # where its bytes start in the file
+    nbytes: int = 0
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -57,19 +69,29 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def read_tensor_infos(files: list[str]) -> dict[str, TensorInfo]:
-    """Names, dtypes and shapes from the file headers, without reading tensor data."""
+    """Names, dtypes, shapes and places from the file headers, without reading tensor data."""
     infos: dict[str, TensorInfo] = {}
     for path in files:
         try:
             with safe_open(path, "pt") as f:
+                places = _data_offsets(path)
                 for name in f.keys():
                     if name in infos:
                         raise CheckpointError(f"tensor {name!r} is stored twice: in {infos[name].file} and {path}")
                     piece = f.get_slice(name)
-                    infos[name] = TensorInfo(path, piece.get_dtype(), tuple(piece.get_shape()))
+                    begin, end = places.get(name, (0, 0))
+                    infos[name] = TensorInfo(path, piece.get_dtype(), tuple(piece.get_shape()), begin, end - begin)
         except SafetensorError as e:
             raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-download this file") from e
     return infos
+
+
+def _data_offsets(path: str) -> dict[str, tuple[int, int]]:
+    """Each tensor's byte range in a safetensors file, from its header (safe_open has checked the header)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {name: tuple(entry["data_offsets"]) for name, entry in header.items() if name != "__metadata__"}
 
 
 def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo], with_mtp: bool = False) -> None:
@@ -138,22 +160,49 @@ def mtp_extras(cfg: ModelConfig, model_dir: str) -> tuple[bool, bool]:
     return optional[0] in infos, optional[1] in infos
 
 
-def read_part(f, name: str, info: TensorInfo, part: TensorSlice) -> torch.Tensor:
-    """Only `part` of tensor `name` from an open safetensors file (its bytes, not the whole tensor)."""
-    if part.dim is None:
+def read_part(f, name: str, info: TensorInfo, part: TensorSlice, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Only `part` of tensor `name` from an open safetensors file (its bytes, not the whole tensor); of that part,
+    only rows [r0, r1) when `rows` is given."""
+    if len(info.shape) < 2 or (part.dim is None and rows is None):
         return f.get_tensor(name)
     index = [slice(None)] * len(info.shape)
-    index[part.dim] = slice(part.start, part.stop)
+    if part.dim is not None:
+        index[part.dim] = slice(part.start, part.stop)
+    if rows is not None:
+        base = part.start if part.dim == 0 else 0
+        index[0] = slice(base + rows[0], base + rows[1])
     return f.get_slice(name)[tuple(index)]
 
 
+def part_shape(info: TensorInfo, part: TensorSlice) -> tuple[int, ...]:
+    shape = list(info.shape)
+    if part.dim is not None:
+        shape[part.dim] = part.stop - part.start
+    return tuple(shape)
+
+
+def chunk_rows(columns: int, align: int) -> int:
+    """Rows per chunk of a tensor with `columns` columns: as many whole `align`s as a thread's scratch holds in fp32
+    copies, at least one."""
+    return max(1, SCRATCH_PER_THREAD // (columns * 4 * SCRATCH_COPIES) // align) * align
+
+
+def load_threads(files: int, budget: int | None) -> int:
+    """Loading threads: one per file, up to the CPUs (8 at most), and no more than the scratch budget holds."""
+    cpus = min(os.cpu_count() or 1, 8)
+    fit = cpus if budget is None else max(1, budget // SCRATCH_PER_THREAD)
+    return max(1, min(files, cpus, fit))
+
+
 def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = True,
-                    max_workers: int | None = None, with_mtp: bool = False, plan: ShardPlan | None = None) -> None:
-    """Load every tensor of `model_dir` into `model` (via `model.weight_loader()`); FP8 tensors arrive
-    as Fp8Slice (kept as shipped by FP8 weights, dequantized by others). The MTP layer's
+                    max_workers: int | None = None, with_mtp: bool = False, plan: ShardPlan | None = None,
+                    scratch_budget: int | None = None) -> None:
+    """Load every tensor of `model_dir` into `model` (via `model.weight_loader()`), a chunk of rows at a time; FP8
+    tensors arrive as Fp8Slice (kept as shipped by FP8 weights, converted by others). The MTP layer's
     tensors load with_mtp (speculative decoding) and are skipped otherwise. With a tensor-parallel
     `plan`, each tensor's slice for that rank is read (distributed/sharding.py), and none of the
-    tensors the rank does not hold."""
+    tensors the rank does not hold. scratch_budget: bytes of conversion scratch for all loading threads together
+    (SCRATCH_PER_THREAD each), which caps their number."""
     plan = plan or ShardPlan()
     files = checkpoint_files(model_dir)
     if not files:
@@ -172,30 +221,58 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
                 parts[name] = part
                 by_file.setdefault(info.file, []).append(name)
     load_tensor = model.weight_loader()
-    total = sum(len(v) for v in by_file.values())
-    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
+    for names in by_file.values():
+        names.sort(key=lambda n: infos[n].offset)  # file order: each byte read once, front to back
+    total = sum(infos[n].nbytes * _share(infos[n], parts[n]) for names in by_file.values() for n in names)
+    bar = tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+               disable=not progress)
+    head_rows = cfg.qk_nope_head_dim + cfg.v_head_dim  # kv_b_proj is split per head: its chunks hold whole heads
 
     def load_file(path: str) -> None:
         try:
             with safe_open(path, "pt") as f:
                 for name in by_file[path]:
-                    part = parts[name]
-                    tensor = read_part(f, name, infos[name], part)
-                    if infos[name].dtype in FP8_DTYPES:  # as shipped; the target keeps it or dequantizes it
-                        scale_name = name + SCALE_SUFFIX
-                        offset = tuple(part.start if part.dim == d else 0 for d in (0, 1))
-                        with safe_open(infos[scale_name].file, "pt") as sf:
-                            tensor = Fp8Slice(tensor, sf.get_tensor(scale_name), infos[name].shape, offset, block, name)
-                    load_tensor(name, tensor)
-                    bar.update(1)
+                    load_one(f, name, head_rows if _KV_B_NAME in name else CHUNK_ALIGN)
         except SafetensorError as e:
             raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-download this file") from e
 
-    workers = max_workers or min(len(files), os.cpu_count() or 1, 8)
+    def load_one(f, name: str, align: int) -> None:
+        info, part = infos[name], parts[name]
+        shape = part_shape(info, part)
+        scales = None
+        if info.dtype in FP8_DTYPES:  # as shipped; the target keeps it or converts it
+            with safe_open(infos[name + SCALE_SUFFIX].file, "pt") as sf:
+                scales = sf.get_tensor(name + SCALE_SUFFIX)
+        rows = shape[0] if len(shape) >= 2 else 1
+        step = chunk_rows(shape[-1], align) if len(shape) >= 2 else 1
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            tensor = read_part(f, name, info, part, (r0, r1) if len(shape) >= 2 else None)
+            if scales is not None:
+                offset = (r0 + (part.start if part.dim == 0 else 0), part.start if part.dim == 1 else 0)
+                tensor = Fp8Slice(tensor, scales, info.shape, offset, block, name)
+            load_tensor(name, tensor, r0, rows)
+            bar.update(tensor.weight.nbytes if scales is not None else tensor.nbytes)
+
+    workers = max_workers or load_threads(len(files), scratch_budget)
+    start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for future in [pool.submit(load_file, path) for path in files]:
             future.result()
     bar.close()
+    seconds = time.perf_counter() - start
+    logger.info("loaded %.2f GiB of checkpoint in %.1f s (%.0f MB/s, %d thread%s)", total / 2**30, seconds,
+                total / 1e6 / max(seconds, 1e-9), workers, "" if workers == 1 else "s")
+
+
+_KV_B_NAME = ".kv_b_proj."
+
+
+def _share(info: TensorInfo, part: TensorSlice) -> float:
+    """The fraction of a tensor's bytes that its part holds."""
+    if part.dim is None or len(info.shape) <= part.dim:
+        return 1.0
+    return (part.stop - part.start) / info.shape[part.dim]
 
 
 def fp8_params(cfg: ModelConfig, model_dir: str) -> set[str]:

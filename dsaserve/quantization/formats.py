@@ -46,8 +46,8 @@ def packed_shapes(kind: str, n: int, k: int,
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] → (int8 [N, K], fp32 scale [N, 1])."""
     w = w.float()
-    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-    return (w / scale).round().clamp(-127, 127).to(torch.int8), scale
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
+    return (w / scale).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,12 +55,12 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     w = w.float()
     n, k = w.shape
     groups = -(-k // group)
-    full = torch.zeros(n, groups * group)
-    full[:, :k] = w
-    blocks = full.view(n, groups, group)
-    scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / 7
-    q = (blocks / scale[:, :, None]).round().clamp(-8, 7).view(n, -1)[:, :k]
-    return q.to(torch.int8), scale
+    if k % group:  # the last group padded with zeros
+        w = torch.cat([w, w.new_zeros(n, groups * group - k)], dim=1)
+    blocks = w.view(n, groups, group)
+    scale = blocks.abs().amax(dim=2).clamp_(min=1e-12).div_(7)
+    q = (blocks / scale[:, :, None]).round_().clamp_(-8, 7).to(torch.int8).view(n, -1)[:, :k]
+    return q, scale
 
 
 def quantize_fp8_rows(w: torch.Tensor, col_offset: int = 0,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaserve.config import CheckpointError
+from dsaserve.native import torch_ops
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128
@@ -31,10 +32,14 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> t
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str,
                    full_shape: tuple[int, int] | None = None, offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """weight (float8_e4m3fn) × its per-block scale. The tile is derived from the tensor's own scale grid.
-    weight may be the part of a [full_shape] tensor starting at row, column `offset` (one rank's slice)."""
+    """weight (float8_e4m3fn) × its per-block scale, fp32. The tile is derived from the tensor's own scale grid.
+    weight may be the part of a [full_shape] tensor starting at row, column `offset` (a chunk, a rank's slice)."""
     tile_r, tile_c = fp8_tiles(full_shape or weight.shape, scale_inv, block, name)
     grid_r, grid_c = scale_inv.shape if scale_inv.dim() == 2 else (1, 1)
+    if weight.device.type == "cpu" and torch_ops.load():  # a table per byte: torch's float8 → float is slow
+        return torch.ops.dsaserve.fp8_block_dequantize(weight.contiguous().view(torch.uint8),
+                                                      scale_inv.float().reshape(grid_r, grid_c).contiguous(),
+                                                      tile_r, tile_c, offset[0], offset[1])
     row_block = (torch.arange(weight.shape[0]) + offset[0]) // tile_r
     col_block = (torch.arange(weight.shape[1]) + offset[1]) // tile_c
     scale = scale_inv.float().reshape(grid_r, grid_c)[row_block][:, col_block]

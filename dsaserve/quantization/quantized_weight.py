@@ -17,6 +17,7 @@ from dsaserve.quantization import formats
 from dsaserve.quantization.fp8_blocks import Fp8Slice, as_float
 
 KERNEL_ROWS = 16  # activation rows the native kernel takes; more go to the GEMM
+FALLBACK_SCRATCH = 32 << 20  # bytes of one weight's rows dequantized at a time where no kernel runs
 
 
 def operator_args(kind: str, n: int, k: int, col_offset: int) -> tuple[int, int, int, int, int]:
@@ -48,12 +49,27 @@ class PackedMatrix:
             else:
                 y = rows @ torch.ops.dsaserve.dequantize_t(self.qweight, self.scale, *args, x.dtype)
         else:
-            y = rows @ self.dequantize(x.dtype).T
+            y = self._fallback_matmul(rows)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.n)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [N, K] as floats (in torch: the kernels' reference, and their fallback)."""
-        q, scale = formats.unpack(self.kind, self.qweight.cpu(), self.scale.cpu(), self.n, self.k)
+    def _fallback_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows @ weightᵀ in torch, dequantizing the weight a slab of output rows at a time (FALLBACK_SCRATCH), so a
+        product never holds a whole weight in floats (a head of 154,880 × 6,144 would be 3.8 GB in fp32)."""
+        step = max(16, FALLBACK_SCRATCH // (self.k * 4) // 16 * 16)
+        if step >= self.n:
+            return rows @ self.dequantize(rows.dtype).T
+        y = rows.new_empty(rows.shape[0], self.n)
+        for r0 in range(0, self.n, step):
+            r1 = min(self.n, r0 + step)
+            y[:, r0:r1] = rows @ self.dequantize(rows.dtype, (r0, r1)).T
+        return y
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The weight [N, K] as floats (in torch: the kernels' reference, and their fallback); only rows [r0, r1)
+        when given (r0 a multiple of 16, the packed layout's blocks)."""
+        r0, r1 = rows or (0, self.n)
+        b0, b1 = r0 // 16, -(-r1 // 16)
+        q, scale = formats.unpack(self.kind, self.qweight[b0:b1].cpu(), self.scale[b0:b1].cpu(), r1 - r0, self.k)
         w = formats.dequantize_reference(self.kind, q, scale, self.col_offset)
         return w.to(device=self.qweight.device, dtype=dtype)
 

@@ -19,7 +19,7 @@ from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
 from dsaserve.engine.workers.kv_cache import KVCache, KVCacheLayout
 from dsaserve.engine.workers.model_runner import ModelRunner
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput
-from dsaserve.engine_args import EngineArgs
+from dsaserve.engine_args import EngineArgs, parse_bytes
 from dsaserve.model import load_model
 from dsaserve.model.loader import fp8_params
 from dsaserve.native import torch_ops
@@ -41,7 +41,8 @@ class Worker:
         forms = weight_forms(args.quantization, fp8_params(cfg, args.model), dtype, device)
         self.model = load_model(cfg, args.model, dtype, device, args.attention_backend, progress=progress,
                                 page_budget=page_budget, with_mtp=self.with_mtp, parallel=self.parallel,
-                                weight_forms=forms, decode_plan=not args.enforce_eager, huge_pages=args.huge_pages)
+                                weight_forms=forms, decode_plan=not args.enforce_eager, huge_pages=args.huge_pages,
+                                scratch_budget=parse_bytes(args.load_scratch_memory, "load_scratch_memory"))
         self.with_indexer = self.model.backend.uses_indexer
         # Bytes per token this rank stores (under DCP, per token it holds: 1/N of a request's tokens).
         self.kv_layout = KVCacheLayout.of(cfg, dtype, args.indexer_cache_dtype, self.with_indexer, self.with_mtp)
