@@ -6,7 +6,6 @@ experts in 4 groups, the top 2 groups chosen). Prompts are ≥ 4 × index_topk s
 """
 
 import pytest
-import torch
 from reference import (
     dsaserve_forward,
     first_topk_mismatch,
@@ -15,6 +14,7 @@ from reference import (
     reference_forward,
     reference_greedy,
 )
+from test_parity import prompt
 from test_speculative import make_llm as make_spec_llm
 from test_speculative import oracle_drafts, token_ids
 
@@ -35,10 +35,6 @@ def path(make_checkpoint):
 @pytest.fixture(scope="module")
 def ref(path):
     return load_reference(path)
-
-
-def prompt(vocab: int, length: int, seed: int) -> list[int]:
-    return torch.randint(30, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def make_llm(path, **kwargs) -> LLM:
