@@ -1,6 +1,6 @@
 """The packed-weight kernels alone: GB/s of weights read by one [8192, 4096] product, per form and row count.
 
-    python benchmarks/quant_kernels.py [--warm] [--native-kernels auto|avx512]
+    python benchmarks/quant_kernels.py [--warm] [--native-kernels auto|avx512] [--cpu-isa avx2|...] [--fp32]
 
 Against torch's bf16 F.linear on the same weight and this machine's copy bandwidth (bytes copied per
 second, 1 GiB buffers). The weight is 64 MiB in bf16 (32, 16 MiB packed in 8, 4 bits); each measurement
@@ -8,6 +8,8 @@ cycles through copies of it, 256 MiB in all, so that every product reads its wei
 does, not from a 32 MiB L3 that still holds it from the previous call.
 int4 runs on the path this CPU takes for bf16 activations (printed); `--native-kernels avx512` measures the bf16
 one where the VNNI path is the default, and puts fp8 on its shift decode where VBMI lookups are.
+`--cpu-isa avx2` measures the AVX2 bodies (on an AVX-512 CPU too); `--fp32` multiplies fp32 activations (the
+compute dtype of bf16 checkpoints on CPUs without bf16 instructions) instead of bf16 ones.
 `--warm`: each kernel's own pace instead (one thread, a 2-4 MiB weight kept in cache, 1-8 rows), where the
 decoding of the weights, not memory, sets the speed.
 """
@@ -60,6 +62,14 @@ def packed_weight(kind: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return packed, scales, size, (formats.KINDS[kind], formats.group_of(kind, k), 0, n, k)
 
 
+ACT_DTYPE = torch.float32 if "--fp32" in sys.argv[1:] else torch.bfloat16
+
+
+def option(name: str, default: str) -> str:
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args else default
+
+
 def warm() -> None:
     """The kernels' own pace, memory aside: one thread, a [2048, 1024] weight that stays in cache, best of many."""
     torch.set_num_threads(1)
@@ -70,17 +80,17 @@ def warm() -> None:
         packed, scales, size, args = packed_weight(kind, w)
         line = []
         for m in (1, 2, 4, 8):
-            x = torch.randn(m, 1024).bfloat16()
+            x = torch.randn(m, 1024).to(ACT_DTYPE)
             t = min(per_call(lambda: torch.ops.dsaserve.quant_linear(x, packed, scales, *args), 200) for _ in range(5))
             line.append(f"{m} rows {size / t / 1e9:5.1f} GB/s")
         print(f"{kind:>4} kernel: " + ", ".join(line))
 
 
 def main() -> None:
-    if "--native-kernels" in sys.argv[1:]:
-        torch_ops.configure(sys.argv[sys.argv.index("--native-kernels") + 1])
-    if torch_ops.cpu_kernels() != "avx512_bf16":
+    torch_ops.configure(option("--native-kernels", "auto"), option("--cpu-isa", "auto"))
+    if not torch_ops.runs("packed_products"):
         raise SystemExit(f"the kernels do not run here ({torch_ops.cpu_kernels()})")
+    print(f"bodies: {torch_ops.cpu_kernels()}; activations {ACT_DTYPE}")
     if "--warm" in sys.argv[1:]:
         warm()
         return
@@ -93,14 +103,14 @@ def main() -> None:
     wb = w.bfloat16()
     next_wb = cold((wb,), N * K * 2)
     for m in (1, 4, 16):
-        x = torch.randn(m, K).bfloat16()
-        t = per_call(lambda: torch.nn.functional.linear(x, *next_wb()))
+        x = torch.randn(m, K).to(ACT_DTYPE)
+        t = per_call(lambda: torch.nn.functional.linear(x.bfloat16(), *next_wb()))
         print(f"torch bf16 F.linear, {m:2d} rows: {N * K * 2 / t / 1e9:5.1f} GB/s ({t * 1e3:.2f} ms)")
     for kind in ("bf16", "fp8", "int8", "int4"):
         packed, scales, size, args = packed_weight(kind, w)
         next_weight = cold((packed, scales), size)
         for m in (1, 4, 16):
-            x = torch.randn(m, K).bfloat16()
+            x = torch.randn(m, K).to(ACT_DTYPE)
             t = per_call(lambda: torch.ops.dsaserve.quant_linear(x, *next_weight(), *args))
             print(f"{kind:>4} kernel, {m:2d} rows: {size / t / 1e9:5.1f} GB/s ({t * 1e3:.2f} ms, "
                   f"{size / t / copy:.0%} of copy)")

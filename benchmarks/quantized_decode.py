@@ -1,6 +1,6 @@
 """Decode with weights in 16, 8 and 4 bits against the memory-bandwidth bound.
 
-    python benchmarks/quantized_decode.py [--out docs/quantized_decode.json]
+    python benchmarks/quantized_decode.py [--out docs/quantized_decode.json] [--cpu-isa avx2] [--forms ...]
 
 On the checkpoint benchmarks/model_core.py builds (GLM-5.2 per-head geometry, 214M parameters, bf16),
 each weight form in its own process, the forms taking turns for three rounds (medians reported): bf16 through
@@ -9,7 +9,10 @@ the bandwidth kernel (the default on a CPU with AVX-512 BF16), and --quantizatio
 twice where the CPU has AVX-512 VNNI: as served (activations rounded to int8 per row and 128-column group, integer
 dot products) and `int8-bf16act`, `int4-bf16act` (native_kernels 'avx512': the products in bf16, exact in the
 activations); fp8 twice where the CPU has AVX-512 VBMI: as served (its bytes decoded by table lookups) and
-`fp8-shifts` (native_kernels 'avx512': by shifts and masks).
+`fp8-shifts` (native_kernels 'avx512': by shifts and masks). `int8-nobody`: int8 weights with no native body at all
+(native_kernels off: torch's products on a slab of rows dequantized at a time). `--cpu-isa avx2` runs every form on
+the AVX2 bodies (on an AVX-512 CPU too: what an AVX2-only server runs; dtype auto then computes in fp32, bf16
+weights kept in bf16; torch-bf16 is then the fp32-widened weights through torch).
 For each: batch-1 decode (median step, 128-token prompts), batch-16 output tokens/s, a 2,048-token
 prefill, the weight bytes one decode token reads (every projection once, the shared expert, and 4 of
 the 8 routed experts per MoE layer), and the resident bytes. The bound is those bytes ÷ this machine's
@@ -33,7 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-FORMS = ["torch-bf16", "bf16", "fp8", "fp8-shifts", "int8", "int8-bf16act", "int4", "int4-bf16act"]
+FORMS = ["torch-bf16", "bf16", "fp8", "fp8-shifts", "int8", "int8-bf16act", "int4", "int4-bf16act",
+         "int8-nobody"]
 
 
 def copy_bandwidth() -> float:
@@ -76,7 +80,7 @@ def active_bytes(engine) -> tuple[int, int, int]:
     return int(read), resident, params
 
 
-def measure(form: str) -> dict:
+def measure(form: str, cpu_isa: str) -> dict:
     from model_core import checkpoint_dir
     from parallel import decode_steps
 
@@ -89,10 +93,12 @@ def measure(form: str) -> dict:
         apply.kernels_here = lambda device: False
     # The AVX-512 bodies alone: int8 and int4 products in bf16, fp8 decoded by shifts and masks.
     native_kernels = "avx512" if form.endswith("-bf16act") or form == "fp8-shifts" else "auto"
+    native_kernels = "off" if form.endswith("-nobody") else native_kernels
     quantization = {"fp8": "fp8", "fp8-shifts": "fp8", "int8": "int8", "int8-bf16act": "int8", "int4": "int4",
-                    "int4-bf16act": "int4"}.get(form)
+                    "int4-bf16act": "int4", "int8-nobody": "int8"}.get(form)
     engine = LLMEngine(EngineArgs(model=checkpoint_dir(), kv_cache_memory="512MiB", max_model_len=4096,
-                                  progress=False, quantization=quantization, native_kernels=native_kernels))
+                                  progress=False, quantization=quantization, native_kernels=native_kernels,
+                                  cpu_isa=cpu_isa if native_kernels != "off" else "auto"))
     decode_steps(engine, 1, steps=4)  # warm-up
     copy_before = copy_bandwidth()
     step_1, _ = decode_steps(engine, 1, steps=32)
@@ -113,7 +119,8 @@ def measure(form: str) -> dict:
             "fraction_of_same_minute_bound": 1e3 / step_1 * read / copy_around,
             "tok_s_batch16": 16e3 / step_16, "prefill_2048_s": min(prefill), "bytes_per_token": read,
             "resident_bytes": resident, "parameters": count, "bytes_per_parameter": resident / count,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "dtype": str(engine.dtype).removeprefix("torch."),
+            "cpu_isa": cpu_isa}
 
 
 def main() -> None:
@@ -121,10 +128,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--forms", default=",".join(FORMS), help="which forms, comma-separated (default: all)")
+    parser.add_argument("--cpu-isa", default="auto", help="the engine's cpu_isa for every form (e.g. avx2)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one form in this process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one)))
+        print(json.dumps(measure(args.one, args.cpu_isa)))
         return
     from model_core import checkpoint_dir
 
@@ -135,7 +143,8 @@ def main() -> None:
     for _ in range(args.rounds):  # the forms take turns, so a slow phase of a shared machine hits them all
         bandwidths.append(copy_bandwidth())
         for form in forms:
-            out = subprocess.run([sys.executable, __file__, "--one", form], capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, __file__, "--one", form, "--cpu-isa", args.cpu_isa],
+                                 capture_output=True, text=True, check=True)
             runs[form].append(json.loads(out.stdout.strip().splitlines()[-1]))
     bandwidth = max(bandwidths)
     rows = []
@@ -153,8 +162,8 @@ def main() -> None:
               f"{row['prefill_2048_s']:.2f} s, {row['bytes_per_token'] / 2**20:.0f} MiB/token, "
               f"{row['bytes_per_parameter']:.3f} B/param", flush=True)
     flags = open("/proc/cpuinfo").read()
-    result = {"copy_bandwidth_GBps": bandwidth / 1e9, "copy_bandwidth_rounds_GBps": [b / 1e9 for b in bandwidths],
-              "rows": rows,
+    result = {"cpu_isa": args.cpu_isa, "copy_bandwidth_GBps": bandwidth / 1e9,
+              "copy_bandwidth_rounds_GBps": [b / 1e9 for b in bandwidths], "rows": rows,
               "cpu": {f: f in flags for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")}}
     print(json.dumps(result, indent=2))
     if args.out:

@@ -11,6 +11,7 @@ from dsaserve.bench import add_bench_args
 from dsaserve.chat_format import BUILT_IN_ENCODINGS
 from dsaserve.config import SUPPORTED_MODEL_TYPES
 from dsaserve.engine_args import EngineArgs, parse_bytes
+from dsaserve.native.torch_ops import CPU_ISAS
 from dsaserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 
@@ -98,7 +99,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     parallel = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel, args.decode_context_parallel_size)
     text, ok = report(args.model, hf_overrides=args.hf_overrides, max_model_len=args.max_model_len, parallel=parallel,
                       device_memory=parse_bytes(args.device_memory, "device_memory"),
-                      utilization=args.memory_utilization)
+                      utilization=args.memory_utilization, cpu_isa=args.cpu_isa)
     print(text)
     return 0 if ok else 1
 
@@ -201,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--device-memory", default=None, help="memory per rank, e.g. 141GB: how much context fits")
     doc.add_argument("--memory-utilization", type=float, default=0.9,
                      help="fraction of --device-memory for weights and KV cache (vLLM's gpu-memory-utilization)")
+    doc.add_argument("--cpu-isa", default="auto", choices=CPU_ISAS,
+                     help="the CPU kernels' body family to report on, as the engine option chooses it")
     doc.set_defaults(func=cmd_doctor)
 
     wrk = sub.add_parser("worker", help="run the ranks of one more node for a server started with --nnodes "

@@ -36,8 +36,18 @@ def cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` computes in the checkpoint's dtype where the device runs it fast, else in float32."""
+def widened_for_cpu(requested: str | torch.dtype, checkpoint_dtype: str, dtype: torch.dtype) -> bool:
+    """Whether dtype=auto chose fp32 for a bf16 checkpoint because the CPU lacks bf16 instructions: its weights
+    then keep their bf16 bytes where the packed products run, rather than doubling in memory."""
+    return (requested == "auto" and dtype == torch.float32
+            and checkpoint_dtype.removeprefix("torch.") in ("bfloat16", "bf16"))
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: torch.device,
+                  cpu_isa: str = "auto") -> torch.dtype:
+    """`auto` computes in the checkpoint's dtype where the device runs it fast, else in float32 (on a CPU whose
+    kernels keep bf16 weights in bf16: widened in registers only, widened_for_cpu). cpu_isa 'avx2' computes as a
+    CPU without bf16 instructions does, whatever this one has."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -49,9 +59,13 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: torch
         if wanted == torch.float16:
             logger.info("dtype=auto: float16 checkpoint on CPU computes in float32 (CPU float16 matmuls are slow)")
             return torch.float32
-        if wanted == torch.bfloat16 and not cpu_supports_bf16():
-            logger.info("dtype=auto: this CPU has no bf16 instructions, computing in float32")
+        if wanted == torch.bfloat16 and not (cpu_supports_bf16() and cpu_isa not in ("avx2", "avx512")):
+            why = f"cpu_isa={cpu_isa!r}" if cpu_supports_bf16() else "this CPU has no bf16 instructions"
+            logger.info("dtype=auto: %s, computing in float32 (bf16 weights stay bf16 where the kernels run)", why)
             return torch.float32
+    if device.type == "cpu" and dtype == "bfloat16" and not cpu_supports_bf16():
+        logger.warning("dtype=bfloat16 on a CPU without bf16 instructions: torch's bf16 operators are slow here; "
+                       "dtype=auto computes in float32 with the weights kept in bf16")
     if device.type == "cuda" and wanted == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         logger.info("dtype=auto: this GPU has no bf16 support, computing in float16")
         return torch.float16

@@ -50,10 +50,11 @@ def count(n: int) -> str:
 
 
 def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, parallel: ParallelConfig | None = None,
-           device_memory: int | None = None, utilization: float = 0.9) -> tuple[str, bool]:
+           device_memory: int | None = None, utilization: float = 0.9, cpu_isa: str = "auto") -> tuple[str, bool]:
     """Returns (text, ok). ok is False when the checkpoint's tensors do not match its config. With a
     parallel layout, also each rank's share (parallel_plan.py), and the context that fits in
-    device_memory bytes per rank."""
+    device_memory bytes per rank. cpu_isa: the kernels' body family, as the engine option chooses it."""
+    torch_ops.configure("auto", cpu_isa)
     cfg = ModelConfig.from_pretrained(model_dir, hf_overrides=hf_overrides)
     sched = cfg.indexer_schedule
     lines = [f"dsaserve doctor: {os.path.abspath(model_dir)}"]
@@ -170,8 +171,8 @@ def _amx_line(cfg: ModelConfig) -> str:
 
 
 def _native_line() -> str:
-    return (f"{torch_ops.summary()} (--native-kernels auto | avx512: the AVX-512 bodies alone | off: torch's "
-            "operators)")
+    return (f"{torch_ops.summary()} (--cpu-isa auto | amx | avx512_bf16 | avx2; --native-kernels auto | avx512: the "
+            "AVX-512 bodies alone | off: torch's operators)")
 
 
 def _weight_pages() -> str:
@@ -182,11 +183,16 @@ def _weight_pages() -> str:
 
 def _weight_kernel_path() -> str:
     """Which implementation multiplies packed (quantized or bf16) weights on this machine."""
-    if torch_ops.cpu_kernels() == "avx512_bf16":
+    if torch_ops.runs("decode_plan"):
         return ("native kernels for up to 16 rows (bf16 models and --quantization), torch GEMM beyond; a decode step "
                 "runs its layers as one native plan, its sparse selections included where every request is past "
                 "index_topk (model/decode_plan.py; --enforce-eager: through the modules)")
-    return "torch (the packed-weight kernels need a C++ compiler and AVX-512 BF16; quantized weights dequantize)"
+    if torch_ops.runs("packed_products"):
+        return (f"native {torch_ops.cpu_kernels().upper()} kernels for up to 16 rows (bf16 checkpoints keep their "
+                "bytes, computing in fp32; --quantization), torch GEMM beyond on a slab of rows dequantized at a "
+                "time; decode runs through the modules (no decode plan for this body family)")
+    return ("torch (the packed-weight kernels need a C++ compiler and AVX2 or AVX-512 BF16; quantized weights "
+            "dequantize a slab of rows at a time)")
 
 
 def _schedule_check(cfg: ModelConfig, infos) -> list[str]:

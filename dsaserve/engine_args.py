@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from dsaserve.attention import ATTENTION_BACKENDS
 from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES
 from dsaserve.distributed.parallel_config import ParallelConfig
-from dsaserve.native.torch_ops import NATIVE_KERNELS
+from dsaserve.native.torch_ops import CPU_ISAS, NATIVE_KERNELS, check_cpu_isa
 from dsaserve.quantization.formats import QUANTIZATION_MODES
 from dsaserve.speculative_config import SpeculativeConfig
 
@@ -90,6 +90,10 @@ class EngineArgs:
         "CPU kernels this process uses: auto (the best bodies this CPU has: AMX tiles where they pass their check at "
         "load, VNNI int8 weight products, VBMI fp8 lookups), avx512 (the same without the AMX tiles and the VNNI and "
         "VBMI weight-product paths, for comparing) or off (torch's operators only)", choices=NATIVE_KERNELS))
+    cpu_isa: str = field(default="auto", metadata=_help(
+        "which body family the CPU kernels run, chosen once at load: auto (the best this CPU has), amx, avx512_bf16, "
+        "avx2 (also on AVX-512 CPUs: what an AVX2-only server gets, dtype auto then computing in fp32); a family "
+        "the CPU lacks is an error", choices=CPU_ISAS))
     load_scratch_memory: int | str | None = field(default=None, metadata=_help(
         "memory the weight-loading threads may use to convert tensors, e.g. 256MiB: 64 MiB per thread, so it also "
         "caps their number (default: a sixteenth of the memory available, between 64 and 512 MiB)"))
@@ -111,6 +115,7 @@ class EngineArgs:
         if self.native_kernels not in NATIVE_KERNELS:
             raise ValueError(f"native_kernels={self.native_kernels!r} is not supported; use one of "
                              f"{', '.join(NATIVE_KERNELS)}")
+        check_cpu_isa(self.cpu_isa)
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
                              f"{', '.join(QUANTIZATION_MODES)} (or leave it unset)")

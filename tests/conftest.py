@@ -8,6 +8,28 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+
+def native_bodies() -> list[str]:
+    """The families of native bodies this host runs, best first (an AVX-512 BF16 host runs the AVX2 ones too)."""
+    from dsaserve.native import torch_ops
+
+    return [b for b in torch.ops.dsaserve.cpu_isas() if b != "none"] if torch_ops.load() else []
+
+
+NO_BODY = pytest.param(None, marks=pytest.mark.skip(reason="no native body runs here (no C++ compiler, or a CPU "
+                                                           "without AVX2): the torch fallback is tested instead"))
+
+
+@pytest.fixture(params=native_bodies() or [NO_BODY])
+def body(request):
+    """Runs the test once per body family this host has (cpu_isa), back to the default after."""
+    from dsaserve.native import torch_ops
+
+    torch_ops.configure("auto", request.param)
+    yield request.param
+    torch_ops.configure("auto", "auto")
+
+
 # The real GLM-5.2 config.json (copied from the project's shared reference data).
 REFERENCE_CONFIG = os.path.join(os.path.dirname(__file__), "data", "glm-5.2-config.json")
 

@@ -62,8 +62,9 @@ def assert_same_outputs(ours, theirs):
 
 
 @pytest.mark.parametrize("mode", QUANTIZATION_MODES)
-def test_quantized_model_equals_its_dequantized_twin(tiny_checkpoint, monkeypatch, mode):
-    llm = LLM(tiny_checkpoint, quantization=mode, **BASE)
+def test_quantized_model_equals_its_dequantized_twin(tiny_checkpoint, monkeypatch, mode, body):
+    """Per body family this host runs (cpu_isa): the AVX2 body's int16 activations included."""
+    llm = LLM(tiny_checkpoint, quantization=mode, cpu_isa=body, **BASE)
     packed = [m for m in llm.engine.model.modules() if isinstance(m, QuantizedWeight)]
     assert packed and all(m.kind == mode for m in packed)
     assert_same_outputs(generate(llm), generate(twin_of(llm, tiny_checkpoint, monkeypatch)))

@@ -38,7 +38,7 @@ class LLMEngine:
         parallel = args.parallel
         parallel.check_model(cfg, args.attention_backend)
         self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype, self.device)
+        self.dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype, self.device, args.cpu_isa)
         self.tokenizer = Tokenizer(args.model)
         max_model_len = requested_max_model_len(args.max_model_len, cfg)
         self.speculative, with_mtp = args.speculative, args.speculative is not None

@@ -87,7 +87,7 @@ class DecodePlan:
     @classmethod
     def build(cls, layers) -> DecodePlan | None:
         """The plan of these layers, or None where a piece of one has no native form here."""
-        if not torch_ops.load() or torch_ops.cpu_kernels() != "avx512_bf16":
+        if not torch_ops.load() or not torch_ops.runs("decode_plan"):
             return None
         pieces = []
         for i, layer in enumerate(layers):
@@ -105,7 +105,7 @@ class DecodePlan:
         written to this rank's caches, the kernels still on in this process (native_kernels)."""
         dtype = self.dtype
         return (0 < x.shape[0] <= KERNEL_ROWS and x.dtype is dtype and x.is_cpu and cos.dtype is dtype
-                and meta.shard is None and meta.write_rows is None and torch_ops.cpu_kernels() == "avx512_bf16")
+                and meta.shard is None and meta.write_rows is None and torch_ops.runs("decode_plan"))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv_caches: list, indexer_caches,
             topk: torch.Tensor | None = None, need_topk: bool = False):

@@ -197,7 +197,7 @@ class MLAAttention(PreparedCalls):
         """o_proj of each head's attended latent [T, H, rank] times W_UVᵀ: [T, hidden]."""
         output = self.prepared("output", self.output_binding)
         if (output is not None and 0 < out_latent.shape[0] <= KERNEL_ROWS
-                and torch_ops.cpu_kernels() == "avx512_bf16"):
+                and torch_ops.runs("mla_projections")):
             # A few tokens, packed weights: one native call, the same bits as the two products.
             y = torch.ops.dsaserve.mla_output.default(out_latent, *output.native_args)
             return y if output.comm.size == 1 else output.comm.all_reduce(y)
@@ -216,7 +216,7 @@ class MLAAttention(PreparedCalls):
                        sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_resid [T, q_lora_rank], query [T, H, rank + rope] = [q_nope · W_UK | rope(q_rope)])."""
         query = self.prepared("query", self.query_binding)
-        if (query is not None and 0 < x.shape[0] <= KERNEL_ROWS and torch_ops.cpu_kernels() == "avx512_bf16"
+        if (query is not None and 0 < x.shape[0] <= KERNEL_ROWS and torch_ops.runs("mla_projections")
                 and one_operator(x, query.q_norm, cos, sin)):  # a few tokens, packed weights: one call, the same bits
             weights, shape = query.native_args[:11], query.native_args[11:]  # the operator takes cos, sin between
             q, q_resid = torch.ops.dsaserve.mla_query.default(x, *weights, cos, sin, *shape)

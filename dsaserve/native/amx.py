@@ -67,14 +67,15 @@ def _choose(library: str) -> str:
     return state
 
 
-def allow(allowed: bool) -> None:
-    """The engine's native_kernels option: the tiles where the load check chose them ('auto'), or off ('avx512')."""
+def allow(allowed: bool, why_not: str = "native_kernels 'avx512'") -> None:
+    """The engine's native_kernels and cpu_isa options: the tiles where the load check chose them, or off (why_not:
+    the option that turned them off)."""
     global _state
     if _checked is None:
         return
     mode, reason = _checked
     set_mode(mode if allowed else "off")
-    _state = reason if allowed else "off (native_kernels 'avx512')"
+    _state = reason if allowed else f"off ({why_not})"
 
 
 def check_in_child(library: str, tiles: str) -> str | None:

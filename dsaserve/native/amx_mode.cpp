@@ -56,7 +56,7 @@ std::string set_amx_mode(const std::string& mode) {
                     "kernel grants the tile registers (lscpu: amx_bf16, amx_int8; Linux 5.16 or later)");
         next = dsaserve::AmxMode::hardware;
     } else if (mode == "emulated") {
-        TORCH_CHECK(dsaserve::cpu_has_avx512_bf16(), "set_amx_mode: 'emulated' runs the kernels' AVX-512 BF16 "
+        TORCH_CHECK(dsaserve::use_avx512_bf16(), "set_amx_mode: 'emulated' runs the kernels' AVX-512 BF16 "
                     "parts, which this CPU lacks");
         next = dsaserve::AmxMode::emulated;
     } else {

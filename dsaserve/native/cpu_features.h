@@ -1,6 +1,9 @@
-// Which instructions this CPU has, asked at run time: the native operators compile their AVX-512
-// bodies for those instructions alone and take them only where the CPU reports them.
+// Which instructions this CPU has (asked at run time), and which body family the process runs (the engine's
+// cpu_isa option, set once at load by set_cpu_isa). Every operator with several bodies asks use_*() before it
+// enters one: a body compiled for an ISA is never entered on a CPU without it, nor when the choice excludes it.
 #pragma once
+
+#include <atomic>
 
 #if defined(__x86_64__)
 #define DSASERVE_X86 1
@@ -9,6 +12,17 @@
 #endif
 
 namespace dsaserve {
+
+// The AVX2 bodies: 256-bit integer and float vectors, FMA, F16C (every x86-64 server CPU since 2013).
+inline bool cpu_has_avx2() {
+#if DSASERVE_X86
+    static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                            __builtin_cpu_supports("f16c");
+    return has;
+#else
+    return false;
+#endif
+}
 
 inline bool cpu_has_avx512_bf16() {
 #if DSASERVE_X86
@@ -21,22 +35,48 @@ inline bool cpu_has_avx512_bf16() {
 #endif
 }
 
+// Body families, in the order of what they need: a CPU that runs one runs those before it.
+enum class Isa : int { none = 0, avx2 = 1, avx512_bf16 = 2 };
+
+// The family chosen for this process: the best the CPU has until set_cpu_isa says otherwise.
+inline std::atomic<int>& isa_choice() {
+    static std::atomic<int> choice{static_cast<int>(cpu_has_avx512_bf16() ? Isa::avx512_bf16
+                                                    : cpu_has_avx2()      ? Isa::avx2
+                                                                          : Isa::none)};
+    return choice;
+}
+
+inline Isa chosen_isa() { return static_cast<Isa>(isa_choice().load(std::memory_order_relaxed)); }
+
+inline const char* isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::avx512_bf16: return "avx512_bf16";
+        case Isa::avx2: return "avx2";
+        default: return "none";
+    }
+}
+
+// Whether the AVX-512 BF16 bodies run: the CPU has them and the choice is theirs.
+inline bool use_avx512_bf16() { return chosen_isa() == Isa::avx512_bf16 && cpu_has_avx512_bf16(); }
+
+// Whether the AVX2 bodies run (chosen: on an AVX-512 CPU they run only when cpu_isa asks for them).
+inline bool use_avx2() { return chosen_isa() == Isa::avx2 && cpu_has_avx2(); }
+
 // int8 dot products (vpdpbusd): the int8 indexer keys' scores.
-inline bool cpu_has_avx512_vnni() {
+inline bool use_avx512_vnni() {
 #if DSASERVE_X86
-    static const bool has = cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512vnni");
-    return has;
+    static const bool has = __builtin_cpu_supports("avx512vnni");
+    return has && use_avx512_bf16();
 #else
     return false;
 #endif
 }
 
 // int8 dot products (vpdpbusd) and byte permutes (vpermb): the int4 kernel's path for bf16 activations.
-inline bool cpu_has_avx512_vnni_vbmi() {
+inline bool use_avx512_vnni_vbmi() {
 #if DSASERVE_X86
-    static const bool has = cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512vnni") &&
-                            __builtin_cpu_supports("avx512vbmi");
-    return has;
+    static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+    return has && use_avx512_bf16();
 #else
     return false;
 #endif

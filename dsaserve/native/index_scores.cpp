@@ -150,7 +150,7 @@ void worker_tiles(Job *job) {
 // Shapes the tile body takes: whole tiles of heads (16) and of columns (32).
 bool tiles_fit(int64_t heads, int64_t dim) { return heads % 16 == 0 && dim % 32 == 0; }
 
-bool fits(int64_t heads, int64_t dim) { return dsaserve::cpu_has_avx512_bf16() && heads % 4 == 0 && dim % 2 == 0; }
+bool fits(int64_t heads, int64_t dim) { return dsaserve::use_avx512_bf16() && heads % 4 == 0 && dim % 2 == 0; }
 
 void check_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& out, int64_t keys) {
     TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "index_scores: q must be "

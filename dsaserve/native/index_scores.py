@@ -15,7 +15,7 @@ KEY_GROUP = 64  # the kernel's keys per work item; packed keys are padded to a m
 
 def fits(heads: int, dim: int) -> bool:
     """Whether the kernel takes bf16 queries of `heads` × `dim` on this machine."""
-    return torch_ops.cpu_kernels() == "avx512_bf16" and _kernel_takes(heads, dim)
+    return torch_ops.runs("index_scores") and _kernel_takes(heads, dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,7 +25,7 @@ def _kernel_takes(heads: int, dim: int) -> bool:  # asked once per shape, not pe
 
 def fits_int8(heads: int, dim: int) -> bool:
     """Whether the int8 kernel (AVX-512 VNNI) scores `heads` × `dim` queries against int8 keys on this machine."""
-    return torch_ops.cpu_kernels() == "avx512_bf16" and _int8_kernel_takes(heads, dim)
+    return torch_ops.runs("index_scores_int8") and _int8_kernel_takes(heads, dim)
 
 
 @functools.lru_cache(maxsize=None)

@@ -197,7 +197,7 @@ void worker_tiles(Job* job) {
 // Shapes the tile body takes: whole tiles of heads (16) and of columns (64 bytes).
 bool tiles_fit(int64_t heads, int64_t dim) { return heads % 16 == 0 && dim % 64 == 0; }
 
-bool fits(int64_t heads, int64_t dim) { return dsaserve::cpu_has_avx512_vnni() && heads % 4 == 0 && dim % 4 == 0; }
+bool fits(int64_t heads, int64_t dim) { return dsaserve::use_avx512_vnni() && heads % 4 == 0 && dim % 4 == 0; }
 
 // The queries' int8 form: per query and head, q / (amax / 127) rounded to nearest even; weights times that scale;
 // the sum's start, -128 · Σ_d q (the keys' bytes are their values + 128).

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "packed_problem.h"
 #include "packed_product.h"
 #include "layer_pieces.h"
 
@@ -53,18 +54,7 @@
 
 namespace {
 
-constexpr int64_t kBF16 = 0, kFP8 = 1, kINT8 = 2, kINT4 = 3;
-constexpr int64_t kMaxRows = 16;  // activation rows per call; more go to a dequantized GEMM
-
-struct Problem {
-  int64_t M, N, K, K2;
-  bool out_bf16;  // y in bf16 (converted in registers) rather than fp32
-  const uint8_t* w;  // block b starts at w + b * block_bytes
-  int64_t block_bytes;
-  const float* scale;  // [N / 16, G, 16]
-  int64_t G, group, col_offset;
-  int64_t kind;
-};
+using namespace dsaserve::packed;
 
 // Activations quantized for the VNNI paths: per row and group of columns (act_group_end), symmetric int8
 // (absmax / 127, rounded to nearest even). For int4 weights, within a chunk of 8 columns (one vpermb-transposed
@@ -76,28 +66,6 @@ struct Int8Acts {
   const float* scales;  // [rows, G]: each group's scale; NaN where the group holds a NaN or infinity
   int64_t row_bytes, G;
 };
-
-int64_t entry_bytes(int64_t kind) { return kind == kBF16 ? 2 : 1; }
-
-int64_t block_bytes_of(int64_t kind, int64_t K2) { return kind == kINT4 ? K2 * 16 : K2 * 32 * entry_bytes(kind); }
-
-int64_t scale_column_count(int64_t K, int64_t group, int64_t col_offset) {
-  return (K - 1 + col_offset) / group - col_offset / group + 1;
-}
-
-int64_t scale_column(const Problem& p, int64_t k) { return (k + p.col_offset) / p.group - p.col_offset / p.group; }
-
-// The end of the scale group that column k0 starts (a group's columns are [k0, group_end)).
-int64_t group_end(const Problem& p, int64_t k0) {
-  return std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
-}
-
-float fp8_e4m3_to_float(uint8_t b) {
-  // Exponent and mantissa into an fp16's bits: the fp16 value is the e4m3 value times 2^-8, for
-  // normal and subnormal numbers alike.
-  uint16_t h = static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8));
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits())) * 256.0f;
-}
 
 float weight_at(const Problem& p, int64_t n, int64_t k) {
   const uint8_t* block = p.w + (n / 16) * p.block_bytes;
@@ -321,8 +289,7 @@ AVX512BF16 void blocks_any(const Problem& p, const void* x, int64_t b0, int64_t 
 std::atomic<bool> g_extensions_allowed{true};
 
 bool vnni_allowed() {
-  static const bool has = dsaserve::cpu_has_avx512_vnni_vbmi();
-  return has && g_extensions_allowed.load(std::memory_order_relaxed);
+  return dsaserve::use_avx512_vnni_vbmi() && g_extensions_allowed.load(std::memory_order_relaxed);
 }
 
 void set_isa_extensions(bool allowed) { g_extensions_allowed.store(allowed, std::memory_order_relaxed); }
@@ -781,7 +748,17 @@ AVX512BF16 void dequantize_blocks(const Problem& p, int64_t b0, int64_t b1, Out*
 
 #endif
 
-bool cpu_has_kernels() { return dsaserve::cpu_has_avx512_bf16(); }
+// Whether a body of the products runs here: AVX-512 BF16, or AVX2 (cpu_features.h: the process's choice).
+bool cpu_has_kernels() { return dsaserve::use_avx512_bf16() || dsaserve::use_avx2(); }
+
+#if DSASERVE_X86
+// Blocks [b0, b1) of p by the chosen body (row_sweeps' arguments; the AVX2 body takes no quantized rows).
+void sweep(const Problem& p, const uint8_t* x, int64_t x_row, int64_t b0, int64_t b1, uint8_t* y, const Int8Acts* acts,
+           int64_t row0) {
+  if (dsaserve::use_avx2()) return avx2_row_sweeps(p, x, x_row, b0, b1, y);
+  row_sweeps(p, x, x_row, b0, b1, y, acts, row0);
+}
+#endif
 
 void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "dsaserve quantized weights: ", what); }
 
@@ -812,7 +789,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t rows = x.size(-2);
   check(rows >= 1 && rows <= kMaxRows, "at most 16 activation rows");
   p.M = rows;
-  check(cpu_has_kernels(), "this CPU has no AVX-512 BF16: use dequantize_t");
+  check(cpu_has_kernels(), "no body of the packed products runs here (cpu_isa): use dequantize_t");
   const bool bf16_act = x.scalar_type() == at::kBFloat16;
   p.out_bf16 = bf16_act;
   const at::ScalarType act = bf16_act ? at::kBFloat16 : at::kFloat;
@@ -849,8 +826,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       Problem q = p;
       q.w = p.w + b * w_stride;
       q.scale = p.scale + b * s_stride;
-      row_sweeps(q, xbase + b * x_entry, x_row, first, last, out + b * rows * N * item, vnni ? &acts : nullptr,
-                 b * rows);
+      sweep(q, xbase + b * x_entry, x_row, first, last, out + b * rows * N * item, vnni ? &acts : nullptr, b * rows);
       i += last - first;
     }
   });
@@ -939,7 +915,7 @@ at::Tensor gated_rows(Problem gate_up, Problem down, const std::vector<GatedWeig
       p.M = rows[i];
       p.w = first ? sources[i].gate_up_w : sources[i].down_w;
       p.scale = first ? sources[i].gate_up_s : sources[i].down_s;
-      row_sweeps(p, xb + i * S * x_rows, x_rows, b0, b1, yb + i * S * y_rows, vnni ? &acts : nullptr, i * S);
+      sweep(p, xb + i * S * x_rows, x_rows, b0, b1, yb + i * S * y_rows, vnni ? &acts : nullptr, i * S);
     });
   };
   run(gate_up, true, xs, h);
@@ -994,7 +970,7 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
                  const std::optional<at::Tensor>& shared_gate_up_s, const std::optional<at::Tensor>& shared_down_q,
                  const std::optional<at::Tensor>& shared_down_s, int64_t shared_inter, int64_t shared_gate_up_group,
                  int64_t shared_down_group, int64_t shared_down_col_offset) {
-  check(cpu_has_kernels(), "this CPU has no AVX-512 BF16");
+  check(cpu_has_kernels(), "no body of the packed products runs here (cpu_isa)");
   check(x.dim() == 2 && x.is_contiguous() && x.size(0) <= kMaxRows, "x must be contiguous [T <= 16, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1), E = gate_up_q.size(0), top = ids.size(1);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -1083,7 +1059,7 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
 at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
                      const at::Tensor& down_q, const at::Tensor& down_s, int64_t kind, int64_t inter,
                      int64_t gate_up_group, int64_t down_group, int64_t down_col_offset) {
-  check(cpu_has_kernels(), "this CPU has no AVX-512 BF16");
+  check(cpu_has_kernels(), "no body of the packed products runs here (cpu_isa)");
   check(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows, "x must be [1 <= T <= 16, hidden]");
   check(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
   const int64_t T = x.size(0), hidden = x.size(1);
@@ -1100,7 +1076,14 @@ at::Tensor dequantize_t(const at::Tensor& qweight, const at::Tensor& scale, int6
   const Problem p = problem_of(qweight, scale, kind, group, col_offset, N, K);
   check(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to fp32 or bf16");
 #if DSASERVE_X86
-  if (cpu_has_kernels()) {
+  if (dsaserve::use_avx2()) {
+    at::Tensor out = at::empty({K, N}, scale.options().dtype(at::kFloat));
+    at::parallel_for(0, (N + 15) / 16, 8, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; b += 16) avx2_dequantize_blocks(p, b, std::min(b1, b + 16), out.data_ptr<float>());
+    });
+    return dtype == at::kFloat ? out : out.to(dtype);
+  }
+  if (dsaserve::use_avx512_bf16()) {
     at::Tensor out = at::empty({K, N}, scale.options().dtype(dtype));
     const int64_t blocks = (N + 15) / 16;
     at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
@@ -1121,13 +1104,13 @@ at::Tensor dequantize_t(const at::Tensor& qweight, const at::Tensor& scale, int6
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
-std::string cpu_kernels() { return cpu_has_kernels() ? "avx512_bf16" : "none"; }
+std::string cpu_kernels() { return dsaserve::isa_name(dsaserve::chosen_isa()); }  // (cpu_isa.cpp's operator)
 
 // How int4 weights meet bf16 activations here: "avx512_vnni" (activations quantized to int8 per row and
 // group, integer dot products), "avx512_bf16" (exact in the activations), or "none".
 std::string int4_bf16_path() {
 #if DSASERVE_X86
-  if (cpu_has_kernels() && int4_vnni_enabled()) return "avx512_vnni";
+  if (int4_vnni_enabled()) return "avx512_vnni";
 #endif
   return cpu_kernels();
 }
@@ -1136,7 +1119,7 @@ std::string int4_bf16_path() {
 // shifts and masks), or "none".
 std::string fp8_bf16_path() {
 #if DSASERVE_X86
-  if (cpu_has_kernels() && fp8_table_enabled()) return "avx512_vbmi";
+  if (fp8_table_enabled()) return "avx512_vbmi";
 #endif
   return cpu_kernels();
 }
@@ -1144,7 +1127,7 @@ std::string fp8_bf16_path() {
 // The same for int8 weights (one scale per row; activations quantized per row and 128 columns).
 std::string int8_bf16_path() {
 #if DSASERVE_X86
-  if (cpu_has_kernels() && int8_vnni_enabled()) return "avx512_vnni";
+  if (int8_vnni_enabled()) return "avx512_vnni";
 #endif
   return cpu_kernels();
 }
@@ -1210,7 +1193,6 @@ TORCH_LIBRARY(dsaserve, m) {
         "int shared_down_col_offset=0) -> ()");
   m.def("gated_mlp(Tensor x, Tensor gate_up_q, Tensor gate_up_s, Tensor down_q, Tensor down_s, int kind, int inter, "
         "int gate_up_group, int down_group, int down_col_offset) -> Tensor");
-  m.def("cpu_kernels() -> str", &cpu_kernels);
   m.def("int4_bf16_path() -> str", &int4_bf16_path);
   m.def("int8_bf16_path() -> str", &int8_bf16_path);
   m.def("fp8_bf16_path() -> str", &fp8_bf16_path);

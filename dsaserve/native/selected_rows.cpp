@@ -530,7 +530,7 @@ bool worker_tiles(Job *job) {
 
 /* Shapes the kernel takes: whole groups of 16 heads, value columns in 32s, row pairs. */
 bool fits(int64_t heads, int64_t dim, int64_t value_dim) {
-    return dsaserve::cpu_has_avx512_bf16() && heads % 16 == 0 && value_dim % 32 == 0 && value_dim <= dim &&
+    return dsaserve::use_avx512_bf16() && heads % 16 == 0 && value_dim % 32 == 0 && value_dim <= dim &&
            dim % 2 == 0 && dim <= MAX_DIM;
 }
 

@@ -10,8 +10,8 @@ from dsaserve.native import torch_ops
 
 
 def has_bf16_kernel() -> bool:
-    """True when the operators are built and this CPU has AVX-512 BF16."""
-    return torch_ops.cpu_kernels() == "avx512_bf16"
+    """True when the operators are built and run their AVX-512 BF16 bodies here (cpu_isa)."""
+    return torch_ops.runs("selected_rows")
 
 
 def fits(heads: int, dim: int, value_dim: int) -> bool:

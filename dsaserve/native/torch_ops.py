@@ -14,6 +14,10 @@ which amx.py turns on at load where the CPU has AMX and they agree with the AVX-
 Which of them a process uses is the engine's `native_kernels` option (`configure`): all it has (auto), the AVX-512
 bodies without the AMX tiles and the VNNI/VBMI product paths (avx512), or none (off: torch's operators). Without a
 compiler `load()` is False, `unavailable()` says why, and callers keep their torch path.
+
+Which body family runs is the engine's `cpu_isa` option, chosen once at load: auto (the best this CPU has), amx,
+avx512_bf16, avx2 (runs on any AVX-512 CPU too: how its bodies are tested there). Operators without a body in the
+chosen family run torch's operators (`runs(operator)` says which have one: BODIES).
 """
 
 from __future__ import annotations
@@ -27,9 +31,17 @@ from dsaserve.native import amx, build
 logger = logging.getLogger(__name__)
 
 NATIVE_KERNELS = ("auto", "avx512", "off")
+CPU_ISAS = ("auto", "amx", "avx512_bf16", "avx512", "avx2")
+# The operators each body family has; the others run torch's operators under that family.
+BODIES = {
+    "avx512_bf16": frozenset({"packed_products", "selected_rows", "index_scores", "index_scores_int8",
+                              "decode_plan", "mla_projections"}),
+    "avx2": frozenset({"packed_products", "mla_projections"}),
+}
 _loaded: bool | None = None
 _kernels: str | None = None
 _choice = "auto"
+_isa = "auto"
 _unavailable: str | None = None  # why the operators are not loaded
 
 
@@ -38,20 +50,56 @@ def library_path():
     return build.library_path()
 
 
-def configure(choice: str) -> None:
-    """The engine's native_kernels option, for this process (the last engine made sets it)."""
-    global _choice, _kernels
+def configure(choice: str, cpu_isa: str = "auto") -> None:
+    """The engine's native_kernels and cpu_isa options, for this process (the last engine made sets them). A
+    cpu_isa this CPU cannot run is a ValueError naming what it lacks."""
+    global _choice, _kernels, _isa
     if choice not in NATIVE_KERNELS:
         raise ValueError(f"native_kernels={choice!r} is not one of {', '.join(NATIVE_KERNELS)}")
-    _choice, _kernels = choice, None
+    check_cpu_isa(cpu_isa)
+    _choice, _isa, _kernels = choice, cpu_isa, None
     if _loaded:
         _apply_choice()
+    elif cpu_isa != "auto" and choice != "off" and not load():
+        raise ValueError(f"cpu_isa={cpu_isa!r}: the native operators are unavailable here ({_unavailable})")
+
+
+def check_cpu_isa(cpu_isa: str) -> None:
+    if cpu_isa not in CPU_ISAS:
+        raise ValueError(f"cpu_isa={cpu_isa!r} is not one of {', '.join(CPU_ISAS)}")
+    if cpu_isa == "avx512":
+        raise ValueError("cpu_isa='avx512': dsaserve has no AVX-512F body without BF16 yet; use 'avx2' (it runs on "
+                         "every AVX-512 CPU) or 'avx512_bf16' where the CPU has AVX-512 BF16")
+
+
+def _body_family(cpu_isa: str) -> str:
+    """The operators' family for a cpu_isa value ('none' where the CPU has no body), checked against the CPU."""
+    have = list(torch.ops.dsaserve.cpu_isas())
+    if cpu_isa == "auto":
+        return have[0]
+    wanted = "avx512_bf16" if cpu_isa == "amx" else cpu_isa
+    if wanted not in have:
+        missing = {"avx512_bf16": "AVX-512 BF16 (avx512f, avx512bw, avx512vl, avx512_bf16)",
+                   "avx2": "AVX2 (avx2, fma, f16c)"}[wanted]
+        raise ValueError(f"cpu_isa={cpu_isa!r}: this CPU lacks {missing}; its bodies: {', '.join(have)}")
+    if cpu_isa == "amx" and not torch.ops.dsaserve.amx_available():
+        raise ValueError("cpu_isa='amx': this CPU lacks AMX-BF16 and AMX-INT8 (or Linux did not grant the tile "
+                         "registers); use 'avx512_bf16' or 'auto'")
+    return wanted
 
 
 def _apply_choice() -> None:
-    extensions = _choice == "auto"
+    family = _body_family(_isa)
+    torch.ops.dsaserve.set_cpu_isa(family)
+    extensions = _choice == "auto" and family == "avx512_bf16"
     torch.ops.dsaserve.set_isa_extensions(extensions)
-    amx.allow(extensions)
+    why_not = "native_kernels 'avx512'" if _choice != "auto" else f"cpu_isa '{_isa}'"
+    amx.allow(extensions and _isa in ("auto", "amx"), why_not)
+
+
+def cpu_isa() -> str:
+    """The engine's cpu_isa option in this process."""
+    return _isa
 
 
 def choice() -> str:
@@ -90,21 +138,30 @@ def unavailable() -> str | None:
 
 
 def cpu_kernels() -> str:
-    """What the kernels run here: 'avx512_bf16', or 'none' (no such CPU, or not built: torch paths).
-    Asked once: the products call this on every step."""
+    """The body family the kernels run here: 'avx512_bf16', 'avx2', or 'none' (no such CPU, or not built: torch
+    paths). Asked once: the products call this on every step."""
     global _kernels
     if _kernels is None or _loaded is None:
         _kernels = torch.ops.dsaserve.cpu_kernels() if load() else "none"
     return _kernels
 
 
+def runs(operator: str) -> bool:
+    """Whether `operator` (a BODIES name) has a native body in the family this process runs."""
+    return operator in BODIES.get(cpu_kernels(), ())
+
+
 def summary() -> str:
     """Which native kernels this process runs, and why any are off: the engine's startup log line and doctor's."""
     if not load():
         return f"off ({unavailable() or 'not loaded'}): torch's operators run"
+    if cpu_kernels() == "avx2":
+        why = "chosen by cpu_isa" if _isa == "avx2" else "this CPU has no AVX-512 BF16"
+        return (f"AVX2 ({why}): the packed-weight products (bf16 and fp8 widened in registers, int8 and int4 by "
+                "int16 products); attention and indexer in torch")
     if cpu_kernels() != "avx512_bf16":
-        return ("portable bodies of the small operators only (this CPU has no AVX-512 BF16): packed weights are "
-                "dequantized for torch's products")
+        return ("portable bodies of the small operators only (this CPU has no AVX2 or AVX-512 BF16): packed weights "
+                "are dequantized a slab at a time for torch's products")
     ops = torch.ops.dsaserve
     products = "int8-rounded activations on AVX-512 VNNI" if ops.int8_bf16_path() == "avx512_vnni" else "bf16"
     fp8 = "VBMI table lookups" if ops.fp8_bf16_path() == "avx512_vbmi" else "shifts and masks"

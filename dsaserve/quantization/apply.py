@@ -2,7 +2,8 @@
 
     --quantization fp8 | int8 | int4   quantize every projection at load (vLLM's flag)
     an FP8 checkpoint                   kept in FP8 as shipped, where the kernels run (else dequantized, as before)
-    a bf16 model on a CPU with kernels  packed bf16, for the bandwidth kernel
+    a bf16 model on a CPU with kernels  packed bf16, for the bandwidth kernel (also where dtype=auto computes in
+                                        fp32 for lack of bf16 instructions: the weights keep their bf16 bytes)
     otherwise                           float weights and torch's matmuls
 
 Packed: every projection (q_a, q_b, kv_a, o_proj; the indexer's wq_b and wk), the dense MLP, the shared
@@ -27,13 +28,15 @@ logger = logging.getLogger(__name__)
 
 
 def kernels_here(device: torch.device) -> bool:
-    return device.type == "cpu" and torch_ops.load() and torch_ops.cpu_kernels() == "avx512_bf16"
+    return device.type == "cpu" and torch_ops.load() and torch_ops.runs("packed_products")
 
 
-def weight_forms(quantization: str | None, fp8_params: set[str], dtype: torch.dtype, device: torch.device):
+def weight_forms(quantization: str | None, fp8_params: set[str], dtype: torch.dtype, device: torch.device,
+                 keep_bf16: bool = False):
     """The packed kind of each projection, as a function of its parameter name (None: a float weight).
     fp8_params: the parameters an FP8 checkpoint ships in FP8 (they stay so; the others are not
-    requantized, they take the model dtype's form)."""
+    requantized, they take the model dtype's form). keep_bf16: a bf16 checkpoint computed in fp32 (widened_for_cpu),
+    its weights packed in bf16."""
     if quantization is not None:
         if quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization={quantization!r} is not supported; "
@@ -47,7 +50,7 @@ def weight_forms(quantization: str | None, fp8_params: set[str], dtype: torch.dt
         return lambda name: quantization
     if not kernels_here(device):
         return None
-    rest = "bf16" if dtype == torch.bfloat16 else None
+    rest = "bf16" if dtype == torch.bfloat16 or keep_bf16 else None
     return lambda name: "fp8" if name in fp8_params else rest
 
 

@@ -22,7 +22,7 @@ def fused_applies(x: torch.Tensor, gate_up, down) -> bool:
     return (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
             and gate_up.kind == down.kind and gate_up.col_offset == 0
             and x.is_cpu and x.dtype in (torch.bfloat16, torch.float32)
-            and 0 < x.shape[0] <= KERNEL_ROWS and torch_ops.cpu_kernels() == "avx512_bf16")
+            and 0 < x.shape[0] <= KERNEL_ROWS and torch_ops.runs("packed_products"))
 
 
 def gated_mlp(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, inter: int) -> torch.Tensor:

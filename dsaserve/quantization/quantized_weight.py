@@ -42,26 +42,37 @@ class PackedMatrix:
         rows = x if x.dim() == 2 else x.reshape(-1, self.k)  # (a reshape is one more operator call per product)
         if rows.shape[0] == 0:  # e.g. lm_head in a step of prompt chunks only
             return x.new_empty(*x.shape[:-1], self.n)
-        args = self.args
-        if x.is_cpu and torch_ops.cpu_kernels() == "avx512_bf16":
+        if x.is_cpu and torch_ops.runs("packed_products"):
             if rows.shape[0] <= KERNEL_ROWS:
-                y = torch.ops.dsaserve.quant_linear.default(rows, self.qweight, self.scale, *args)
+                y = torch.ops.dsaserve.quant_linear.default(rows, self.qweight, self.scale, *self.args)
             else:
-                y = rows @ torch.ops.dsaserve.dequantize_t(self.qweight, self.scale, *args, x.dtype)
+                y = self._by_slabs(rows, self._native_slab)
         else:
-            y = self._fallback_matmul(rows)
+            y = self._by_slabs(rows, lambda dtype, r0, r1: self.dequantize(dtype, (r0, r1)).T)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.n)
 
-    def _fallback_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows @ weightᵀ in torch, dequantizing the weight a slab of output rows at a time (FALLBACK_SCRATCH), so a
-        product never holds a whole weight in floats (a head of 154,880 × 6,144 would be 3.8 GB in fp32)."""
+    def _native_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of the weight, transposed and dequantized by the native kernel: [K, r1 - r0]."""
+        b0, b1 = r0 // 16, -(-r1 // 16)
+        kind, group, col_offset, _, k = self.args
+        return torch.ops.dsaserve.dequantize_t(self.qweight[b0:b1], self.scale[b0:b1], kind, group, col_offset,
+                                               r1 - r0, k, dtype)
+
+    def _by_slabs(self, rows: torch.Tensor, slab) -> torch.Tensor:
+        """rows @ weightᵀ by torch's GEMM, the weight dequantized a slab of output rows at a time (FALLBACK_SCRATCH,
+        `slab(dtype, r0, r1)` giving rows [r0, r1) transposed), so a product never holds a whole weight in floats (a
+        head of 154,880 × 6,144 would be 3.8 GB in fp32). The GEMM runs in bf16 only where the kernels run their
+        AVX-512 BF16 bodies: elsewhere torch's bf16 GEMM is many times slower than its fp32 one."""
+        bf16_gemm = torch_ops.cpu_kernels() == "avx512_bf16"
+        dtype = torch.float32 if rows.dtype == torch.bfloat16 and not bf16_gemm else rows.dtype
+        xs = rows.to(dtype)
         step = max(16, FALLBACK_SCRATCH // (self.k * 4) // 16 * 16)
         if step >= self.n:
-            return rows @ self.dequantize(rows.dtype).T
+            return (xs @ slab(dtype, 0, self.n)).to(rows.dtype)
         y = rows.new_empty(rows.shape[0], self.n)
         for r0 in range(0, self.n, step):
             r1 = min(self.n, r0 + step)
-            y[:, r0:r1] = rows @ self.dequantize(rows.dtype, (r0, r1)).T
+            y[:, r0:r1] = xs @ slab(dtype, r0, r1)
         return y
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -101,7 +112,7 @@ class QuantizedWeight(PreparedCalls):
         """x [B, M, K] by each of the B stacked weights: [B, M, N] (one attention head each)."""
         if x.shape[1] == 0:
             return x.new_empty(x.shape[0], 0, self.out_features)
-        if x.is_cpu and torch_ops.cpu_kernels() == "avx512_bf16" and x.shape[1] <= KERNEL_ROWS:
+        if x.is_cpu and torch_ops.runs("packed_products") and x.shape[1] <= KERNEL_ROWS:
             return torch.ops.dsaserve.quant_linear.default(x, self.qweight, self.scale, *self.args)  # strided x too
         return torch.stack([self.matrix(b).matmul(x[b]) for b in range(x.shape[0])])
 

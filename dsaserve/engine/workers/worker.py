@@ -14,6 +14,7 @@ import torch
 
 from dsaserve.attention.context_shard import ContextShard
 from dsaserve.config import ModelConfig
+from dsaserve.device import widened_for_cpu
 from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
 from dsaserve.engine.workers.kv_cache import KVCache, KVCacheLayout
@@ -35,10 +36,11 @@ class Worker:
         self.parallel = parallel or ParallelContext.single()
         self.with_mtp = args.speculative is not None
         page_budget = args.page_budget or max(1, cfg.index_topk // args.block_size)  # the same token budget as top-k
-        torch_ops.configure(args.native_kernels)  # before anything asks which kernels run
+        torch_ops.configure(args.native_kernels, args.cpu_isa)  # before anything asks which kernels run
         if device.type == "cpu" and self.parallel.tp.rank == 0:
             logger.info("native kernels: %s", torch_ops.summary())  # (builds them the first time on this machine)
-        forms = weight_forms(args.quantization, fp8_params(cfg, args.model), dtype, device)
+        forms = weight_forms(args.quantization, fp8_params(cfg, args.model), dtype, device,
+                             keep_bf16=widened_for_cpu(args.dtype, cfg.checkpoint_dtype, dtype))
         self.model = load_model(cfg, args.model, dtype, device, args.attention_backend, progress=progress,
                                 page_budget=page_budget, with_mtp=self.with_mtp, parallel=self.parallel,
                                 weight_forms=forms, decode_plan=not args.enforce_eager, huge_pages=args.huge_pages,

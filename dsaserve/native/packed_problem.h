@@ -1,0 +1,54 @@
+// The packed weights' layout as the product bodies see it (quant_linear.cpp's AVX-512 bodies, quant_linear_avx2.cpp's
+// AVX2 ones): the kinds, one product's problem, the scale groups. See quant_linear.cpp for the layout itself.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace dsaserve::packed {
+
+constexpr int64_t kBF16 = 0, kFP8 = 1, kINT8 = 2, kINT4 = 3;
+constexpr int64_t kMaxRows = 16;  // activation rows per call; more go to a dequantized GEMM
+
+struct Problem {
+  int64_t M, N, K, K2;
+  bool out_bf16;  // y in bf16 (converted in registers) rather than fp32
+  const uint8_t* w;  // block b starts at w + b * block_bytes
+  int64_t block_bytes;
+  const float* scale;  // [N / 16, G, 16]
+  int64_t G, group, col_offset;
+  int64_t kind;
+};
+
+inline int64_t entry_bytes(int64_t kind) { return kind == kBF16 ? 2 : 1; }
+
+inline int64_t block_bytes_of(int64_t kind, int64_t K2) { return kind == kINT4 ? K2 * 16 : K2 * 32 * entry_bytes(kind); }
+
+inline int64_t scale_column_count(int64_t K, int64_t group, int64_t col_offset) {
+  return (K - 1 + col_offset) / group - col_offset / group + 1;
+}
+
+inline int64_t scale_column(const Problem& p, int64_t k) { return (k + p.col_offset) / p.group - p.col_offset / p.group; }
+
+// The end of the scale group that column k0 starts (a group's columns are [k0, group_end)).
+inline int64_t group_end(const Problem& p, int64_t k0) {
+  return std::min(p.K, ((k0 + p.col_offset) / p.group + 1) * p.group - p.col_offset);
+}
+
+inline float fp8_e4m3_to_float(uint8_t b) {
+  // Exponent and mantissa into an fp16's bits: the fp16 value is the e4m3 value times 2^-8, for
+  // normal and subnormal numbers alike.
+  uint16_t h = static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8));
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits())) * 256.0f;
+}
+
+// The bodies' entry for blocks [b0, b1) of p against p.M <= 16 activation rows (x_row bytes apart; bf16 when
+// p.out_bf16, else fp32) into y [p.M, N] in the same dtype.
+void avx2_row_sweeps(const Problem& p, const uint8_t* x, int64_t x_row, int64_t b0, int64_t b1, uint8_t* y);
+
+// Blocks [b0, b1) of p dequantized into out [K, N] (fp32), the weight transposed.
+void avx2_dequantize_blocks(const Problem& p, int64_t b0, int64_t b1, float* out);
+
+}  // namespace dsaserve::packed

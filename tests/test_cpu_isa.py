@@ -1,0 +1,94 @@
+"""The cpu_isa option: one body family chosen at load (the best the CPU has, or the one asked for), refused with
+what the CPU lacks, visible in the startup summary and doctor; and a bf16 checkpoint on a CPU without bf16
+instructions (cpu_isa 'avx2' stands for one here) computed in fp32 with its weights kept in bf16, giving the
+tokens of its fp32-widened twin."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import native_bodies
+
+from dsaserve import LLM, SamplingParams
+from dsaserve.native import torch_ops
+from dsaserve.quantization.quantized_weight import QuantizedWeight
+
+needs_avx2 = pytest.mark.skipif("avx2" not in native_bodies(), reason="the AVX2 bodies do not run here (no C++ "
+                                                                       "compiler, or a CPU without AVX2)")
+BASE = dict(block_size=16, progress=False, max_model_len=512, max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True, logprobs=1)
+PROMPTS = [list(range(40 + 9 * i, 117 + 9 * i)) for i in range(3)]
+
+
+def generate(llm):
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in outs],
+            [[p[t].logprob for p, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+
+
+@pytest.fixture
+def default_isa():
+    yield
+    torch_ops.configure("auto", "auto")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("avx1024", "cpu_isa='avx1024' is not one of auto, amx, avx512_bf16, avx512, avx2"),
+    ("avx512", "no AVX-512F body without BF16 yet; use 'avx2'"),
+])
+def test_a_cpu_isa_without_bodies_is_refused_naming_the_choices(tiny_checkpoint, value, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_checkpoint, cpu_isa=value, **BASE)
+
+
+@pytest.mark.skipif(not torch_ops.load(), reason="the native operators cannot be built here")
+def test_a_family_the_cpu_lacks_is_refused_naming_what_it_lacks(default_isa):
+    have = list(torch.ops.dsaserve.cpu_isas())
+    if "avx512_bf16" not in have:
+        with pytest.raises(ValueError, match="cpu_isa='avx512_bf16': this CPU lacks AVX-512 BF16"):
+            torch_ops.configure("auto", "avx512_bf16")
+    elif not torch.ops.dsaserve.amx_available():
+        with pytest.raises(ValueError, match="cpu_isa='amx': this CPU lacks AMX-BF16"):
+            torch_ops.configure("auto", "amx")
+    else:
+        pytest.skip("this CPU has every family (AMX included): nothing to refuse")
+
+
+@needs_avx2
+def test_the_choice_is_what_runs_and_what_the_summary_says(default_isa):
+    torch_ops.configure("auto", "avx2")
+    assert torch_ops.cpu_kernels() == "avx2" and torch.ops.dsaserve.cpu_kernels() == "avx2"
+    assert torch_ops.runs("packed_products") and not torch_ops.runs("selected_rows")
+    assert torch_ops.summary().startswith("AVX2 (chosen by cpu_isa)")
+    torch_ops.configure("auto", "auto")
+    assert torch_ops.cpu_kernels() == native_bodies()[0]
+
+
+@needs_avx2
+def test_doctor_prints_the_chosen_family(tmp_path):
+    from conftest import REFERENCE_CONFIG
+
+    (tmp_path / "config.json").write_text(open(REFERENCE_CONFIG).read())
+    out = subprocess.run([sys.executable, "-m", "dsaserve", "doctor", str(tmp_path), "--cpu-isa", "avx2"],
+                         capture_output=True, text=True, timeout=120)
+    assert "native kernels: AVX2 (chosen by cpu_isa)" in out.stdout, out.stdout + out.stderr
+    assert "weight products: native AVX2 kernels for up to 16 rows" in out.stdout
+
+
+@needs_avx2
+def test_a_bf16_checkpoint_keeps_its_bytes_and_its_tokens_computing_in_fp32(make_checkpoint, default_isa):
+    """dtype auto under cpu_isa 'avx2' (a CPU without bf16 instructions): fp32 activations, every projection packed
+    in bf16 (not widened to fp32: half the bytes), and the greedy tokens of the same checkpoint widened to fp32 in
+    torch, logprobs within 1e-4."""
+    path = make_checkpoint("bf16-weights", seed=3, dtype=torch.bfloat16)
+    kept = LLM(path, cpu_isa="avx2", **BASE)
+    assert kept.engine.dtype == torch.float32
+    packed = [m for m in kept.engine.model.modules() if isinstance(m, QuantizedWeight)]
+    assert packed and {m.kind for m in packed} == {"bf16"}
+    ours = generate(kept)
+    widened = LLM(path, dtype="float32", native_kernels="off", **BASE)
+    assert not any(isinstance(m, QuantizedWeight) for m in widened.engine.model.modules())
+    theirs = generate(widened)
+    assert ours[0] == theirs[0]
+    assert max(abs(a - b) for x, y in zip(ours[1], theirs[1]) for a, b in zip(x, y)) < 1e-4
