@@ -98,7 +98,7 @@ def measure(form: str, cpu_isa: str) -> dict:
                     "int4-bf16act": "int4", "int8-nobody": "int8"}.get(form)
     engine = LLMEngine(EngineArgs(model=checkpoint_dir(), kv_cache_memory="512MiB", max_model_len=4096,
                                   progress=False, quantization=quantization, native_kernels=native_kernels,
-                                  cpu_isa=cpu_isa if native_kernels != "off" else "auto"))
+                                  cpu_isa=cpu_isa))
     decode_steps(engine, 1, steps=4)  # warm-up
     copy_before = copy_bandwidth()
     step_1, _ = decode_steps(engine, 1, steps=32)

@@ -269,14 +269,14 @@ def test_the_torch_fallback_dequantizes_a_slab_of_rows_at_a_time(monkeypatch, ki
     monkeypatch.setattr(torch_ops, "cpu_kernels", lambda: "none")
     monkeypatch.setattr(quantized_weight, "FALLBACK_SCRATCH", 16 * 301 * 4)
     m, weight = matrix(kind, 37, 301, 0)
-    seen, dequantize = [], quantized_weight.PackedMatrix.dequantize
+    seen, slab = [], quantized_weight.PackedMatrix._torch_slab
 
-    def counted(self, dtype=torch.float32, rows=None):
-        out = dequantize(self, dtype, rows)
-        seen.append(out.shape[0])
+    def counted(self, dtype, r0, r1):
+        out = slab(self, dtype, r0, r1)  # [K, rows]
+        seen.append(out.shape[1])
         return out
 
-    monkeypatch.setattr(quantized_weight.PackedMatrix, "dequantize", counted)
+    monkeypatch.setattr(quantized_weight.PackedMatrix, "_torch_slab", counted)
     x = torch.randn(3, 301)
     assert torch.allclose(m.matmul(x), x @ weight.T, atol=1e-4, rtol=1e-4)
     assert seen == [16, 16, 5]

@@ -77,17 +77,21 @@ AVX2 inline void decode_f32(const uint8_t* block, int64_t kp, int half, __m256& 
   }
 }
 
-// A column pair's 8 rows of int8 or int4 weights as int16 pairs (even column low, odd column high): what
-// vpmaddwd multiplies by an activation pair.
+// A column pair's 16 rows of int8 or int4 weights as int16 pairs (even column low, odd column high), rows 0-7
+// in w0 and 8-15 in w1: what vpmaddwd multiplies by an activation pair. int4: the low and high nibbles of the 16
+// bytes split, interleaved back into (even, odd) byte pairs and made signed before widening.
 template <int64_t Kind>
-AVX2 inline __m256i decode_i16(const uint8_t* block, int64_t kp, int half) {
+AVX2 inline void decode_i16(const uint8_t* block, int64_t kp, __m256i& w0, __m256i& w1) {
   if constexpr (Kind == kINT8) {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kp * 32 + half * 16)));
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kp * 32)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kp * 32 + 16)));
   } else {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + kp * 16 + half * 8)));
-    const __m256i pair = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xF)),
-                                         _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xF0)), 12));
-    return _mm256_sub_epi16(pair, _mm256_set1_epi16(8));
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kp * 16));
+    const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128i even = _mm_sub_epi8(_mm_and_si128(v, nibble), eight);
+    const __m128i odd = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), nibble), eight);
+    w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(even, odd));
+    w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(even, odd));
   }
 }
 
@@ -212,7 +216,8 @@ AVX2 void block_int(const Problem& p, const Int16Rows& x, int64_t b, uint8_t* y,
       if constexpr (Rest)
         for (int m = 0; m < M; ++m) rest[m][0] = rest[m][1] = _mm256_setzero_si256();
       for (int64_t kp = c0 / 2; kp < (c1 + 1) / 2; ++kp) {
-        const __m256i w0 = decode_i16<Kind>(block, kp, 0), w1 = decode_i16<Kind>(block, kp, 1);
+        __m256i w0, w1;
+        decode_i16<Kind>(block, kp, w0, w1);
         for (int m = 0; m < M; ++m) {
           const int64_t at = 2 * (m * x.K2 + kp);
           const __m256i xv = broadcast_pair(x.values + at);

@@ -45,8 +45,10 @@ def weight_forms(quantization: str | None, fp8_params: set[str], dtype: torch.dt
             raise ValueError(f"quantization={quantization!r}: quantized weights run on CPU so far; drop the flag on "
                              f"{device.type}")
         if not kernels_here(device):
-            logger.warning("quantization=%s without the native kernels here: products dequantize in torch (slow)",
-                           quantization)
+            logger.warning("quantization=%s without a native body here (%s): each product dequantizes its weight a "
+                           "slab of rows at a time in torch, so decode runs several times slower than with float "
+                           "weights; the memory saved is what this buys", quantization,
+                           torch_ops.unavailable() or "no AVX2 or AVX-512 BF16")
         return lambda name: quantization
     if not kernels_here(device):
         return None

@@ -48,8 +48,32 @@ class PackedMatrix:
             else:
                 y = self._by_slabs(rows, self._native_slab)
         else:
-            y = self._by_slabs(rows, lambda dtype, r0, r1: self.dequantize(dtype, (r0, r1)).T)
+            y = self._by_slabs(rows, self._torch_slab)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.n)
+
+    def _torch_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of the weight, transposed and dequantized in torch (no native body here): the packed blocks
+        reordered and widened in one copy, the scales applied in place by broadcasting (each row's, or each row's
+        per group), not by gathering a scale per element. Other layouts (a slice starting inside its scale
+        groups) take the reference dequantization."""
+        kind, group, col_offset, _, k = self.args
+        b0, b1 = r0 // 16, -(-r1 // 16)
+        q, scale = self.qweight[b0:b1], self.scale[b0:b1]  # [B, K2, 32 (16 for int4)], [B, G, 16]
+        blocks, k2, groups = q.shape[0], q.shape[1], scale.shape[1]
+        kp = 2 * k2
+        if col_offset or (groups > 1 and kp != groups * group):
+            return self.dequantize(dtype, (r0, r1)).T
+        # A row's column pair is one unit (bf16: 4 bytes, fp8 and int8: 2, int4: 1): the blocks' [K2, 16] units
+        # transposed to [16, K2] (a plain transpose: torch copies those fast), then widened.
+        unit = {"bf16": torch.int32, "fp8": torch.int16, "int8": torch.int16, "int4": torch.uint8}[self.kind]
+        t = q.contiguous().view(torch.uint8).view(unit).view(blocks, k2, 16).transpose(1, 2).contiguous()
+        if self.kind == "int4":
+            t = torch.stack([t & 0xF, t >> 4], dim=-1).view(torch.int8) - 8
+        else:
+            t = t.view({"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[self.kind])
+        # widened and scaled in one pass (int8 times fp32 computes in fp32)
+        w = t.reshape(blocks, 16, groups, kp // groups) * scale.permute(0, 2, 1).unsqueeze(-1)
+        return w.view(blocks * 16, kp)[r0 - b0 * 16:r1 - b0 * 16, :k].to(dtype).T
 
     def _native_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
         """Rows [r0, r1) of the weight, transposed and dequantized by the native kernel: [K, r1 - r0]."""
