@@ -57,11 +57,18 @@ def configure(choice: str, cpu_isa: str = "auto") -> None:
     if choice not in NATIVE_KERNELS:
         raise ValueError(f"native_kernels={choice!r} is not one of {', '.join(NATIVE_KERNELS)}")
     check_cpu_isa(cpu_isa)
+    previous = _choice, _isa
     _choice, _isa, _kernels = choice, cpu_isa, None
-    if _loaded:
-        _apply_choice()
-    elif cpu_isa != "auto" and choice != "off" and not load():
-        raise ValueError(f"cpu_isa={cpu_isa!r}: the native operators are unavailable here ({_unavailable})")
+    try:
+        if _loaded:
+            _apply_choice()
+        elif cpu_isa != "auto" and choice != "off" and not load():
+            raise ValueError(f"cpu_isa={cpu_isa!r}: the native operators are unavailable here ({_unavailable})")
+    except ValueError:  # a refused family leaves the process as it was
+        _choice, _isa = previous
+        if _loaded:
+            _apply_choice()
+        raise
 
 
 def check_cpu_isa(cpu_isa: str) -> None:
@@ -95,11 +102,6 @@ def _apply_choice() -> None:
     torch.ops.dsaserve.set_isa_extensions(extensions)
     why_not = "native_kernels 'avx512'" if _choice != "auto" else f"cpu_isa '{_isa}'"
     amx.allow(extensions and _isa in ("auto", "amx"), why_not)
-
-
-def cpu_isa() -> str:
-    """The engine's cpu_isa option in this process."""
-    return _isa
 
 
 def choice() -> str:
