@@ -14,6 +14,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from dsaserve.hybrid_config import HybridConfig, HybridConfigError, resolve_hybrid, text_fields
 from dsaserve.model_family import FAMILIES, ModelFamily
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class ModelConfig:
     checkpoint_dtype: str  # e.g. "bfloat16"
     quantization_config: dict | None
     raw: dict = field(repr=False, compare=False)
+    hybrid: HybridConfig | None = None  # glm5_next: KDA layers, mHC streams, pooled indexer (hybrid_config.py)
 
     @property
     def family(self) -> ModelFamily:
@@ -125,12 +127,30 @@ class ModelConfig:
         """Width of one latent cache row: normalized KV latent followed by the rotated rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def is_attention(self, layer: int) -> bool:
+        """Whether the layer is (MLA) attention with a latent cache; a hybrid model's KDA layers are not."""
+        return self.hybrid is None or layer >= self.num_hidden_layers or layer in self.hybrid.attention_layers
+
     def is_full(self, layer: int) -> bool:
-        return self.indexer_types[layer] == FULL
+        return self.indexer_types[layer] == FULL and self.is_attention(layer)
 
     @property
     def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.indexer_types) if t == FULL)
+        return tuple(i for i, t in enumerate(self.indexer_types) if t == FULL and self.is_attention(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_attention(i))
+
+    @property
+    def latent_norm_eps(self) -> float:
+        """eps of q_a_layernorm and kv_a_layernorm: 1e-6 in GLM-5.2 and DeepSeek-V3.2, rms_norm_eps in glm5_next."""
+        return self.rms_norm_eps if self.hybrid is not None else 1e-6
+
+    @property
+    def index_width(self) -> int:
+        """Positions a query's selection holds: index_topk, plus the unfinished pool's tokens (pooled indexer)."""
+        return self.index_topk + (self.hybrid.index_kpool - 1 if self.hybrid is not None else 0)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, hf_overrides: dict | str | None = None) -> "ModelConfig":
@@ -152,10 +172,19 @@ class ModelConfig:
                 "(GLM-5.x and DeepSeek-V3.2, with DeepSeek Sparse Attention)"
             )
         family = FAMILIES[model_type]
-        raw = {**family.defaults, **raw}
-        num_layers = _require_int(raw, "num_hidden_layers")
-        schedule = resolve_indexer_types(raw, num_layers) if family.index_share else every_layer_full(raw, num_layers,
-                                                                                                       family)
+        hybrid = None
+        try:
+            if model_type == "glm5_next":
+                raw = text_fields(raw)
+            raw = {**family.defaults, **raw}
+            num_layers = _require_int(raw, "num_hidden_layers")
+            if model_type == "glm5_next":
+                hybrid = resolve_hybrid(raw, num_layers)
+        except HybridConfigError as e:
+            raise ConfigError(str(e)) from e
+        attention = hybrid.attention_layers if hybrid is not None else None
+        schedule = (resolve_indexer_types(raw, num_layers, attention) if family.index_share
+                    else every_layer_full(raw, num_layers, family))
         for note in schedule.warnings:
             logger.info(note)
         logger.info(
@@ -200,6 +229,7 @@ class ModelConfig:
             checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
             quantization_config=raw.get("quantization_config"),
             raw=raw,
+            hybrid=hybrid,
         )
         cfg.validate()
         return cfg
@@ -226,6 +256,12 @@ class ModelConfig:
             )
         if self.index_topk < 1:
             raise ConfigError(f"index_topk={self.index_topk} must be positive")
+        if self.hybrid is not None:
+            if self.qk_rope_head_dim:
+                raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim}: glm5_next attention is NoPE; set it to 0")
+            if self.index_topk % self.hybrid.index_kpool:
+                raise ConfigError(f"index_topk={self.index_topk} must be a multiple of index_kpool="
+                                  f"{self.hybrid.index_kpool} (the indexer keeps index_topk / index_kpool pools)")
 
 
 def apply_hf_overrides(raw: dict, overrides: dict | str | None) -> dict:
@@ -289,8 +325,9 @@ def _pattern_string(types) -> str:
     return "".join("F" if t == FULL else "S" for t in types)
 
 
-def resolve_indexer_types(raw: dict, num_layers: int) -> IndexerSchedule:
-    """`indexer_types` (authoritative) → `index_topk_pattern` → freq/offset → all full."""
+def resolve_indexer_types(raw: dict, num_layers: int, attention_layers=None) -> IndexerSchedule:
+    """`indexer_types` (authoritative) → `index_topk_pattern` → freq/offset → all full. attention_layers: the layers
+    that attend (a hybrid model's; None: all); the first of them must be full, the others' entries are unused."""
     explicit = raw.get("indexer_types")
     pattern = raw.get("index_topk_pattern")
     has_freq = "index_topk_freq" in raw or "index_skip_topk_offset" in raw
@@ -308,9 +345,10 @@ def resolve_indexer_types(raw: dict, num_layers: int) -> IndexerSchedule:
         raise ConfigError(
             f"{source} has {len(types)} entries but num_hidden_layers={num_layers}; give one entry per layer"
         )
-    if types[0] != FULL:
-        raise ConfigError(f"{source}: layer 0 is {types[0]!r} but must be 'full' "
-                          "(a shared layer needs a full layer before it)")
+    first = attention_layers[0] if attention_layers else 0
+    if types[first] != FULL:
+        raise ConfigError(f"{source}: layer {first} is {types[first]!r} but must be 'full' "
+                          f"(a shared layer needs a full layer before it; layer {first} is the first that attends)")
 
     if explicit is not None and pattern is not None:
         other = _parse_types(pattern, "index_topk_pattern")

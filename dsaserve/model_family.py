@@ -42,4 +42,20 @@ DEEPSEEK_V32 = ModelFamily(
     },
 )
 
-FAMILIES = {f.model_type: f for f in (GLM_MOE_DSA, DEEPSEEK_V32)}
+# transformers' Glm5NextTextConfig defaults (models/glm5_next). NoPE attention: there is no RoPE anywhere in the text
+# model, so rope_theta only fills the field; the first three layers are dense as its mlp_layer_types default says.
+GLM5_NEXT = ModelFamily(
+    "glm5_next", "GLM-5.3-Flash", "Glm5NextForConditionalGeneration", index_share=True,
+    reasoning_parser="glm45", tool_call_parser="glm47",
+    defaults={
+        "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 45, "num_attention_heads": 64, "n_shared_experts": 1, "n_routed_experts": 288,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 0,
+        "v_head_dim": 256, "qk_nope_head_dim": 256, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32, "first_k_dense_replace": 3,
+        "attention_bias": False, "tie_word_embeddings": False, "pad_token_id": 154820,
+    },
+)
+
+FAMILIES = {f.model_type: f for f in (GLM_MOE_DSA, DEEPSEEK_V32, GLM5_NEXT)}

@@ -34,6 +34,8 @@ class BatchMetadata:
     # (`write_rows`) are written to its caches, at `slot_mapping`. None: every row, every token.
     shard: ContextShard | None = None
     write_rows: torch.Tensor | None = None
+    # A hybrid model's KDA layers: each request's state slot (attention/linear_state.py); empty otherwise.
+    state_slots: tuple[int, ...] = ()
     # What the layers derive from the batch alone (the same in every layer), made by the first layer.
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -123,6 +125,7 @@ class BatchMetadata:
         logits_indices: list[int],
         device: torch.device | str = "cpu",
         shard: ContextShard | None = None,
+        state_slots: list[int] | None = None,
     ) -> "BatchMetadata":
         """token_ids[i] are request i's new tokens, placed after context_lens[i] cached ones. With a
         shard, block_size is the scheduler's (tokens per block across the DCP group)."""
@@ -167,4 +170,5 @@ class BatchMetadata:
             seq_lens_host=tuple(seq_lens),
             shard=shard,
             write_rows=write_rows,
+            state_slots=tuple(state_slots or ()),
         )

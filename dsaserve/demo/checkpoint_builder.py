@@ -1,4 +1,5 @@
-"""Write random-weight checkpoints (glm_moe_dsa or deepseek_v32) in the real layout (demo model and test fixtures).
+"""Write random-weight checkpoints (glm_moe_dsa, deepseek_v32 or glm5_next) in the real layout (demo model and test
+fixtures).
 
 The tensors come from `checkpoint_layout`, so what is written is exactly what the loader expects and
 what the transformers reference loads: per-expert tensors, indexer tensors only on full layers,
@@ -16,7 +17,7 @@ from safetensors.torch import save_file
 
 from dsaserve.config import ModelConfig
 from dsaserve.demo.tokenizer import GLM_STYLE, STYLES, TokenizerStyle, build_tokenizer, save_tokenizer, stop_token_ids
-from dsaserve.model.checkpoint_layout import checkpoint_shapes
+from dsaserve.model.checkpoint_layout import VISION_PREFIX, checkpoint_shapes, text_prefix
 from dsaserve.quantization.fp8_blocks import FP8_MAX, is_fp8_quantizable, quantize_fp8  # noqa: F401 (tests and scripts import them here)
 
 # Fields only GLM's config carries: the IndexShare schedule and its RoPE layouts (DeepSeek-V3.2 fixes both).
@@ -81,14 +82,46 @@ def small_config(model_type: str = "glm_moe_dsa", **overrides) -> dict:
                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                     "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "mscale": 1.0, "mscale_all_dim": 1.0})
+    elif model_type == "glm5_next":
+        return glm5_next_config(cfg, overrides)
     elif model_type != "glm_moe_dsa":
-        raise ValueError(f"model_type={model_type!r}: the builder writes glm_moe_dsa or deepseek_v32 checkpoints")
+        raise ValueError(f"model_type={model_type!r}: the builder writes glm_moe_dsa, deepseek_v32 or glm5_next "
+                         "checkpoints")
     cfg.update(overrides)
     # Fields the published configs carry that follow from the others (MLA has as many KV heads as heads).
     cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     cfg["head_dim"] = cfg["qk_rope_head_dim"]
     cfg["qk_head_dim"] = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     return cfg
+
+
+# A small GLM-5.3-Flash: KDA and indexed layers mixed so that a shared indexed layer follows a full one (the
+# reference passes a selection only from one layer to the next), NoPE MLA, pools of 4 tokens.
+GLM5_NEXT_LAYERS = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
+                    "linear_attention", "indexed_attention"]
+GLM5_NEXT_TINY_VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 128, "intermediate_size": 64,
+                         "projection_intermediate_size": 64, "patch_size": 14, "temporal_patch_size": 2}
+
+
+def glm5_next_config(base: dict, overrides: dict) -> dict:
+    """A glm5_next config.json as transformers writes it: the text fields under text_config, a vision_config."""
+    text = {k: v for k, v in base.items() if k not in GLM_ONLY_FIELDS + ("architectures", "first_k_dense_replace",
+                                                                            "moe_layer_freq", "rope_parameters",
+                                                                            "head_dim", "qk_head_dim")}
+    text.update(model_type="glm5_next_text", qk_rope_head_dim=0, qk_nope_head_dim=32, v_head_dim=32,
+                num_hidden_layers=len(GLM5_NEXT_LAYERS), layer_types=list(GLM5_NEXT_LAYERS),
+                indexer_types=["full", "full", "shared", "full", "full", "full"],
+                mlp_layer_types=["dense"] + ["sparse"] * (len(GLM5_NEXT_LAYERS) - 1),
+                linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                                    "gate_lower_bound": -5.0},
+                hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=3, index_kpool=4, index_kpool_always_select_tail=True,
+                swiglu_limit=2.0)  # low enough that random weights reach it; few Sinkhorn iterations, each matters
+    vision = dict(GLM5_NEXT_TINY_VISION, out_hidden_size=text["hidden_size"])
+    text.update({k: v for k, v in overrides.items() if k not in ("model_type",)})
+    text["num_key_value_heads"] = text["num_attention_heads"]
+    return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text,
+            "vision_config": vision, "tie_word_embeddings": text.get("tie_word_embeddings", False),
+            "dtype": text.get("dtype", "float32")}
 
 
 def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, std: float) -> torch.Tensor:
@@ -99,6 +132,10 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, std: 
         return 0.2 * torch.randn(shape, generator=gen)
     if name.endswith("e_score_correction_bias"):
         return 0.05 * torch.randn(shape, generator=gen)
+    if name.endswith(("hc_attn_base", "hc_ffn_base", "dt_bias", "A_log")):
+        return 0.5 * torch.randn(shape, generator=gen)
+    if name.endswith(("hc_attn_scale", "hc_ffn_scale")):
+        return 1.0 + 0.2 * torch.randn(shape, generator=gen)
     if name.endswith("embed_tokens.weight"):
         return torch.randn(shape, generator=gen)
     fan_in = shape[-1] if len(shape) > 1 else 1
@@ -120,13 +157,16 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.0,
     gen = torch.Generator().manual_seed(seed)
     shapes = checkpoint_shapes(cfg, include_mtp=include_mtp)
     weights = {name: random_tensor(name, shape, gen, std) for name, shape in shapes.items()}
-    weights["model.embed_tokens.weight"][:, SEPARATION_CHANNEL] = 8.0
+    weights[f"{text_prefix(cfg)}embed_tokens.weight"][:, SEPARATION_CHANNEL] = 8.0
     for name, w in weights.items():
         if name.endswith("indexer.weights_proj.weight"):
             w.mul_(0.05)
             w[:, SEPARATION_CHANNEL] = 1.0
         elif name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wk.weight")):
             w[:, SEPARATION_CHANNEL] = 0.0  # else every query and key would point the same way
+    if cfg.hybrid is not None:  # a few vision tensors, which the loader must skip
+        weights[f"{VISION_PREFIX}blocks.0.norm1.weight"] = torch.ones(GLM5_NEXT_TINY_VISION["hidden_size"])
+        weights[f"{VISION_PREFIX}blocks.0.norm2.weight"] = torch.ones(GLM5_NEXT_TINY_VISION["hidden_size"])
     return weights
 
 
@@ -138,7 +178,8 @@ def save_checkpoint(model_dir: str, config: dict, weights: dict[str, torch.Tenso
     for name, w in weights.items():
         if fp8 and is_fp8_quantizable(name):
             tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(w)
-        elif name.endswith("e_score_correction_bias") or name.endswith("mlp.gate.weight"):
+        elif name.endswith(("e_score_correction_bias", "mlp.gate.weight", "dt_bias", "A_log", "_conv1d.weight",
+                            "hc_attn_base", "hc_attn_scale", "hc_ffn_base", "hc_ffn_scale")):
             tensors[name] = w.float().contiguous()
         else:
             tensors[name] = w.to(dtype).contiguous()

@@ -121,7 +121,7 @@ class TokenizerStyle:
 GLM_STYLE = TokenizerStyle(GLM_SPECIAL_TOKENS, GLM_MARKUP_TOKENS, GLM_STOP_TOKENS, "<|endoftext|>", None, CHAT_TEMPLATE)
 DEEPSEEK_STYLE = TokenizerStyle(DEEPSEEK_SPECIAL_TOKENS, DEEPSEEK_MARKUP_TOKENS, ("<｜end▁of▁sentence｜>",),
                                 "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", None)
-STYLES = {"glm_moe_dsa": GLM_STYLE, "deepseek_v32": DEEPSEEK_STYLE}
+STYLES = {"glm_moe_dsa": GLM_STYLE, "deepseek_v32": DEEPSEEK_STYLE, "glm5_next": GLM_STYLE}
 
 
 def build_tokenizer(vocab_size: int = 1024, corpus: list[str] | None = None, split_digits: bool = False,

@@ -61,11 +61,17 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.kv_cache, self.runner = driver.kv_cache, driver.runner
+        self.prefix_caching = args.enable_prefix_caching and cfg.hybrid is None
+        if args.enable_prefix_caching and not self.prefix_caching:
+            logger.info("prefix caching is off: %s keeps KDA state per request, and snapshots of it at cached "
+                        "blocks are not taken yet", cfg.family.name)
         self.scheduler = Scheduler(SchedulerConfig(self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                                                    args.enable_chunked_prefill,
                                                    self.speculative.num_speculative_tokens if with_mtp else 0,
-                                                   self.speculative.disable_by_batch_size if with_mtp else None),
-                                   KVCacheManager(num_blocks, tokens_per_block, args.enable_prefix_caching))
+                                                   self.speculative.disable_by_batch_size if with_mtp else None,
+                                                   state_slots=cfg.hybrid is not None),
+                                   KVCacheManager(num_blocks, tokens_per_block, self.prefix_caching,
+                                                  share_samples=cfg.hybrid is None))
         self.limits = AdmissionLimits(cfg.vocab_size, self.max_model_len, num_blocks, tokens_per_block,
                                       args.enable_chunked_prefill, args.max_num_batched_tokens, cfg.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -75,7 +81,7 @@ class LLMEngine:
             "engine ready in %.1fs: %s, %s, backend=%s, %d KV blocks of %d tokens (%.1f MiB%s), prefix caching %s",
             time.perf_counter() - start, self.device, str(self.dtype).removeprefix("torch."), args.attention_backend,
             num_blocks, tokens_per_block, self.kv_cache.nbytes() / 2**20,
-            " per rank" if parallel.distributed else "", "on" if args.enable_prefix_caching else "off",
+            " per rank" if parallel.distributed else "", "on" if self.prefix_caching else "off",
         )
 
     def shutdown(self) -> None:

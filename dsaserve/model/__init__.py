@@ -6,7 +6,8 @@ import torch
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
-from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, GlmMoeDsaForCausalLM
+from dsaserve.model.glm5_next import Glm5NextForCausalLM
+from dsaserve.model.glm_moe_dsa import GlmMoeDsaForCausalLM
 from dsaserve.model.huge_pages import place_weights as place_in_huge_pages
 from dsaserve.model.load_memory import available_memory, check_fits, default_scratch_budget, model_bytes, scratch_bytes
 from dsaserve.model.loader import checkpoint_files, load_checkpoint, mtp_extras
@@ -29,14 +30,15 @@ def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: tor
     and that scratch exceed the memory available."""
     mtp = mtp_extras(cfg, model_dir) if with_mtp else None
     parallel = parallel or ParallelContext.single()
+    model_class = Glm5NextForCausalLM if cfg.hybrid is not None else GlmMoeDsaForCausalLM
     with torch.device("meta"):
-        model = GlmMoeDsaForCausalLM(cfg, attention_backend, page_budget, mtp, parallel, decode_plan)
+        model = model_class(cfg, attention_backend, page_budget, mtp, parallel, decode_plan)
         if isinstance(weight_forms, str):
             pack_weights(model, lambda name, form=weight_forms: form)
         elif weight_forms is not None:
             pack_weights(model, weight_forms)
         for name, param in model.named_parameters():
-            param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+            param.data = param.data.to(torch.float32 if name.endswith(model_class.FP32_PARAM_SUFFIXES) else dtype)
     budget = default_scratch_budget() if scratch_budget is None else scratch_budget
     if device.type == "cpu":
         form = weight_forms if isinstance(weight_forms, str) else None
@@ -55,4 +57,4 @@ def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: tor
     return model.eval()
 
 
-__all__ = ["GlmMoeDsaForCausalLM", "load_model"]
+__all__ = ["Glm5NextForCausalLM", "GlmMoeDsaForCausalLM", "load_model"]

@@ -60,13 +60,69 @@ def moe_shapes(cfg: ModelConfig, prefix: str) -> Shapes:
     return shapes
 
 
+VISION_PREFIX = "model.visual."  # glm5_next's vision tower: not served, its tensors are skipped
+
+
+def text_prefix(cfg: ModelConfig) -> str:
+    """Where the text model's tensors live: `model.` (GLM-5.2, DeepSeek-V3.2), `model.language_model.` (glm5_next,
+    a multimodal checkpoint)."""
+    return "model.language_model." if cfg.hybrid is not None else "model."
+
+
+def kda_shapes(cfg: ModelConfig, prefix: str) -> Shapes:
+    """A KDA (Kimi Delta Attention) layer's tensors as GLM-5.3-Flash ships them: q/k/v convolutions apart, the
+    forget gate's tensors directly under self_attn."""
+    hybrid, h = cfg.hybrid, cfg.hidden_size
+    qkv, dk, heads = hybrid.qkv_dim, hybrid.linear_head_dim, hybrid.linear_num_heads
+    shapes = {f"{prefix}.{p}_proj.weight": (qkv, h) for p in "qkv"}
+    shapes.update({f"{prefix}.{p}_conv1d.weight": (qkv, 1, hybrid.conv_kernel) for p in "qkv"})
+    shapes.update({
+        f"{prefix}.f_a_proj.weight": (dk, h),
+        f"{prefix}.f_b_proj.weight": (qkv, dk),
+        f"{prefix}.dt_bias": (qkv,),
+        f"{prefix}.A_log": (heads,),
+        f"{prefix}.b_proj.weight": (heads, h),
+        f"{prefix}.g_a_proj.weight": (dk, h),
+        f"{prefix}.g_b_proj.weight": (qkv, dk),
+        f"{prefix}.o_norm.weight": (dk,),
+        f"{prefix}.o_proj.weight": (h, qkv),
+    })
+    return shapes
+
+
+def hyper_connection_shapes(cfg: ModelConfig, prefix: str) -> Shapes:
+    """The mHC mixing weights around a layer's attention (`hc_attn_*`) and its MLP (`hc_ffn_*`)."""
+    n = cfg.hybrid.hc_mult
+    shapes = {}
+    for block in ("attn", "ffn"):
+        shapes.update({
+            f"{prefix}.hc_{block}_fn": ((2 + n) * n, n * cfg.hidden_size),
+            f"{prefix}.hc_{block}_base": ((2 + n) * n,),
+            f"{prefix}.hc_{block}_scale": (3,),
+        })
+    return shapes
+
+
+def pooled_indexer_shapes(cfg: ModelConfig, prefix: str) -> Shapes:
+    d = cfg.index_head_dim
+    return {f"{prefix}.indexer.index_kpool_compress_ape": (cfg.hybrid.index_kpool, d),
+            f"{prefix}.indexer.index_kpool_compress_gate": (d, cfg.hidden_size)}
+
+
 def decoder_layer_shapes(cfg: ModelConfig, layer: int, full: bool, moe: bool) -> Shapes:
-    prefix = f"model.layers.{layer}"
+    prefix = f"{text_prefix(cfg)}layers.{layer}"
     shapes = {
         f"{prefix}.input_layernorm.weight": (cfg.hidden_size,),
         f"{prefix}.post_attention_layernorm.weight": (cfg.hidden_size,),
     }
-    shapes.update(attention_shapes(cfg, f"{prefix}.self_attn", full))
+    if cfg.hybrid is not None:
+        shapes.update(hyper_connection_shapes(cfg, prefix))
+    if not cfg.is_attention(layer):
+        shapes.update(kda_shapes(cfg, f"{prefix}.self_attn"))
+    else:
+        shapes.update(attention_shapes(cfg, f"{prefix}.self_attn", full))
+        if full and cfg.hybrid is not None:
+            shapes.update(pooled_indexer_shapes(cfg, f"{prefix}.self_attn"))
     if moe:
         shapes.update(moe_shapes(cfg, f"{prefix}.mlp"))
     else:
@@ -88,10 +144,11 @@ def mtp_layer_shapes(cfg: ModelConfig, layer: int) -> Shapes:
 
 
 def checkpoint_shapes(cfg: ModelConfig, include_mtp: bool = False) -> Shapes:
-    shapes: Shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
+    text = text_prefix(cfg)
+    shapes: Shapes = {f"{text}embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
     for i in range(cfg.num_hidden_layers):
         shapes.update(decoder_layer_shapes(cfg, i, cfg.is_full(i), cfg.mlp_layer_types[i] == "sparse"))
-    shapes["model.norm.weight"] = (cfg.hidden_size,)
+    shapes[f"{text}norm.weight"] = (cfg.hidden_size,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     if include_mtp:
@@ -108,9 +165,10 @@ def optional_mtp_shapes(cfg: ModelConfig) -> Shapes:
 
 
 def is_mtp_tensor(cfg: ModelConfig, name: str) -> bool:
-    if not name.startswith("model.layers."):
+    layers = f"{text_prefix(cfg)}layers."
+    if not name.startswith(layers):
         return False
-    layer = name.split(".", 3)[2]
+    layer = name[len(layers):].split(".", 1)[0]
     first = cfg.num_hidden_layers
     return layer.isdigit() and first <= int(layer) < first + cfg.num_nextn_predict_layers
 
@@ -125,6 +183,8 @@ def component_of(name: str) -> str:
         return "indexer"
     if ".self_attn." in name:
         return "attention"
+    if ".hc_" in name:
+        return "mHC streams"
     if ".experts." in name and ".shared_experts." not in name:
         return "routed experts"
     if ".shared_experts." in name:

@@ -73,6 +73,7 @@ class GlmMoeDsaModel(PreparedCalls):
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
+    FP32_PARAM_SUFFIXES = FP32_PARAM_SUFFIXES
     def __init__(self, cfg: ModelConfig, attention_backend: str = "sparse", page_budget: int | None = None,
                  mtp: tuple[bool, bool] | None = None, parallel: ParallelContext | None = None,
                  decode_plan: bool = True):

@@ -100,26 +100,30 @@ class GatedMLP(nn.Module):
 
     QUANTIZABLE = ("gate_up_proj",)
 
-    def __init__(self, hidden_size: int, intermediate_size: int, comm=None, first_column: int | None = None):
+    def __init__(self, hidden_size: int, intermediate_size: int, comm=None, first_column: int | None = None,
+                 swiglu_limit: float | None = None):
         """first_column: where this rank's share starts in the full intermediate dimension (default: comm's
-        rank × intermediate_size)."""
+        rank × intermediate_size). swiglu_limit: gate ≤ limit and |up| ≤ limit before the product (GLM-5.3-Flash)."""
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.swiglu_limit = swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, comm=comm,
                                            first_column=first_column)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        if fused_applies(x, self.gate_up_proj, down.weight):  # a few tokens: one native call, the same bits
-            y = gated_mlp(x, self.gate_up_proj, down.weight, self.intermediate_size)
+        if self.swiglu_limit is None and fused_applies(x, self.gate_up_proj, down.weight):
+            y = gated_mlp(x, self.gate_up_proj, down.weight, self.intermediate_size)  # one native call, the same bits
             return y if down.comm.size == 1 else down.comm.all_reduce(y)
         gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return down(F.silu(gate) * up)
+        return down(swiglu(gate, up, self.swiglu_limit))
 
     def binding(self) -> GatedMlpBinding | None:
-        """Its packed weights for one native call, or None: not packed alike, or a share of a split MLP."""
+        """Its packed weights for one native call, or None: not packed alike, a share of a split MLP, or clamped."""
         gate_up, down = self.gate_up_proj, self.down_proj.weight
+        if self.swiglu_limit is not None:
+            return None
         if not (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight) and gate_up.kind == down.kind
                 and gate_up.col_offset == 0 and down.col_offset == 0):
             return None
@@ -132,6 +136,13 @@ class GatedMLP(nn.Module):
             return None
         out = new()
         return [Piece("gated_mlp", binding, reads, (out,))], out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) · up; with a limit, gate clamped to ≤ limit and up to [-limit, limit] first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -210,7 +221,9 @@ class RotaryEmbedding:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x: [T, ..., dim]; cos/sin: [T, dim/2]."""
+    """x: [T, ..., dim]; cos/sin: [T, dim/2]. No rotary dims (NoPE): x itself."""
+    if not cos.shape[-1]:
+        return x
     if x.shape[0] and one_operator(x, cos, sin):
         return torch.ops.dsaserve.apply_rope.default(x, cos, sin, interleaved)
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)

@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from dsaserve.config import CheckpointError, ModelConfig
 from dsaserve.distributed.sharding import ShardPlan, TensorSlice, tensor_slice
-from dsaserve.model.checkpoint_layout import checkpoint_shapes, is_mtp_tensor, optional_mtp_shapes
+from dsaserve.model.checkpoint_layout import VISION_PREFIX, checkpoint_shapes, is_mtp_tensor, optional_mtp_shapes
+from dsaserve.model.glm5_next import param_of as hybrid_param_of
 from dsaserve.model.glm_moe_dsa import param_of
 from dsaserve.quantization.fp8_blocks import Fp8Slice, dequantize_fp8  # noqa: F401 (dequantize_fp8: the loader's rule)
 
@@ -107,7 +108,7 @@ def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo], with_mtp: bool
             if weight is None or weight.dtype not in FP8_DTYPES:
                 unexpected.append(name)
             continue
-        if is_mtp_tensor(cfg, name) and not with_mtp:
+        if (is_mtp_tensor(cfg, name) and not with_mtp) or is_vision_tensor(cfg, name):
             continue
         if name in optional:
             expected[name] = optional[name]
@@ -134,6 +135,12 @@ def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo], with_mtp: bool
             f"checkpoint does not match config.json (indexer schedule {cfg.indexer_schedule.pattern} from "
             f"{cfg.indexer_schedule.source}): " + "; ".join(problems)
         )
+
+
+def is_vision_tensor(cfg: ModelConfig, name: str) -> bool:
+    """A tensor of a multimodal checkpoint's vision tower (glm5_next's `model.visual.*`): image input is not served,
+    so these are skipped."""
+    return cfg.hybrid is not None and name.startswith(VISION_PREFIX)
 
 
 def _listing(names: list[str], limit: int = 20) -> str:
@@ -209,6 +216,11 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
         raise CheckpointError(f"no *.safetensors files in {model_dir!r}")
     infos = read_tensor_infos(files)
     check_tensors(cfg, infos, with_mtp)
+    vision = [name for name in infos if is_vision_tensor(cfg, name)]
+    if vision:
+        logger.info("skipping the vision tower's %d tensors (%s*): image input is not served", len(vision),
+                    VISION_PREFIX)
+        infos = {name: info for name, info in infos.items() if not is_vision_tensor(cfg, name)}
     block = _fp8_block(cfg)
     by_file: dict[str, list[str]] = {}
     drafting_layer = f"model.layers.{cfg.num_hidden_layers}."  # further MTP layers are not used
@@ -280,4 +292,7 @@ def fp8_params(cfg: ModelConfig, model_dir: str) -> set[str]:
     if (cfg.quantization_config or {}).get("quant_method") != "fp8":
         return set()
     infos = read_tensor_infos(checkpoint_files(model_dir))
-    return {param_of(name, cfg.num_hidden_layers) for name, info in infos.items() if info.dtype in FP8_DTYPES}
+    def model_param(name: str) -> str:
+        return param_of(hybrid_param_of(name) if cfg.hybrid is not None else name, cfg.num_hidden_layers)
+
+    return {model_param(name) for name, info in infos.items() if info.dtype in FP8_DTYPES}

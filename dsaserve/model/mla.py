@@ -28,6 +28,7 @@ from dsaserve.model.indexer import Indexer
 from dsaserve.model.layers import RMSNorm, apply_rope, attention_scale, one_operator
 from dsaserve.model.linear import Linear, linear
 from dsaserve.model.parallel_layers import RowParallelLinear
+from dsaserve.model.pooled_indexer import PooledIndexer
 from dsaserve.model.training_pass import TrainingPass
 from dsaserve.native import torch_ops
 from dsaserve.prepared_calls import PreparedCalls
@@ -119,16 +120,19 @@ class MLAAttention(PreparedCalls):
         self.backend = backend
         bias = cfg.attention_bias
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.latent_norm_eps)
         self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.latent_norm_eps)
         # kv_b_proj split per head at load time: W_UK [H, nope, rank] and W_UV [H, v, rank].
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope_dim, cfg.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.v_dim, cfg.kv_lora_rank))
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, cfg.hidden_size, bias, parallel.tp)
         full = cfg.is_full(layer_idx) if full is None else full
-        self.indexer = Indexer(cfg, selection) if full else None
+        if full:
+            self.indexer = PooledIndexer(cfg) if cfg.hybrid is not None else Indexer(cfg, selection)
+        else:
+            self.indexer = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMetadata,

@@ -12,7 +12,7 @@ from torch import nn
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.decode_plan import NewRegister, Piece
-from dsaserve.model.layers import GatedMLP, GatedMlpBinding, one_operator
+from dsaserve.model.layers import GatedMLP, GatedMlpBinding, one_operator, swiglu
 from dsaserve.model.linear import expert_weight, linear
 from dsaserve.prepared_calls import PreparedCalls
 from dsaserve.quantization.packed_experts import add_routed_experts, fused_applies
@@ -100,9 +100,10 @@ class MoE(PreparedCalls):
     one all-reduce sums the ranks' partial outputs: the combine of the dispatch, since every rank already
     has every token."""
 
-    def __init__(self, cfg: ModelConfig, parallel: ParallelContext | None = None):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext | None = None, swiglu_limit: float | None = None):
         super().__init__()
         parallel = parallel or ParallelContext.single()
+        self.swiglu_limit = swiglu_limit  # clamps every expert's gate and up (GLM-5.3-Flash)
         plan = parallel.plan
         self.comm = parallel.tp
         hidden = cfg.hidden_size
@@ -114,7 +115,8 @@ class MoE(PreparedCalls):
         self.experts_gate_up = nn.Parameter(torch.empty(last - self.first_expert, 2 * inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(last - self.first_expert, hidden, inter))
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = (GatedMLP(hidden, plan.local(shared), first_column=plan.split(shared)[0])
+        self.shared_experts = (GatedMLP(hidden, plan.local(shared), first_column=plan.split(shared)[0],
+                                        swiglu_limit=swiglu_limit)
                                if shared else None)  # summed below, with the routed experts
         # experts_down's first column in the full expert (its input is this rank's share of the intermediate).
         self.column_offsets = {"experts_down": 0 if parallel.expert_parallel else plan.rank * inter}
@@ -122,7 +124,7 @@ class MoE(PreparedCalls):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, gate_up, down, shared, shared_weights, elsewhere = self.prepared("parts", self._parts)
         weights, ids = gate(x)
-        if fused_applies(x, gate_up, down):  # a few tokens: one native call
+        if self.swiglu_limit is None and fused_applies(x, gate_up, down):  # a few tokens: one native call
             if elsewhere:
                 local = ids - self.first_expert
                 ids = torch.where((local >= 0) & (local < gate_up.shape[0]), local, -1)
@@ -143,7 +145,7 @@ class MoE(PreparedCalls):
                 continue
             tokens = token_of[start : start + count]
             gate, up = linear(x[tokens], expert_weight(self.experts_gate_up, local)).split(self.inter, dim=-1)
-            y = linear(F.silu(gate) * up, expert_weight(self.experts_down, local))
+            y = linear(swiglu(gate, up, self.swiglu_limit), expert_weight(self.experts_down, local))
             out.index_add_(0, tokens, (y * weight_of[start : start + count, None]).to(out.dtype))
             start += count
         return self.comm.all_reduce(out)
@@ -153,7 +155,7 @@ class MoE(PreparedCalls):
         all weights packed in one kind; None otherwise (the layer then runs through its modules)."""
         gate, gate_up, down, shared, shared_weights, elsewhere = self.prepared("parts", self._parts)
         router = gate.binding()
-        if router is None or elsewhere or self.comm.size != 1:
+        if router is None or elsewhere or self.comm.size != 1 or self.swiglu_limit is not None:
             return None
         weights = (gate_up, down, *(shared_weights or ()))
         if not all(isinstance(w, QuantizedWeight) and w.kind == gate_up.kind and w.col_offset == 0 for w in weights):

@@ -35,8 +35,8 @@ void write_latent_rows(const at::Tensor& kv, const at::Tensor& weight, double ep
               "dsaserve write_latent_rows: kv, weight, cos, sin and the cache must share one dtype, bf16 or fp32");
   TORCH_CHECK(kv.dim() == 2 && kv.stride(1) == 1, "dsaserve write_latent_rows: kv must be [T, width], unit column stride");
   const int64_t tokens = kv.size(0), width = kv.size(1), rank = weight.size(0);
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && rank < width && (width - rank) % 2 == 0,
-              "dsaserve write_latent_rows: weight must be [rank] with an even number of rope columns after it");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && rank <= width && (width - rank) % 2 == 0,
+              "dsaserve write_latent_rows: weight must be [rank] with an even number (maybe none) of rope columns after it");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == (width - rank) / 2 && cos.is_contiguous() &&
                   sin.sizes() == cos.sizes() && sin.is_contiguous(),
               "dsaserve write_latent_rows: cos and sin must be contiguous [T, rope / 2]");

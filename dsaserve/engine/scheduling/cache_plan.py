@@ -16,6 +16,13 @@ def plan_num_blocks(layout: KVCacheLayout, block_size: int, memory: int | None, 
     """Blocks of `block_size` stored tokens each in `memory` bytes (per rank); a block holds
     `tokens_per_block` tokens of a request (more than it stores under decode context parallelism)."""
     per_block = layout.bytes_per_token * block_size
+    if memory is not None and layout.state_bytes_per_request:  # the running requests' KDA state comes first
+        state = layout.state_bytes_per_request * max_num_seqs
+        if memory - state < per_block:
+            raise ValueError(f"kv_cache_memory={memory} bytes does not hold the KDA state of "
+                             f"max_num_seqs={max_num_seqs} requests ({layout.state_bytes_per_request} bytes each) "
+                             f"and one KV block ({per_block} bytes); raise kv_cache_memory or lower max_num_seqs")
+        memory -= state
     if memory is None:
         wanted = blocks_needed(max_model_len, tokens_per_block or block_size) * max_num_seqs
         return max(1, min(wanted, DEFAULT_KV_CACHE_MEMORY // per_block))

@@ -38,10 +38,14 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 share_samples: bool = True):
+        """share_samples: with caching off, the samples of one request still share their prompt's blocks (not where
+        a request's state lives beside its blocks, as a hybrid model's KDA state does)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.share_samples = share_samples
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[bytes | None] = [None] * num_blocks
         # Unreferenced blocks, evicted from the front. Cached ones keep their key until evicted.
@@ -102,7 +106,7 @@ class KVCacheManager:
     def _shares(self, request: Request) -> bool:
         """Whether the request takes part in the prefix cache. With caching off, the samples of one
         request still share their prompt's full blocks (sample 0 registers them, the others look them up)."""
-        return self.enable_prefix_caching or request.shares_prompt
+        return self.enable_prefix_caching or (request.shares_prompt and self.share_samples)
 
     # ---- allocation ------------------------------------------------------------------------------
 

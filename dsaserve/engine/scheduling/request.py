@@ -42,6 +42,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0
+    state_slot: int = -1  # its KDA state slot while running (hybrid models)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,6 +26,7 @@ from dsaserve.engine.scheduling.kv_cache_manager import KVCacheManager
 from dsaserve.engine.scheduling.request import Request, RequestStatus
 from dsaserve.engine.scheduling.request_update import RequestUpdate
 from dsaserve.engine.scheduling.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from dsaserve.engine.scheduling.state_slots import StateSlots
 from dsaserve.engine.speculative.spec_decode_stats import SpecDecodeStats
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput
 
@@ -38,6 +39,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0  # drafts per step (0: no speculative decoding)
     speculate_below_batch_size: int | None = None  # with this many running sequences or more, no drafting
+    state_slots: bool = False  # a hybrid model: every running sequence holds a KDA state slot
 
 
 class Scheduler:
@@ -53,6 +55,7 @@ class Scheduler:
         self._sent_to_runner: set[str] = set()
         self._finished_ids: list[str] = []  # to tell the runner in the next output
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.state_slots = StateSlots(config.max_num_seqs) if config.state_slots else None
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -68,8 +71,7 @@ class Scheduler:
             raise ValueError(f"not enough KV blocks for {request.num_prompt_tokens} tokens; raise kv_cache_memory")
         self.requests[request.request_id] = request
         request.num_computed_tokens = num_computed_tokens
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._run(request)
         self._count_prompt(request)
 
     def _count_prompt(self, request: Request) -> None:
@@ -134,8 +136,7 @@ class Scheduler:
             request.waits_for = None
             self.kv.record_admission(request, cached_tokens)
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._run(request)
             scheduled[request] = n
             budget -= n
         self.waiting.extendleft(reversed(not_ready))
@@ -174,9 +175,17 @@ class Scheduler:
             return 0
         return min(remaining, budget)
 
+    def _run(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if self.state_slots is not None:
+            self.state_slots.take(request)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        if self.state_slots is not None:  # its state is recomputed from the start with its tokens
+            self.state_slots.give_back(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.status = RequestStatus.WAITING
@@ -200,7 +209,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(
                 request.request_id, request.token_ids(start, start + known) + request.spec_token_ids, start,
                 list(request.block_table), sample=sample, spec_token_ids=tuple(request.spec_token_ids),
-                num_drafts=self._num_drafts(request) if sample else 0))
+                num_drafts=self._num_drafts(request) if sample else 0, state_slot=request.state_slot))
         return out
 
     # ---- after the step --------------------------------------------------------------------------
@@ -263,6 +272,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)  # in the step that finished it
+        if self.state_slots is not None:
+            self.state_slots.give_back(request)
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
         if request.request_id in self._sent_to_runner:

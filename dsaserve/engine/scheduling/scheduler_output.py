@@ -33,6 +33,7 @@ class ScheduledRequest:
     sample: bool  # this step reaches the request's last known token: sample the next one
     spec_token_ids: tuple[int, ...] = ()  # drafts to verify: the last len() of token_ids
     num_drafts: int = 0  # tokens to draft after this step (0: none); blocks are allocated for their positions
+    state_slot: int = -1  # a hybrid model's KDA state slot (engine/scheduling/state_slots.py); -1: none
 
 
 @dataclass

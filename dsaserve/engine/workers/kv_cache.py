@@ -4,6 +4,10 @@ Layout (see DESIGN.md): latent cache `[num_blocks, block_size, kv_lora_rank + qk
 layer; indexer key cache `[num_blocks, block_size, index_head_dim]` only on full layers. Block ids are
 physical and shared by all layers: block b of a request holds its tokens b*block_size … in every layer.
 With speculative decoding the MTP layer (index num_hidden_layers, a full layer) has both as well.
+
+A hybrid model (glm5_next) has latent pages on its indexed-attention layers only; each KDA layer has a
+LinearStateCache instead (a fixed-size state per request slot, one slot per running request), and the full layers'
+indexer cache is the pooled one (attention/pooled_keys.py).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import torch
 
 from dsaserve.attention.context_shard import ContextShard
 from dsaserve.attention.indexer_cache import IndexerKeyCache, can_pack
+from dsaserve.attention.linear_state import LinearStateCache
+from dsaserve.attention.pooled_keys import PooledKeyCache
 from dsaserve.config import ModelConfig
 from dsaserve.native import index_scores
 
@@ -22,8 +28,9 @@ from dsaserve.native import index_scores
 class KVCacheLayout:
     """Bytes one token occupies in the cache, split by part."""
 
-    latent_bytes_per_token: int  # all layers
+    latent_bytes_per_token: int  # all (attention) layers
     indexer_bytes_per_token: int  # full layers only
+    state_bytes_per_request: int = 0  # a hybrid model's KDA layers: per running request, whatever its length
 
     @property
     def bytes_per_token(self) -> int:
@@ -33,10 +40,15 @@ class KVCacheLayout:
     def of(cls, cfg: ModelConfig, dtype: torch.dtype, indexer_dtype: str = "auto", with_indexer: bool = True,
            with_mtp: bool = False) -> "KVCacheLayout":
         item = torch.empty((), dtype=dtype).element_size()
-        per_layer = IndexerKeyCache.bytes_per_token(cfg.index_head_dim, indexer_dtype, dtype)
+        if cfg.hybrid is not None:
+            per_layer = PooledKeyCache.bytes_per_token(cfg.index_head_dim, cfg.hybrid.index_kpool, dtype)
+        else:
+            per_layer = IndexerKeyCache.bytes_per_token(cfg.index_head_dim, indexer_dtype, dtype)
+        attending = [i for i in cache_layers(cfg, with_mtp) if cfg.is_attention(i)]
         return cls(
-            latent_bytes_per_token=len(cache_layers(cfg, with_mtp)) * cfg.kv_cache_dim * item,
+            latent_bytes_per_token=len(attending) * cfg.kv_cache_dim * item,
             indexer_bytes_per_token=len(indexer_layers(cfg, with_mtp)) * per_layer if with_indexer else 0,
+            state_bytes_per_request=cfg.hybrid.state_bytes_per_request() if cfg.hybrid is not None else 0,
         )
 
 
@@ -48,14 +60,22 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, with_indexer: bool = True, indexer_dtype: str = "auto", with_mtp: bool = False,
-                 shard: ContextShard | None = None):
+                 shard: ContextShard | None = None, state_slots: int = 0):
+        """state_slots: requests a hybrid model's KDA layers hold state for (the running ones, max_num_seqs)."""
         self.num_blocks = num_blocks
         self.shard = shard
         self.block_size = block_size if shard is None else shard.tokens_per_block
+        # Layer i's cache: latent pages, or a KDA layer's state slots.
         self.latent = [
-            torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device)
-            for _ in cache_layers(cfg, with_mtp)
+            torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device) if cfg.is_attention(i)
+            else LinearStateCache(cfg.hybrid, state_slots, device)
+            for i in cache_layers(cfg, with_mtp)
         ]
+        if cfg.hybrid is not None:
+            self.indexer = {layer: PooledKeyCache(num_blocks, block_size, cfg.index_head_dim, cfg.hybrid.index_kpool,
+                                                  dtype, device)
+                            for layer in (indexer_layers(cfg, with_mtp) if with_indexer else ())}
+            return
         packed = packs_indexer_keys(cfg, block_size, dtype, device, indexer_dtype)
         self.indexer = {
             layer: IndexerKeyCache(num_blocks, block_size, cfg.index_head_dim, indexer_dtype, dtype, device, packed)
@@ -63,7 +83,8 @@ class KVCache:
         }
 
     def tensors(self) -> list[torch.Tensor]:
-        return self.latent + [t for cache in self.indexer.values() for t in cache.tensors()]
+        layers = [t for cache in self.latent for t in ([cache] if isinstance(cache, torch.Tensor) else cache.tensors())]
+        return layers + [t for cache in self.indexer.values() for t in cache.tensors()]
 
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())

@@ -68,6 +68,7 @@ class ModelRunner:
             [s.num_computed_tokens for s in scheduler_output.scheduled],
             [s.block_table for s in scheduler_output.scheduled],
             self.kv_cache.block_size, logits_rows, device=self.device, shard=self.kv_cache.shard,
+            state_slots=[s.state_slot for s in scheduler_output.scheduled],
         )
         hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
         logits = self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices]))

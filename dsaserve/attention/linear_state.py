@@ -1,0 +1,28 @@
+"""The per-request state of a KDA layer: a second cache kind beside the paged latent cache.
+
+Its size does not grow with the context: per request slot, the recurrent state [heads, head_dim, head_dim] and the
+last conv_kernel - 1 inputs of the short convolution, both fp32. The scheduler gives a request a slot when it is
+admitted and takes it back when it finishes, is aborted or preempted; a request whose context is empty starts from
+zeros whatever its slot held (a new request, or one recomputed after preemption).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaserve.hybrid_config import HybridConfig
+
+
+class LinearStateCache:
+    def __init__(self, hybrid: HybridConfig, num_slots: int, device: torch.device):
+        heads, dk = hybrid.linear_num_heads, hybrid.linear_head_dim
+        self.recurrent = torch.zeros(num_slots, heads, dk, dk, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(num_slots, hybrid.conv_kernel - 1, hybrid.conv_dim, dtype=torch.float32,
+                                device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.recurrent.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.recurrent, self.conv]

@@ -1,0 +1,107 @@
+"""KDA (Kimi Delta Attention), GLM-5.3-Flash's linear-attention layer, over a batch of requests.
+
+    q, k, v = silu(causal_conv(q_proj x | k_proj x | v_proj x))      (short depthwise convolution, fp32)
+    g = lower_bound · sigmoid(exp(A_log) · (f_b(f_a x) + dt_bias))   (per key channel; decay exp(g) in (e^bound, 1))
+    β = sigmoid(b_proj x)                                            (per head)
+    o = gated delta rule (attention/delta_rule.py), per request from its state slot
+    out = o_proj(RMSNorm(o) · sigmoid(g_b(g_a x)))                   (gated norm per head, fp32)
+
+The state a request carries between steps (the recurrent state and the convolution's last inputs) lives in its
+slot of the layer's LinearStateCache: read at the start of its rows, written back after them, so a chunked prompt
+continues where its previous chunk stopped. A request with an empty context starts from zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsaserve.attention import delta_rule
+from dsaserve.attention.linear_state import LinearStateCache
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.config import ModelConfig
+from dsaserve.model.linear import Linear
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hybrid = cfg.hybrid
+        h, qkv = cfg.hidden_size, hybrid.qkv_dim
+        self.heads, self.head_dim, self.qkv_dim = hybrid.linear_num_heads, hybrid.linear_head_dim, qkv
+        self.lower_bound = hybrid.gate_lower_bound
+        self.norm_eps = cfg.rms_norm_eps
+        self.q_proj, self.k_proj, self.v_proj = (Linear(h, qkv, bias=False) for _ in range(3))
+        # q|k|v convolutions side by side, [channels, kernel] (the checkpoint's three [qkv, 1, kernel]), kept in fp32.
+        self.conv_weight = nn.Parameter(torch.empty(3 * qkv, hybrid.conv_kernel))
+        self.f_a_proj = Linear(h, self.head_dim, bias=False)
+        self.f_b_proj = Linear(self.head_dim, qkv, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(qkv))  # kept in fp32
+        self.A_log = nn.Parameter(torch.empty(self.heads))  # kept in fp32
+        self.b_proj = Linear(h, self.heads, bias=False)
+        self.g_a_proj = Linear(h, self.head_dim, bias=False)
+        self.g_b_proj = Linear(self.head_dim, qkv, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.empty(self.head_dim))
+        self.o_proj = Linear(qkv, h, bias=False)
+
+    def forward(self, x: torch.Tensor, meta: BatchMetadata, state: LinearStateCache) -> torch.Tensor:
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        convolved = self.convolve(mixed, meta, state).to(x.dtype)
+        q, k, v = (t.view(-1, self.heads, self.head_dim) for t in convolved.split(self.qkv_dim, dim=-1))
+        q, k = delta_rule.prepare(q, k)
+        g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x))
+        o = self.recur(q, k, v, g, beta, meta, state).to(x.dtype)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.heads, self.head_dim)
+        return self.o_proj(self.gated_norm(o, gate).reshape(x.shape[0], self.qkv_dim))
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """g [T, heads, head_dim] fp32: the log of each key channel's decay this step."""
+        raw = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
+        rate = self.A_log.float().exp().view(1, self.heads, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * raw)
+        return -rate * F.softplus(raw, threshold=20.0)
+
+    def gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each head's values (fp32, weight in fp32) times sigmoid(gate), back in o's dtype."""
+        y = o.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        return (self.o_norm.weight.float() * y * torch.sigmoid(gate.float())).to(o.dtype)
+
+    def convolve(self, mixed: torch.Tensor, meta: BatchMetadata, state: LinearStateCache) -> torch.Tensor:
+        """silu(causal depthwise convolution) of mixed [T, channels], continuing each request's last inputs; fp32."""
+        out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
+        weight = self.conv_weight.float()
+        width = weight.shape[1] - 1
+        for i in range(meta.num_reqs):
+            start, end = meta.query_range(i)
+            slot = meta.state_slots[i]
+            fresh = meta.context_len(i) == 0
+            tail = mixed.new_zeros(width, mixed.shape[1], dtype=torch.float32) if fresh else state.conv[slot]
+            seq = torch.cat([tail, mixed[start:end].float()])  # [width + n, channels]
+            out[start:end] = (seq.unfold(0, width + 1, 1) * weight).sum(-1)
+            state.conv[slot] = seq[-width:]
+        return F.silu(out)
+
+    def recur(self, q, k, v, g, beta, meta: BatchMetadata, state: LinearStateCache) -> torch.Tensor:
+        """The delta rule over every request's rows from its slot's state (written back): o [T, heads, dv] fp32.
+        Single-token requests go in one batched step; longer ones a chunk at a time."""
+        out = torch.empty(q.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=q.device)
+        single = meta.decode_requests()
+        if single:
+            rows = torch.tensor([meta.query_start_loc_host[i] for i in single], device=q.device)
+            slots = torch.tensor([meta.state_slots[i] for i in single], device=q.device)
+            fresh = torch.tensor([meta.context_len(i) == 0 for i in single], device=q.device)
+            carried = state.recurrent[slots].masked_fill(fresh.view(-1, 1, 1, 1), 0.0)
+            out[rows] = delta_rule.recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], carried)
+            state.recurrent[slots] = carried
+        for i in sorted(set(range(meta.num_reqs)) - set(single)):
+            start, end = meta.query_range(i)
+            slot = meta.state_slots[i]
+            carried = state.recurrent[slot].clone() if meta.context_len(i) else torch.zeros_like(state.recurrent[slot])
+            out[start:end] = delta_rule.chunked(q[start:end], k[start:end], v[start:end], g[start:end],
+                                                beta[start:end], carried)
+            state.recurrent[slot] = carried
+        return out

@@ -1,0 +1,258 @@
+"""GLM-5.3-Flash (`glm5_next`) against transformers' Glm5NextForConditionalGeneration (float32, generated checkpoints).
+
+The checkpoint (demo/checkpoint_builder.py) mixes KDA and indexed-attention layers (K A A K K A, the second indexed
+layer shared), NoPE MLA, pools of 4 tokens with index_topk 16 (4 pools kept), 4 mHC streams and a SwiGLU clamp low
+enough to bite. Prompts are ≥ 4 × index_topk so the pooled indexer prunes. Each test compares, in this order: the
+selected positions of every full layer (pools and tail), per-position log-probabilities (1e-4), greedy tokens.
+"""
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from functools import partial
+
+import pytest
+import torch
+from reference import load_reference, reference_greedy
+from test_parity import prompt
+
+from dsaserve import LLM, SamplingParams
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.config import ConfigError, ModelConfig
+from dsaserve.engine.workers.kv_cache import KVCache
+from dsaserve.model import load_model
+
+INDEX_TOPK, KPOOL = 16, 4
+PROMPT_LEN = 77  # ≥ 4 × index_topk, not a multiple of the pool or the block
+MIN_MARGIN = 1e-5  # relative gap between the kept and the first dropped pool's score
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+FLASH_CONFIG = os.path.join(os.path.dirname(__file__), "data", "glm-5.3-flash-config.json")
+
+
+@pytest.fixture(scope="module")
+def path(make_checkpoint):
+    return make_checkpoint("glm5_next", seed=0, model_type="glm5_next")
+
+
+@pytest.fixture(scope="module")
+def ref(path):
+    return load_reference(path)
+
+
+def make_llm(path, **kwargs) -> LLM:
+    return LLM(path, **{**dict(dtype="float32", block_size=16, max_model_len=512, progress=False), **kwargs})
+
+
+def alone(path, ids, params=GREEDY) -> list[int]:
+    return make_llm(path).generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@contextmanager
+def indexer_outputs(layers, captured: dict):
+    """While open, captured[i] is the output of layer i's indexer (full indexed layers)."""
+    def keep(i, module, args, kwargs, out):
+        captured[i] = out.clone()
+
+    hooks = [layer.self_attn.indexer.register_forward_hook(partial(keep, i), with_kwargs=True)
+             for i, layer in enumerate(layers) if getattr(layer.self_attn, "indexer", None) is not None]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def selections(indices: torch.Tensor) -> list[frozenset[int]]:
+    return [frozenset(p for p in row.tolist() if p >= 0) for row in indices.reshape(-1, indices.shape[-1])]
+
+
+def reference_run(ref, ids):
+    captured = {}
+    with indexer_outputs(ref.model.language_model.layers, captured), torch.no_grad():
+        logits = ref(torch.tensor([ids])).logits[0].float()
+    return logits.log_softmax(-1), {i: selections(t[0]) for i, t in captured.items()}
+
+
+def dsaserve_run(path, ids, block_size=16):
+    """One prefill through dsaserve's paged path (a scrambled block table, state slot 1 of 2)."""
+    cfg = ModelConfig.from_pretrained(path)
+    model = load_model(cfg, path, torch.float32, torch.device("cpu"), progress=False)
+    blocks = -(-len(ids) // block_size)
+    cache = KVCache(cfg, 2 * blocks + 1, block_size, torch.float32, torch.device("cpu"), state_slots=2)
+    meta = BatchMetadata.build([ids], [0], [list(range(2 * blocks, 0, -2))], block_size, list(range(len(ids))),
+                               state_slots=[1])
+    captured = {}
+    with indexer_outputs(model.model.layers, captured):
+        logits = model.compute_logits(model(meta, cache.latent, cache.indexer))
+    return logits.log_softmax(-1), {i: selections(t) for i, t in captured.items()}
+
+
+def pool_margin(ref, ids) -> float:
+    """Smallest relative gap, over full layers and queries that see more pools than they keep, between the last kept
+    and the first dropped pool's score (recomputed from the reference indexer's own inputs and methods)."""
+    margins = []
+
+    def hook(module, args, kwargs):
+        hidden, q_resid = kwargs["hidden_states"], kwargs["q_resid"]
+        b, s, _ = hidden.shape
+        q = module.wq_b(q_resid).view(b, s, -1, module.head_dim)
+        k = module.k_norm(module.wk(hidden))
+        packed = torch.cat([k, torch.nn.functional.linear(hidden, module.index_kpool_compress_gate),
+                            torch.ones(b, s, 1)], -1)
+        keys, _, _ = module.get_pooled_states(packed)
+        scores = (q.float() @ keys.transpose(-1, -2).float().unsqueeze(1) * module.softmax_scale).relu()
+        w = module.weights_proj(hidden).float() * module.n_heads**-0.5
+        index = (w.unsqueeze(-2) @ scores).squeeze(-2)[0]
+        keep = module.index_topk // module.index_kpool
+        for t in range(s):
+            visible = (t + 1) // module.index_kpool
+            if visible > keep:
+                top = index[t, :visible].topk(keep + 1).values
+                margins.append(float((top[-2] - top[-1]) / (top.abs().max() + 1e-12)))
+
+    layers = ref.model.language_model.layers
+    hooks = [layer.self_attn.indexer.register_forward_pre_hook(hook, with_kwargs=True)
+             for layer in layers if getattr(layer.self_attn, "indexer", None) is not None]
+    try:
+        with torch.no_grad():
+            ref(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return min(margins)
+
+
+def first_selection_mismatch(ours: dict, expected: dict) -> str | None:
+    if set(ours) != set(expected):
+        return f"full layers differ: dsaserve {sorted(ours)} vs reference {sorted(expected)}"
+    for layer in sorted(expected):
+        for t, (a, b) in enumerate(zip(ours[layer], expected[layer])):
+            if a != b:
+                pools = sorted({p // KPOOL for p in a ^ b})
+                return f"layer {layer} position {t}: selections differ in pools {pools}"
+    return None
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+
+def test_flash_config_resolves_from_the_published_fields():
+    """tests/data/glm-5.3-flash-config.json: GLM-5.3-Flash's config as transformers' defaults write it (45 layers,
+    every fourth indexed, the text fields under text_config)."""
+    cfg = ModelConfig.from_dict(json.load(open(FLASH_CONFIG)))
+    assert cfg.model_type == "glm5_next" and cfg.num_hidden_layers == 45
+    assert cfg.hybrid.pattern == "KKKA" * 11 + "K"
+    assert cfg.attention_layers == tuple(range(3, 45, 4)) and cfg.full_layers == cfg.attention_layers
+    assert (cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_cache_dim) == (0, 256, 256, 512)
+    assert (cfg.hybrid.linear_num_heads, cfg.hybrid.linear_head_dim, cfg.hybrid.conv_kernel) == (64, 128, 4)
+    assert cfg.hybrid.index_kpool == 16 and cfg.index_width == 2048 + 15
+    assert cfg.mlp_layer_types[:4] == ("dense", "dense", "dense", "sparse") and cfg.n_routed_experts == 288
+    assert cfg.eos_token_ids == (154820, 154827, 154829)
+    # Per request and KDA layer: a 64 × 128 × 128 fp32 state and 3 convolution inputs of 3 × 8192 channels.
+    assert cfg.hybrid.state_bytes_per_request() == 34 * (64 * 128 * 128 + 3 * 3 * 8192) * 4
+
+
+def test_linear_attn_config_is_the_authority_for_kda_fields():
+    raw = json.load(open(FLASH_CONFIG))
+    raw["text_config"]["linear_attn_config"] = {"head_dim": 64, "num_heads": 8, "short_conv_kernel_size": 3,
+                                                "gate_lower_bound": None, "safe_gate": False}
+    hybrid = ModelConfig.from_dict(raw).hybrid
+    assert (hybrid.linear_head_dim, hybrid.linear_num_heads, hybrid.conv_kernel, hybrid.gate_lower_bound) == \
+        (64, 8, 3, None)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"layer_types": ["linear_attention"] * 45}, "indexed_attention"),
+    ({"layer_types": ["mamba"] * 45}, "layer_types[0]='mamba'"),
+    ({"index_kpool": 24}, "index_kpool=24"),
+    ({"index_kpool_always_select_tail": False}, "index_kpool_always_select_tail"),
+    ({"qk_rope_head_dim": 64}, "qk_rope_head_dim=64"),
+    ({"indexer_types": ["shared"] * 45}, "layer 3"),
+])
+def test_bad_flash_fields_name_the_field(change, field):
+    raw = json.load(open(FLASH_CONFIG))
+    raw["text_config"].update(change)
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        ModelConfig.from_dict(raw)
+
+
+# ---- parity ------------------------------------------------------------------------------------
+
+
+def test_prefill_matches_reference(path, ref):
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.hybrid.pattern == "KAAKKA" and cfg.indexer_schedule.pattern[1:3] == "FS"
+    assert cfg.index_topk == INDEX_TOPK and cfg.hybrid.index_kpool == KPOOL and PROMPT_LEN >= 4 * INDEX_TOPK
+    ids = prompt(cfg.vocab_size, PROMPT_LEN, seed=1)
+    margin = pool_margin(ref, ids)
+    assert margin > MIN_MARGIN, f"fixture has near-tied pool scores (margin {margin:.1e}); pick another seed"
+    expected_logprobs, expected = reference_run(ref, ids)
+    logprobs, ours = dsaserve_run(path, ids)
+    mismatch = first_selection_mismatch(ours, expected)
+    assert mismatch is None, mismatch
+    assert any(len(s) < t + 1 for t, s in enumerate(expected[1])), "the indexer never pruned"
+    diff = (logprobs - expected_logprobs).abs().max().item()
+    assert diff < 1e-4, f"log-probabilities differ by {diff:.2e}"
+
+
+def test_greedy_decode_matches_reference(path, ref):
+    ids = prompt(ref.config.text_config.vocab_size, PROMPT_LEN, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    out = make_llm(path).generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == reference_greedy(ref, ids, 32)
+    with torch.no_grad():  # the chosen tokens' logprobs, against the reference over the whole sequence
+        logits = ref(torch.tensor([ids + list(out.token_ids)])).logits[0, len(ids) - 1 : -1].float()
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    ours = torch.tensor([entry[token].logprob for entry, token in zip(out.logprobs, out.token_ids)])
+    assert (ours - expected).abs().max().item() < 1e-4
+
+
+def test_chunked_prefill_batching_and_preemption_equal_each_request_alone(path, ref):
+    """37-token chunks split pools and KDA chunks (the state and the convolution's tail carry across them); three
+    requests share steps, mixing prefill and decode rows; a cache of 10 blocks preempts, and recomputing starts the
+    KDA state from zeros."""
+    prompts = [prompt(ref.config.text_config.vocab_size, n, seed=10 + n) for n in (77, 70, 90)]
+    expected = [alone(path, p) for p in prompts]
+    assert expected[0] == reference_greedy(ref, prompts[0], GREEDY.max_tokens)
+    chunked = make_llm(path, max_num_batched_tokens=37)
+    outs = chunked.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    layout = chunked.engine.kv_layout
+    per_block = layout.bytes_per_token * 16
+    tight = make_llm(path, kv_cache_memory=10 * per_block + layout.state_bytes_per_request * 3, max_num_seqs=3,
+                     max_model_len=128)
+    outs = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    assert tight.engine.stats().num_free_blocks == 10 and len(tight.engine.scheduler.state_slots.free) == 3
+
+
+def test_parallel_samples_recompute_their_prompt(path, ref):
+    """n > 1: the samples do not adopt sample 0's prompt blocks (their KDA state is not in them); each computes it."""
+    ids = prompt(ref.config.text_config.vocab_size, 40, seed=5)
+    params = SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True)
+    out = make_llm(path).generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)[0]
+    expected = alone(path, ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [list(c.token_ids) for c in out.outputs] == [expected] * 2
+
+
+# ---- loading and what is not served yet ----------------------------------------------------------
+
+
+def test_vision_tower_is_skipped_with_a_log_line(path, caplog):
+    with caplog.at_level(logging.INFO, logger="dsaserve.model.loader"):
+        make_llm(path)
+    assert any("vision tower" in r.getMessage() and "model.visual." in r.getMessage() for r in caplog.records)
+
+
+def test_prefix_caching_is_off_and_says_why(path, caplog):
+    with caplog.at_level(logging.INFO, logger="dsaserve.engine.llm_engine"):
+        llm = make_llm(path, enable_prefix_caching=True)
+    assert not llm.engine.scheduler.kv.enable_prefix_caching
+    assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
+
+
+def test_page_selection_is_refused_by_name(path):
+    with pytest.raises(ValueError, match="attention_backend='page'"):
+        make_llm(path, attention_backend="page")
