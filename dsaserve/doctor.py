@@ -63,9 +63,14 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
         f"{cfg.num_attention_heads} heads, {cfg.n_routed_experts} experts ({cfg.num_experts_per_tok} per token, "
         f"{cfg.n_shared_experts} shared), vocab {cfg.vocab_size}"
     )
-    lines.append(f"indexer schedule: {sched.pattern}")
-    lines.append(f"  {sched.num_full} full / {sched.num_shared} shared, from {sched.source}")
-    lines.append(f"  index_topk {cfg.index_topk}, indexer {cfg.index_n_heads} heads × {cfg.index_head_dim}")
+    if cfg.hybrid is not None:
+        lines += _hybrid_lines(cfg)
+    else:
+        lines.append(f"indexer schedule: {sched.pattern}")
+        lines.append(f"  {sched.num_full} full / {sched.num_shared} shared, from {sched.source}")
+    lines.append(f"  index_topk {cfg.index_topk}, indexer {cfg.index_n_heads} heads × {cfg.index_head_dim}"
+                 + (f", scored in pools of {cfg.hybrid.index_kpool} tokens ({cfg.index_topk // cfg.hybrid.index_kpool}"
+                    " pools kept, plus the unfinished pool's tokens)" if cfg.hybrid is not None else ""))
     for warning in sched.warnings:
         lines.append(f"  WARNING: {warning}")
     if cfg.family.index_share:
@@ -79,8 +84,11 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     dense = sum(t == "dense" for t in cfg.mlp_layer_types)
     lines.append(f"mlp layers: {dense} dense + {cfg.num_hidden_layers - dense} MoE")
     rope = cfg.rope
-    lines.append(f"rope: {rope.rope_type}, theta {rope.theta:g}"
-                 + (f", factor {rope.factor:g}" if rope.rope_type == "yarn" else ""))
+    if cfg.qk_rope_head_dim == 0:
+        lines.append("rope: none (NoPE attention: qk_rope_head_dim 0)")
+    else:
+        lines.append(f"rope: {rope.rope_type}, theta {rope.theta:g}"
+                     + (f", factor {rope.factor:g}" if rope.rope_type == "yarn" else ""))
     lines.append(f"eos token ids: {list(cfg.eos_token_ids)}")
     if cfg.quantization_config:
         qc = cfg.quantization_config
@@ -113,6 +121,10 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     lines += _weight_form_lines(cfg, len(files) or UNKNOWN_FILES)
     lines += _kv_lines(cfg, max_model_len)
     if parallel is not None and parallel.distributed:
+        if cfg.hybrid is not None:
+            lines.append(f"parallel plan: {cfg.family.name} is served on one device for now (its KDA layers are not "
+                         "split across ranks yet); no per-rank plan")
+            return "\n".join(lines), ok
         parallel.check_model(cfg, "sparse")
         dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.checkpoint_dtype, torch.bfloat16)
         lines += plan_lines(cfg, parallel, stored, torch.empty((), dtype=dtype).element_size(),
@@ -258,11 +270,41 @@ def _kv_lines(cfg: ModelConfig, max_model_len: int | None) -> list[str]:
     layout = KVCacheLayout.of(cfg, dtype)
     item = torch.empty((), dtype=dtype).element_size()
     length = max_model_len or cfg.max_position_embeddings
-    return [
+    d = cfg.index_head_dim
+    keys = f"{d}" if cfg.hybrid is None else f"(2 × {d} + {d} / {cfg.hybrid.index_kpool})"  # key, gate | pool key
+    lines = [
         f"KV cache per token ({str(dtype).removeprefix('torch.')}): {human(layout.bytes_per_token)}",
-        f"  latent: {cfg.num_hidden_layers} layers × {cfg.kv_cache_dim} × {item} B = "
+        f"  latent: {len(cfg.attention_layers)} layers × {cfg.kv_cache_dim} × {item} B = "
         f"{human(layout.latent_bytes_per_token)}",
-        f"  indexer keys: {len(cfg.full_layers)} full layers × {cfg.index_head_dim} × {item} B = "
+        f"  indexer keys: {len(cfg.full_layers)} full layers × {keys} × {item} B = "
         f"{human(layout.indexer_bytes_per_token)}",
         f"  one sequence of {length} tokens: {human(layout.bytes_per_token * length)}",
+    ]
+    if cfg.hybrid is not None:
+        h = cfg.hybrid
+        lines += [
+            f"KDA state per request (fp32, the same at any context length): "
+            f"{human(layout.state_bytes_per_request)}",
+            f"  {len(h.linear_layers)} layers × ({h.linear_num_heads} × {h.linear_head_dim} × {h.linear_head_dim} "
+            f"+ {h.conv_kernel - 1} × {h.conv_dim}) × 4 B; one slot per running request (max_num_seqs), counted in "
+            "kv_cache_memory",
+            "  prefix-cache snapshots: none (prefix caching is off on this model until they are taken)",
+        ]
+    return lines
+
+
+def _hybrid_lines(cfg: ModelConfig) -> list[str]:
+    """A hybrid model's layer kinds and its indexer schedule over the layers that attend."""
+    h, sched = cfg.hybrid, cfg.indexer_schedule
+    attending = cfg.attention_layers
+    pattern = "".join("F" if cfg.is_full(i) else "S" for i in attending)
+    return [
+        f"layer kinds: {h.pattern} ({len(h.linear_layers)} KDA / {len(attending)} indexed attention, from layer_types)",
+        f"  KDA: {h.linear_num_heads} heads × {h.linear_head_dim}, short convolution of {h.conv_kernel}, decay "
+        + (f"bounded below by {h.gate_lower_bound:g}" if h.gate_lower_bound is not None else "unbounded (softplus)"),
+        f"  mHC: {h.hc_mult} residual streams, {h.hc_sinkhorn_iters} Sinkhorn iterations; SwiGLU clamp "
+        + (f"{h.swiglu_limit:g}" if h.swiglu_limit is not None else "none"),
+        f"indexer schedule (indexed layers {attending[0]}, {attending[1] if len(attending) > 1 else ''}…): {pattern}",
+        f"  {pattern.count('F')} full / {pattern.count('S')} shared, from {sched.source} (a shared layer reuses the "
+        "last full layer's selection, across the KDA layers between them)",
     ]

@@ -62,6 +62,26 @@ def test_doctor_on_config_only_glm53(tmp_path):
     assert "753.25B params" in result.stdout
 
 
+def test_doctor_on_config_only_glm53_flash(tmp_path):
+    """tests/data/glm-5.3-flash-config.json (glm5_next, transformers' defaults): layer kinds, the schedule over the
+    indexed layers, NoPE, KV per token on the 11 indexed layers and the KDA state per request."""
+    shutil.copy(os.path.join(os.path.dirname(REFERENCE_CONFIG), "glm-5.3-flash-config.json"), tmp_path / "config.json")
+    result = run("doctor", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "layer kinds: " + "KKKA" * 11 + "K (34 KDA / 11 indexed attention, from layer_types)" in out
+    assert "11 full / 0 shared, from indexer_types" in out
+    assert "scored in pools of 16 tokens (128 pools kept" in out
+    assert "rope: none (NoPE attention: qk_rope_head_dim 0)" in out
+    assert "313.33B params" in out  # "about 310B"
+    assert "latent: 11 layers × 512 × 2 B = 11.0 KiB" in out
+    assert "indexer keys: 11 full layers × (2 × 128 + 128 / 16) × 2 B = 5.7 KiB" in out
+    assert "KDA state per request (fp32, the same at any context length): 145.6 MiB" in out
+    for form in ("bf16, float     583.7 GiB", "fp8             301.1 GiB", "int8            292.4 GiB",
+                 "int4            155.5 GiB"):
+        assert form in out
+
+
 def test_doctor_checks_tensors_against_schedule(tiny_checkpoint, tmp_path):
     good = run("doctor", tiny_checkpoint)
     assert good.returncode == 0
