@@ -288,7 +288,9 @@ def _kv_lines(cfg: ModelConfig, max_model_len: int | None) -> list[str]:
             f"  {len(h.linear_layers)} layers × ({h.linear_num_heads} × {h.linear_head_dim} × {h.linear_head_dim} "
             f"+ {h.conv_kernel - 1} × {h.conv_dim}) × 4 B; one slot per running request (max_num_seqs), counted in "
             "kv_cache_memory",
-            "  prefix-cache snapshots: none (prefix caching is off on this model until they are taken)",
+            f"  prefix-cache snapshots: {human(layout.state_bytes_per_request)} each, one every 512 tokens of a "
+            "request (--state-snapshot-interval), max-num-seqs of them kept (--state-snapshots); a hit resumes at the "
+            "last snapshot inside the shared prefix",
         ]
     return lines
 

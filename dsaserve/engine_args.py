@@ -63,6 +63,13 @@ class EngineArgs:
     max_num_batched_tokens: int = field(default=8192, metadata=_help("token budget of one step"))
     enable_prefix_caching: bool = field(default=True, metadata=_help("turn prefix caching off (on by default)"))
     enable_chunked_prefill: bool = field(default=True, metadata=_help("turn chunked prefill off (on by default)"))
+    state_snapshots: int | None = field(default=None, metadata=_help(
+        "hybrid models (glm5_next) with prefix caching: KDA state snapshots kept at prefix positions, where a later "
+        "request sharing the prefix resumes; each holds one request's KDA state, counted in kv-cache-memory "
+        "(default: max-num-seqs; 0: prefix caching off for such models)"))
+    state_snapshot_interval: int = field(default=512, metadata=_help(
+        "hybrid models: tokens between a request's KDA state snapshots (a multiple of block-size); a prefix-cache "
+        "hit resumes at the last snapshot inside the shared prefix"))
     tensor_parallel_size: int = field(default=1, metadata=_help(
         "ranks (devices or processes) to split the model over: attention heads, MLPs, experts and vocabulary"))
     enable_expert_parallel: bool = field(default=False, metadata=_help(
@@ -110,6 +117,11 @@ class EngineArgs:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.state_snapshot_interval < 1 or self.state_snapshot_interval % self.block_size:
+            raise ValueError(f"state_snapshot_interval={self.state_snapshot_interval} must be a positive multiple of "
+                             f"block_size={self.block_size}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ValueError(f"state_snapshots={self.state_snapshots} must be 0 or more")
         if self.page_budget is not None and self.page_budget < 1:
             raise ValueError(f"page_budget={self.page_budget} must be at least 1 page")
         if self.native_kernels not in NATIVE_KERNELS:
@@ -122,6 +134,13 @@ class EngineArgs:
         parse_bytes(self.kv_cache_memory)  # a bad size fails here, before anything loads
         parse_bytes(self.load_scratch_memory, "load_scratch_memory")
         SpeculativeConfig.parse(self.speculative_config)  # and so does a bad speculative config
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """KDA state snapshots a hybrid model keeps for prefix caching (none with prefix caching off)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.max_num_seqs if self.state_snapshots is None else self.state_snapshots
 
     @property
     def parallel(self) -> ParallelConfig:

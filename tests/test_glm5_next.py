@@ -221,7 +221,7 @@ def test_chunked_prefill_batching_and_preemption_equal_each_request_alone(path, 
     layout = chunked.engine.kv_layout
     per_block = layout.bytes_per_token * 16
     tight = make_llm(path, kv_cache_memory=10 * per_block + layout.state_bytes_per_request * 3, max_num_seqs=3,
-                     max_model_len=128)
+                     max_model_len=128, state_snapshots=0)
     outs = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
@@ -246,9 +246,24 @@ def test_vision_tower_is_skipped_with_a_log_line(path, caplog):
     assert any("vision tower" in r.getMessage() and "model.visual." in r.getMessage() for r in caplog.records)
 
 
-def test_prefix_caching_is_off_and_says_why(path, caplog):
+@pytest.mark.parametrize("shared_len", [64, 70])  # the prefix ends at a snapshot / past one
+def test_prefix_cache_hit_resumes_from_a_state_snapshot(path, ref, shared_len):
+    """Snapshots every 32 tokens: a second request sharing 64 or 70 tokens resumes after 64 (its KV blocks and the
+    KDA state kept there) and generates what it generates alone; the first request's own snapshots came from a
+    prompt computed in 37-token chunks, so they are taken inside chunks."""
+    vocab = ref.config.text_config.vocab_size
+    shared = prompt(vocab, shared_len, seed=20)
+    first, second = shared + prompt(vocab, 13, seed=21), shared + prompt(vocab, 19, seed=22)
+    llm = make_llm(path, state_snapshot_interval=32, max_num_batched_tokens=37)
+    llm.generate(prompt_token_ids=first, sampling_params=GREEDY, use_tqdm=False)
+    out = llm.generate(prompt_token_ids=second, sampling_params=GREEDY, use_tqdm=False)[0]
+    assert out.metrics["num_prefix_hit_tokens"] == 64
+    assert list(out.outputs[0].token_ids) == list(alone(path, second)) == reference_greedy(ref, second, 12)
+
+
+def test_without_snapshots_prefix_caching_is_off_and_says_why(path, caplog):
     with caplog.at_level(logging.INFO, logger="dsaserve.engine.llm_engine"):
-        llm = make_llm(path, enable_prefix_caching=True)
+        llm = make_llm(path, state_snapshots=0)
     assert not llm.engine.scheduler.kv.enable_prefix_caching
     assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
 

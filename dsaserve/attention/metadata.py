@@ -36,6 +36,8 @@ class BatchMetadata:
     write_rows: torch.Tensor | None = None
     # A hybrid model's KDA layers: each request's state slot (attention/linear_state.py); empty otherwise.
     state_slots: tuple[int, ...] = ()
+    state_restore: tuple[int, ...] = ()  # per request: the snapshot its state starts from (-1: none)
+    state_snapshots: tuple[tuple[tuple[int, int], ...], ...] = ()  # per request: (position, snapshot slot) to keep
     # What the layers derive from the batch alone (the same in every layer), made by the first layer.
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -126,6 +128,8 @@ class BatchMetadata:
         device: torch.device | str = "cpu",
         shard: ContextShard | None = None,
         state_slots: list[int] | None = None,
+        state_restore: list[int] | None = None,
+        state_snapshots: list[tuple[tuple[int, int], ...]] | None = None,
     ) -> "BatchMetadata":
         """token_ids[i] are request i's new tokens, placed after context_lens[i] cached ones. With a
         shard, block_size is the scheduler's (tokens per block across the DCP group)."""
@@ -171,4 +175,6 @@ class BatchMetadata:
             shard=shard,
             write_rows=write_rows,
             state_slots=tuple(state_slots or ()),
+            state_restore=tuple(state_restore or [-1] * len(token_ids)),
+            state_snapshots=tuple(state_snapshots or [()] * len(token_ids)),
         )

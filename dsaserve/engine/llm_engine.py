@@ -52,7 +52,7 @@ class LLMEngine:
             dcp = parallel.decode_context_parallel_size
             tokens_per_block = args.block_size * dcp
             num_blocks = plan_num_blocks(layout, args.block_size, args.kv_cache_bytes, max_model_len,
-                                         args.max_num_seqs, tokens_per_block)
+                                         args.max_num_seqs, tokens_per_block, args.num_state_snapshots)
             self.max_model_len = fit_max_model_len(max_model_len, num_blocks * tokens_per_block,
                                                    layout.bytes_per_token / dcp,
                                                    explicit=args.max_model_len is not None)
@@ -61,15 +61,20 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.kv_cache, self.runner = driver.kv_cache, driver.runner
-        self.prefix_caching = args.enable_prefix_caching and cfg.hybrid is None
-        if args.enable_prefix_caching and not self.prefix_caching:
-            logger.info("prefix caching is off: %s keeps KDA state per request, and snapshots of it at cached "
-                        "blocks are not taken yet", cfg.family.name)
+        self.prefix_caching = args.enable_prefix_caching and (cfg.hybrid is None or args.num_state_snapshots > 0)
+        if cfg.hybrid is not None and self.prefix_caching:
+            logger.info("prefix caching on %s: the KDA state is kept every %d tokens in %d snapshots of %.1f MiB",
+                        cfg.family.name, args.state_snapshot_interval, args.num_state_snapshots,
+                        layout.state_bytes_per_request / 2**20)
+        elif cfg.hybrid is not None and args.enable_prefix_caching:
+            logger.info("prefix caching is off: state_snapshots=0 keeps no KDA state to resume from")
         self.scheduler = Scheduler(SchedulerConfig(self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                                                    args.enable_chunked_prefill,
                                                    self.speculative.num_speculative_tokens if with_mtp else 0,
                                                    self.speculative.disable_by_batch_size if with_mtp else None,
-                                                   state_slots=cfg.hybrid is not None),
+                                                   state_slots=cfg.hybrid is not None,
+                                                   state_snapshots=args.num_state_snapshots,
+                                                   state_snapshot_interval=args.state_snapshot_interval),
                                    KVCacheManager(num_blocks, tokens_per_block, self.prefix_caching,
                                                   share_samples=cfg.hybrid is None))
         self.limits = AdmissionLimits(cfg.vocab_size, self.max_model_len, num_blocks, tokens_per_block,

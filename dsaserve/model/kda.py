@@ -8,7 +8,9 @@
 
 The state a request carries between steps (the recurrent state and the convolution's last inputs) lives in its
 slot of the layer's LinearStateCache: read at the start of its rows, written back after them, so a chunked prompt
-continues where its previous chunk stopped. A request with an empty context starts from zeros.
+continues where its previous chunk stopped. A request with an empty context starts from zeros; one admitted on a
+prefix-cache hit starts from the snapshot kept after that prefix, and the snapshots a step is asked for (the state
+after given positions) are copied out as its rows pass them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = Linear(qkv, h, bias=False)
 
     def forward(self, x: torch.Tensor, meta: BatchMetadata, state: LinearStateCache) -> torch.Tensor:
+        for slot, snapshot in zip(meta.state_slots, meta.state_restore):
+            if snapshot >= 0:
+                state.restore(slot, snapshot)
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         convolved = self.convolve(mixed, meta, state).to(x.dtype)
         q, k, v = (t.view(-1, self.heads, self.head_dim) for t in convolved.split(self.qkv_dim, dim=-1))
@@ -80,9 +85,12 @@ class KimiDeltaAttention(nn.Module):
             slot = meta.state_slots[i]
             fresh = meta.context_len(i) == 0
             tail = mixed.new_zeros(width, mixed.shape[1], dtype=torch.float32) if fresh else state.conv[slot]
-            seq = torch.cat([tail, mixed[start:end].float()])  # [width + n, channels]
+            seq = torch.cat([tail, mixed[start:end].float()])  # [width + n, channels]: from position context - width
             out[start:end] = (seq.unfold(0, width + 1, 1) * weight).sum(-1)
             state.conv[slot] = seq[-width:]
+            for position, snapshot in meta.state_snapshots[i]:  # the inputs before `position`
+                offset = position - meta.context_len(i)
+                state.snapshot_conv[snapshot] = seq[offset : offset + width]
         return F.silu(out)
 
     def recur(self, q, k, v, g, beta, meta: BatchMetadata, state: LinearStateCache) -> torch.Tensor:
@@ -97,11 +105,21 @@ class KimiDeltaAttention(nn.Module):
             carried = state.recurrent[slots].masked_fill(fresh.view(-1, 1, 1, 1), 0.0)
             out[rows] = delta_rule.recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], carried)
             state.recurrent[slots] = carried
+            for j, i in enumerate(single):
+                for _, snapshot in meta.state_snapshots[i]:  # (its one position: after this token)
+                    state.snapshot_recurrent[snapshot] = carried[j]
         for i in sorted(set(range(meta.num_reqs)) - set(single)):
             start, end = meta.query_range(i)
             slot = meta.state_slots[i]
-            carried = state.recurrent[slot].clone() if meta.context_len(i) else torch.zeros_like(state.recurrent[slot])
-            out[start:end] = delta_rule.chunked(q[start:end], k[start:end], v[start:end], g[start:end],
-                                                beta[start:end], carried)
+            context = meta.context_len(i)
+            carried = state.recurrent[slot].clone() if context else torch.zeros_like(state.recurrent[slot])
+            done = start  # rows computed; split where snapshots are kept
+            for cut, snapshot in [(start + p - context, s) for p, s in meta.state_snapshots[i]] + [(end, None)]:
+                if cut > done:
+                    out[done:cut] = delta_rule.chunked(q[done:cut], k[done:cut], v[done:cut], g[done:cut],
+                                                       beta[done:cut], carried)
+                    done = cut
+                if snapshot is not None:
+                    state.snapshot_recurrent[snapshot] = carried
             state.recurrent[slot] = carried
         return out

@@ -12,16 +12,18 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when the caller does not say
 
 
 def plan_num_blocks(layout: KVCacheLayout, block_size: int, memory: int | None, max_model_len: int,
-                    max_num_seqs: int, tokens_per_block: int | None = None) -> int:
+                    max_num_seqs: int, tokens_per_block: int | None = None, state_snapshots: int = 0) -> int:
     """Blocks of `block_size` stored tokens each in `memory` bytes (per rank); a block holds
-    `tokens_per_block` tokens of a request (more than it stores under decode context parallelism)."""
+    `tokens_per_block` tokens of a request (more than it stores under decode context parallelism). A hybrid model's
+    KDA state (one per running request, plus state_snapshots) comes out of `memory` first."""
     per_block = layout.bytes_per_token * block_size
-    if memory is not None and layout.state_bytes_per_request:  # the running requests' KDA state comes first
-        state = layout.state_bytes_per_request * max_num_seqs
+    if memory is not None and layout.state_bytes_per_request:
+        state = layout.state_bytes_per_request * (max_num_seqs + state_snapshots)
         if memory - state < per_block:
             raise ValueError(f"kv_cache_memory={memory} bytes does not hold the KDA state of "
-                             f"max_num_seqs={max_num_seqs} requests ({layout.state_bytes_per_request} bytes each) "
-                             f"and one KV block ({per_block} bytes); raise kv_cache_memory or lower max_num_seqs")
+                             f"max_num_seqs={max_num_seqs} requests and state_snapshots={state_snapshots} "
+                             f"({layout.state_bytes_per_request} bytes each) and one KV block ({per_block} bytes); "
+                             "raise kv_cache_memory or lower max_num_seqs or state_snapshots")
         memory -= state
     if memory is None:
         wanted = blocks_needed(max_model_len, tokens_per_block or block_size) * max_num_seqs

@@ -63,6 +63,11 @@ class KVCacheManager:
 
     # ---- prefix cache ----------------------------------------------------------------------------
 
+    def keys_upto(self, request: Request, num_tokens: int) -> list[bytes]:
+        """The request's block keys, made to cover every full block among its first num_tokens tokens."""
+        self._update_keys(request, num_tokens)
+        return request.block_keys
+
     def _update_keys(self, request: Request, num_tokens: int) -> None:
         """Extend request.block_keys to cover every full block among its first num_tokens tokens."""
         bs = self.block_size

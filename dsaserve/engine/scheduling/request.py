@@ -43,6 +43,7 @@ class Request:
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0
     state_slot: int = -1  # its KDA state slot while running (hybrid models)
+    state_restore: int = -1  # the snapshot its state starts from, at admission after a prefix-cache hit
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,6 +27,7 @@ from dsaserve.engine.scheduling.request import Request, RequestStatus
 from dsaserve.engine.scheduling.request_update import RequestUpdate
 from dsaserve.engine.scheduling.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from dsaserve.engine.scheduling.state_slots import StateSlots
+from dsaserve.engine.scheduling.state_snapshots import StateSnapshots
 from dsaserve.engine.speculative.spec_decode_stats import SpecDecodeStats
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput
 
@@ -40,6 +41,8 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0  # drafts per step (0: no speculative decoding)
     speculate_below_batch_size: int | None = None  # with this many running sequences or more, no drafting
     state_slots: bool = False  # a hybrid model: every running sequence holds a KDA state slot
+    state_snapshots: int = 0  # and with prefix caching, this many snapshots of it at prefix positions
+    state_snapshot_interval: int = 512  # tokens between a request's snapshots
 
 
 class Scheduler:
@@ -56,6 +59,8 @@ class Scheduler:
         self._finished_ids: list[str] = []  # to tell the runner in the next output
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
         self.state_slots = StateSlots(config.max_num_seqs) if config.state_slots else None
+        self.snapshots = (StateSnapshots(config.state_snapshots, config.state_snapshot_interval, kv.block_size)
+                          if config.state_slots and config.state_snapshots and kv.enable_prefix_caching else None)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -126,11 +131,15 @@ class Scheduler:
                 # The MTP cache entry of a block's last position depends on the token after the block,
                 # which this request may not share: recompute the last cached block.
                 prefix = prefix[:-1]
+            if self.snapshots is not None and prefix:  # usable only up to a kept KDA state
+                blocks, request.state_restore = self.snapshots.lookup(request.block_keys, len(prefix))
+                prefix = prefix[:blocks]
             cached_tokens = len(prefix) * self.kv.block_size
             request.num_computed_tokens = cached_tokens
             n = self._chunk(request, budget)
             if n == 0 or not self.kv.allocate(request, cached_tokens + n + self._lookahead(request, n), prefix):
                 request.num_computed_tokens = 0
+                request.state_restore = -1
                 break
             request.num_prefix_hit_tokens = cached_tokens
             request.waits_for = None
@@ -196,6 +205,7 @@ class Scheduler:
     def _output(self, scheduled: dict[Request, int]) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        restored = {r.state_restore for r in scheduled if r.state_restore >= 0}
         for request, n in scheduled.items():
             start = request.num_computed_tokens
             if request.request_id not in self._sent_to_runner:
@@ -206,10 +216,16 @@ class Scheduler:
                     request.want_prompt_logprobs, request.grammar))
             known = n - len(request.spec_token_ids)
             sample = start + known == request.num_tokens
+            snapshots = ()
+            if self.snapshots is not None:
+                keys = self.kv.keys_upto(request, start + known)
+                snapshots = self.snapshots.plan(request.request_id, keys, start, start + known, restored)
             out.scheduled.append(ScheduledRequest(
                 request.request_id, request.token_ids(start, start + known) + request.spec_token_ids, start,
                 list(request.block_table), sample=sample, spec_token_ids=tuple(request.spec_token_ids),
-                num_drafts=self._num_drafts(request) if sample else 0, state_slot=request.state_slot))
+                num_drafts=self._num_drafts(request) if sample else 0, state_slot=request.state_slot,
+                state_restore=request.state_restore, state_snapshots=snapshots))
+            request.state_restore = -1
         return out
 
     # ---- after the step --------------------------------------------------------------------------
@@ -228,6 +244,8 @@ class Scheduler:
             request.spec_token_ids = []
             if s.request_id not in runner_output.errors:  # a failed row's other caches (MTP) were not written
                 self.kv.cache_computed_blocks(request)
+            if self.snapshots is not None:
+                self.snapshots.commit(s.request_id, ok=s.request_id not in runner_output.errors)
             update = RequestUpdate(s.request_id, prompt_logprobs=runner_output.prompt_logprobs.get(s.request_id),
                                    num_prefix_hit_tokens=request.num_prefix_hit_tokens,
                                    num_preemptions=request.num_preemptions)

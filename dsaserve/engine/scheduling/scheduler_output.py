@@ -34,6 +34,8 @@ class ScheduledRequest:
     spec_token_ids: tuple[int, ...] = ()  # drafts to verify: the last len() of token_ids
     num_drafts: int = 0  # tokens to draft after this step (0: none); blocks are allocated for their positions
     state_slot: int = -1  # a hybrid model's KDA state slot (engine/scheduling/state_slots.py); -1: none
+    state_restore: int = -1  # fill the state slot from this snapshot first (a prefix-cache hit); -1: none
+    state_snapshots: tuple[tuple[int, int], ...] = ()  # (position, snapshot slot): keep the state after `position`
 
 
 @dataclass

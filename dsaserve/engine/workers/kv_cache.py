@@ -60,15 +60,16 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, with_indexer: bool = True, indexer_dtype: str = "auto", with_mtp: bool = False,
-                 shard: ContextShard | None = None, state_slots: int = 0):
-        """state_slots: requests a hybrid model's KDA layers hold state for (the running ones, max_num_seqs)."""
+                 shard: ContextShard | None = None, state_slots: int = 0, state_snapshots: int = 0):
+        """state_slots: requests a hybrid model's KDA layers hold state for (the running ones, max_num_seqs);
+        state_snapshots: copies of it kept at prefix positions for prefix caching."""
         self.num_blocks = num_blocks
         self.shard = shard
         self.block_size = block_size if shard is None else shard.tokens_per_block
         # Layer i's cache: latent pages, or a KDA layer's state slots.
         self.latent = [
             torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device) if cfg.is_attention(i)
-            else LinearStateCache(cfg.hybrid, state_slots, device)
+            else LinearStateCache(cfg.hybrid, state_slots, device, state_snapshots)
             for i in cache_layers(cfg, with_mtp)
         ]
         if cfg.hybrid is not None:

@@ -69,6 +69,8 @@ class ModelRunner:
             [s.block_table for s in scheduler_output.scheduled],
             self.kv_cache.block_size, logits_rows, device=self.device, shard=self.kv_cache.shard,
             state_slots=[s.state_slot for s in scheduler_output.scheduled],
+            state_restore=[s.state_restore for s in scheduler_output.scheduled],
+            state_snapshots=[s.state_snapshots for s in scheduler_output.scheduled],
         )
         hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
         logits = self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices]))

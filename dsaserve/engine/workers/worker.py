@@ -56,7 +56,8 @@ class Worker:
         shard = ContextShard(dcp.rank, dcp.size, self.args.block_size, dcp) if dcp.size > 1 else None
         self.kv_cache = KVCache(self.cfg, num_blocks, self.args.block_size, self.dtype, self.device,
                                 with_indexer=self.with_indexer, indexer_dtype=self.args.indexer_cache_dtype,
-                                with_mtp=self.with_mtp, shard=shard, state_slots=self.args.max_num_seqs)
+                                with_mtp=self.with_mtp, shard=shard, state_slots=self.args.max_num_seqs,
+                                state_snapshots=self.args.num_state_snapshots)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.args.seed,
                                   self.cfg.index_share_for_mtp_iteration)
 
