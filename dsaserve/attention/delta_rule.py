@@ -9,15 +9,18 @@ with q and k L2-normalised (q also scaled by head_dim^-0.5). S is [heads, key di
 
 `recurrent_step` does one token for a batch of requests (decode). `chunked` does a request's many tokens a chunk at
 a time: inside a chunk the δ's solve one unit lower-triangular system, so the work is a few matrix products per
-chunk instead of a state update per token. The decays enter as exp(G_t − G_s) of cumulative sums within the chunk
-(never exp(G) and exp(−G) apart, which overflow), so the chunk is short.
+chunk instead of a state update per token. The decays enter as exp(G_t − G_s) of cumulative sums G within the chunk,
+factored as exp(G_t − G_0) · exp(G_0 − G_s) around the chunk's start, which keeps both factors finite while the
+chunk's decay spans less than FACTOR_RANGE (16 tokens of a gate bounded below by -5 span at most 80); a chunk whose
+decay spans more (an unbounded gate) takes exp(G_t − G_s) per channel instead, a [heads, C, C, dk] tensor.
 """
 
 from __future__ import annotations
 
 import torch
 
-CHUNK = 32  # tokens per chunk of the chunked form
+CHUNK = 16  # tokens per chunk of the chunked form
+FACTOR_RANGE = 80.0  # exp(±80) is finite and normal in fp32
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -62,11 +65,17 @@ def _chunk(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     beta = beta.transpose(0, 1)  # [H, C]
     n = q.shape[1]
     cum = g.cumsum(1)  # G [H, C, dk]
-    upto = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()  # s ≤ t
-    diff = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(~upto[None, :, :, None], float("-inf"))
-    decay = diff.exp()  # [H, t, s, dk], zero above the diagonal
-    a = torch.einsum("htc,hsc,htsc->hts", k, k, decay).tril(-1)
-    b = torch.einsum("htc,hsc,htsc->hts", q, k, decay)
+    if float((cum[:, -1] - cum[:, 0]).min()) > -FACTOR_RANGE:
+        grow, shrink = (cum - cum[:, :1]).exp(), (cum[:, :1] - cum).exp()  # exp(G_t − G_0), exp(G_0 − G_s)
+        k_grow, k_shrink = k * grow, k * shrink
+        a = (k_grow @ k_shrink.transpose(1, 2)).tril(-1)
+        b = ((q * grow) @ k_shrink.transpose(1, 2)).tril()
+    else:
+        upto = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()  # s ≤ t
+        diff = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(~upto[None, :, :, None], float("-inf"))
+        decay = diff.exp()  # [H, t, s, dk], zero above the diagonal
+        a = torch.einsum("htc,hsc,htsc->hts", k, k, decay).tril(-1)
+        b = torch.einsum("htc,hsc,htsc->hts", q, k, decay)
     system = torch.eye(n, device=q.device) + beta.unsqueeze(-1) * a
     rhs = beta.unsqueeze(-1) * (v - (cum.exp() * k) @ state)
     delta = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [H, C, dv]

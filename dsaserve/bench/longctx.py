@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from dsaserve.attention.linear_state import LinearStateCache
+from dsaserve.attention.pooled_keys import PooledKeyCache
 from dsaserve.bench.common import write_json
 from dsaserve.engine_args import EngineArgs
 from dsaserve.sampling_params import SamplingParams
@@ -67,14 +69,25 @@ class HeapSampler:
 
 
 def fill_synthetic_prefix(kv_cache, block_table: list[int], length: int, g: torch.Generator) -> None:
-    """Write synthetic latents and indexer keys into the first `length` positions of these blocks."""
+    """Write synthetic latents and indexer keys into the first `length` positions of these blocks (and, for a hybrid
+    model, pool keys and small random KDA states in every state slot)."""
     block_size = kv_cache.block_size
     blocks = torch.tensor(block_table[: -(-length // block_size)])
     for latent in kv_cache.latent:  # normalized latent (RMS ~1) and a rotated rope key
+        if isinstance(latent, LinearStateCache):
+            latent.recurrent.copy_(0.1 * torch.randn(latent.recurrent.shape, generator=g))
+            latent.conv.copy_(torch.randn(latent.conv.shape, generator=g))
+            continue
         latent[blocks] = torch.randn(latent[blocks].shape, generator=g).to(latent.dtype)
     positions = torch.arange(length)
     slots = blocks[positions // block_size] * block_size + positions % block_size
     for keys in kv_cache.indexer.values():
+        if isinstance(keys, PooledKeyCache):
+            keys.tokens.view(-1, keys.tokens.shape[-1])[slots] = torch.randn(
+                length, keys.tokens.shape[-1], generator=g).to(keys.tokens.dtype)
+            pools = slots[keys.kpool - 1 :: keys.kpool] // keys.kpool  # complete pools only
+            keys.pools.view(-1, keys.dim)[pools] = torch.randn(len(pools), keys.dim, generator=g).to(keys.pools.dtype)
+            continue
         keys.write(slots, torch.randn(length, keys.dim, generator=g))
 
 
