@@ -187,10 +187,14 @@ class ModelConfig:
                     else every_layer_full(raw, num_layers, family))
         for note in schedule.warnings:
             logger.info(note)
-        logger.info(
-            "indexer schedule from %s: %s (%d full / %d shared)",
-            schedule.source, schedule.pattern, schedule.num_full, schedule.num_shared,
-        )
+        if attention is None:
+            logger.info("indexer schedule from %s: %s (%d full / %d shared)",
+                        schedule.source, schedule.pattern, schedule.num_full, schedule.num_shared)
+        else:
+            indexed = "".join(schedule.pattern[i] for i in attention)
+            logger.info("indexer schedule from %s over the %d indexed layers: %s (%d full / %d shared; the KDA layers "
+                        "have no indexer)", schedule.source, len(attention), indexed, indexed.count("F"),
+                        indexed.count("S"))
         cfg = cls(
             model_type=model_type,
             vocab_size=_require_int(raw, "vocab_size"),

@@ -121,15 +121,12 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     lines += _weight_form_lines(cfg, len(files) or UNKNOWN_FILES)
     lines += _kv_lines(cfg, max_model_len)
     if parallel is not None and parallel.distributed:
-        if cfg.hybrid is not None:
-            lines.append(f"parallel plan: {cfg.family.name} is served on one device for now (its KDA layers are not "
-                         "split across ranks yet); no per-rank plan")
-            return "\n".join(lines), ok
         parallel.check_model(cfg, "sparse")
         dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.checkpoint_dtype, torch.bfloat16)
+        layout = KVCacheLayout.of(cfg, dtype, tp_size=parallel.tensor_parallel_size)
         lines += plan_lines(cfg, parallel, stored, torch.empty((), dtype=dtype).element_size(),
-                            str(dtype).removeprefix("torch."), KVCacheLayout.of(cfg, dtype).bytes_per_token,
-                            device_memory, utilization, human)
+                            str(dtype).removeprefix("torch."), layout.bytes_per_token,
+                            device_memory, utilization, human, layout.state_bytes_per_request)
     return "\n".join(lines), ok
 
 

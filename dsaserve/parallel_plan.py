@@ -62,8 +62,10 @@ def rank_shares(cfg: ModelConfig, parallel: ParallelConfig, tensors: dict[str, t
 
 
 def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_item: int, resident_dtype: str,
-               kv_bytes_per_token: int, device_memory: int | None, utilization: float, human) -> list[str]:
-    """The plan as doctor prints it; kv_bytes_per_token is one rank's for a token it stores."""
+               kv_bytes_per_token: int, device_memory: int | None, utilization: float, human,
+               state_bytes_per_request: int = 0) -> list[str]:
+    """The plan as doctor prints it; kv_bytes_per_token is one rank's for a token it stores, and
+    state_bytes_per_request one rank's share of a hybrid model's KDA state."""
     dcp = parallel.decode_context_parallel_size
     shares = rank_shares(cfg, parallel, tensors, resident_item)
     lines = [f"parallel plan: tensor parallel {parallel.tensor_parallel_size}"
@@ -81,6 +83,9 @@ def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_ite
     lines.append(f"  KV cache per token per rank: {human(per_rank)}"
                  + (f" (each rank stores 1/{dcp} of a request's tokens)" if dcp > 1 else
                     " (MLA's one latent head: every rank holds the whole latent)"))
+    if state_bytes_per_request:
+        lines.append(f"  KDA state per request per rank: {human(state_bytes_per_request)} (its heads are split: "
+                     f"1/{parallel.tensor_parallel_size} of the state)")
     if device_memory:
         weights = max(s.resident for s in shares)
         room = device_memory * utilization - weights

@@ -83,6 +83,19 @@ def test_doctor_on_config_only_glm53_flash(tmp_path):
         assert form in out
 
 
+def test_doctor_per_rank_plan_on_glm53_flash(tmp_path):
+    """TP=8 with expert parallelism on GLM-5.3-Flash: KDA and MLA heads split, whole experts placed, the KDA state
+    split by heads (145.6 MiB / 8); decode context parallelism refused by name."""
+    shutil.copy(os.path.join(os.path.dirname(REFERENCE_CONFIG), "glm-5.3-flash-config.json"), tmp_path / "config.json")
+    result = run("doctor", str(tmp_path), "--tensor-parallel-size", "8", "--enable-expert-parallel")
+    assert result.returncode == 0, result.stderr
+    assert "heads 56-63, vocab rows 135520-154879, experts 252-287" in result.stdout
+    assert "KDA state per request per rank: 18.2 MiB (its heads are split: 1/8 of the state)" in result.stdout
+    refused = run("doctor", str(tmp_path), "--tensor-parallel-size", "8", "--decode-context-parallel-size", "2")
+    assert refused.returncode != 0
+    assert "decode_context_parallel_size=2: GLM-5.3-Flash does not split its context" in refused.stderr
+
+
 def test_doctor_checks_tensors_against_schedule(tiny_checkpoint, tmp_path):
     good = run("doctor", tiny_checkpoint)
     assert good.returncode == 0

@@ -271,3 +271,22 @@ def test_without_snapshots_prefix_caching_is_off_and_says_why(path, caplog):
 def test_page_selection_is_refused_by_name(path):
     with pytest.raises(ValueError, match="attention_backend='page'"):
         make_llm(path, attention_backend="page")
+
+
+def test_tensor_parallel_2_matches_reference(path, ref):
+    """TP=2 (gloo, a worker process): MLA and KDA heads, MLPs and experts split; prompt log-probabilities of every
+    position (1e-4) and a greedy continuation against the reference, chunked and batched with another request."""
+    vocab = ref.config.text_config.vocab_size
+    ids, other = prompt(vocab, PROMPT_LEN, seed=1), prompt(vocab, 50, seed=3)
+    expected, _ = reference_run(ref, ids)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
+    llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=37)
+    try:
+        out = llm.generate(prompt_token_ids=[ids, other], sampling_params=params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    ours = torch.tensor([out[0].prompt_logprobs[p + 1][ids[p + 1]].logprob for p in range(len(ids) - 1)])
+    theirs = expected[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert (ours - theirs).abs().max().item() < 1e-4
+    assert list(out[0].outputs[0].token_ids) == reference_greedy(ref, ids, 16)
+    assert list(out[1].outputs[0].token_ids) == reference_greedy(ref, other, 16)

@@ -18,13 +18,15 @@ from dsaserve.hybrid_config import HybridConfig
 
 
 class LinearStateCache:
-    def __init__(self, hybrid: HybridConfig, num_slots: int, device: torch.device, num_snapshots: int = 0):
-        heads, dk = hybrid.linear_num_heads, hybrid.linear_head_dim
+    def __init__(self, hybrid: HybridConfig, num_slots: int, device: torch.device, num_snapshots: int = 0,
+                 ranks: int = 1):
+        """ranks: the tensor-parallel ranks the KDA heads are split over (this cache holds one rank's heads)."""
+        heads, dk = hybrid.linear_num_heads // ranks, hybrid.linear_head_dim
+        channels = hybrid.conv_dim // ranks
         self.recurrent = torch.zeros(num_slots, heads, dk, dk, dtype=torch.float32, device=device)
-        self.conv = torch.zeros(num_slots, hybrid.conv_kernel - 1, hybrid.conv_dim, dtype=torch.float32,
-                                device=device)
+        self.conv = torch.zeros(num_slots, hybrid.conv_kernel - 1, channels, dtype=torch.float32, device=device)
         self.snapshot_recurrent = torch.zeros(num_snapshots, heads, dk, dk, dtype=torch.float32, device=device)
-        self.snapshot_conv = torch.zeros(num_snapshots, hybrid.conv_kernel - 1, hybrid.conv_dim, dtype=torch.float32,
+        self.snapshot_conv = torch.zeros(num_snapshots, hybrid.conv_kernel - 1, channels, dtype=torch.float32,
                                          device=device)
 
     @property

@@ -86,6 +86,9 @@ class ParallelConfig:
             checks.append(("n_routed_experts", cfg.n_routed_experts, "whole experts are placed on ranks"))
         else:
             checks.append(("moe_intermediate_size", cfg.moe_intermediate_size, "each expert is split across ranks"))
+        if cfg.hybrid is not None:
+            checks.append(("linear_attn_config.num_heads", cfg.hybrid.linear_num_heads,
+                           "KDA heads are split across ranks"))
         if cfg.n_shared_experts:
             checks.append(("moe_intermediate_size × n_shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts,
                            "the shared experts are split across ranks"))
@@ -93,6 +96,9 @@ class ParallelConfig:
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={value} ({why}); "
                                  f"choose a tensor_parallel_size that divides it")
+        if self.decode_context_parallel_size > 1 and cfg.hybrid is not None:
+            raise ValueError(f"decode_context_parallel_size={self.decode_context_parallel_size}: {cfg.family.name} "
+                             "does not split its context across ranks yet (its KDA state is per request); set it to 1")
         if self.decode_context_parallel_size > 1 and attention_backend == "page":
             raise ValueError("attention_backend='page' does not support decode_context_parallel_size > 1; "
                              "use 'sparse' or 'dense'")

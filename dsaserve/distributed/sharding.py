@@ -6,6 +6,9 @@ tensor from the safetensors files, and `doctor` adds up the same slices to print
     attention   q_b_proj, kv_b_proj: rows of this rank's heads; o_proj: their input columns
                 (all-reduced); q_a_proj, kv_a_proj_with_mqa, norms and the whole indexer replicated
                 (MLA has one latent head, so every rank computes the same latent and top-k)
+    KDA         (glm5_next) q/k/v projections and convolutions, f_b_proj, g_b_proj, dt_bias, A_log and
+                b_proj: rows of this rank's KDA heads; o_proj: their input columns (all-reduced); f_a_proj,
+                g_a_proj, o_norm and the mHC weights replicated
     MLP         gate/up rows and down columns of this rank's share of the intermediate dimension
     experts     the same split per expert, or with expert parallelism whole experts
                 [rank·E/TP, (rank+1)·E/TP); router and correction bias replicated
@@ -23,6 +26,9 @@ from dsaserve.config import ModelConfig
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _MLP = re.compile(r"\.mlp\.(?:shared_experts\.)?(gate|up|down)_proj\.weight$")
 _VOCAB = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight")
+_LAYER = re.compile(r"\.layers\.(\d+)\.self_attn\.")
+_KDA_BY_HEAD = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
+                "v_conv1d.weight", "f_b_proj.weight", "g_b_proj.weight", "dt_bias", "A_log", "b_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,8 @@ def tensor_slice(cfg: ModelConfig, plan: ShardPlan, name: str, shape: tuple[int,
         return _intermediate(plan, m.group(2), shape)
     if m := _MLP.search(name):
         return _intermediate(plan, m.group(1), shape)
+    if (m := _LAYER.search(name)) and not cfg.is_attention(int(m.group(1))):
+        return _kda(cfg, plan, name, shape)
     if ".self_attn." in name and ".indexer." not in name:
         heads = cfg.num_attention_heads
         if name.endswith(("q_b_proj.weight", "kv_b_proj.weight")):
@@ -97,6 +105,18 @@ def tensor_slice(cfg: ModelConfig, plan: ShardPlan, name: str, shape: tuple[int,
             per_head = shape[1] // heads
             first, last = plan.split(heads)
             return TensorSlice(1, first * per_head, last * per_head, "heads")
+    return WHOLE
+
+
+def _kda(cfg: ModelConfig, plan: ShardPlan, name: str, shape: tuple[int, ...]) -> TensorSlice:
+    heads = cfg.hybrid.linear_num_heads
+    first, last = plan.split(heads)
+    if name.endswith(_KDA_BY_HEAD):
+        per_head = shape[0] // heads
+        return TensorSlice(0, first * per_head, last * per_head, "heads")
+    if name.endswith("o_proj.weight"):
+        per_head = shape[1] // heads
+        return TensorSlice(1, first * per_head, last * per_head, "heads")
     return WHOLE
 
 

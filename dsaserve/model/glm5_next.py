@@ -8,8 +8,11 @@ their latent cache is paged as GLM-5.2's. KDA layers (model/kda.py) keep a fixed
 (attention/linear_state.py). IndexShare: a shared indexed layer attends with the selection of the last full one,
 across the KDA layers between them. The gated MLPs clamp at `swiglu_limit`.
 
-Not served yet on this model: the MTP layer (speculative decoding), tensor/expert/context parallelism and the `page`
-backend; each is refused at construction, naming the option.
+Under tensor parallelism the MLA heads, the KDA heads (with their state), the MLPs and the experts are split as
+GLM-5.2's are (distributed/sharding.py); the mHC weights, norms and the pooled indexer run on every rank.
+
+Not served yet on this model: the MTP layer (speculative decoding) and the `page` backend, each refused at
+construction naming the option; decode context parallelism, refused by ParallelConfig.check_model.
 """
 
 from __future__ import annotations
@@ -39,17 +42,21 @@ _HC = re.compile(r"^(.*)\.hc_(attn|ffn)_(fn|base|scale)$")
 
 
 class Glm5NextDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, selection: Selection, parallel: ParallelContext):
         super().__init__()
         hybrid = cfg.hybrid
         self.attends = cfg.is_attention(layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg, layer_idx, backend, selection) if self.attends else KimiDeltaAttention(cfg)
-        if cfg.mlp_layer_types[layer_idx] == "sparse":
-            self.mlp = MoE(cfg, swiglu_limit=hybrid.swiglu_limit)
+        if self.attends:
+            self.self_attn = MLAAttention(cfg, layer_idx, backend, selection, parallel=parallel)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, swiglu_limit=hybrid.swiglu_limit)
+            self.self_attn = KimiDeltaAttention(cfg, parallel)
+        if cfg.mlp_layer_types[layer_idx] == "sparse":
+            self.mlp = MoE(cfg, parallel, swiglu_limit=hybrid.swiglu_limit)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, parallel.plan.local(cfg.intermediate_size), parallel.tp,
+                                swiglu_limit=hybrid.swiglu_limit)
         self.attn_hc = HyperConnection(hybrid, cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_hc = HyperConnection(hybrid, cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -71,7 +78,7 @@ class Glm5NextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend, selection: Selection, parallel: ParallelContext):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel.plan, parallel.tp)
-        self.layers = nn.ModuleList(Glm5NextDecoderLayer(cfg, i, backend, selection)
+        self.layers = nn.ModuleList(Glm5NextDecoderLayer(cfg, i, backend, selection, parallel)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -85,7 +92,7 @@ class Glm5NextForCausalLM(nn.Module):
                  decode_plan: bool = True):
         super().__init__()
         parallel = parallel or ParallelContext.single()
-        refuse_unserved(attention_backend, mtp, parallel)
+        refuse_unserved(attention_backend, mtp)
         self.config = cfg
         self.parallel = parallel
         self.decode_plan = False  # the decode plan traces GLM-5.2's layer; this layer runs through its modules
@@ -128,7 +135,8 @@ class Glm5NextForCausalLM(nn.Module):
         """A function copying one checkpoint tensor (in the shipped layout) into its parameter."""
         params = dict(self.named_parameters())
         params.update((name, module) for name, module in self.named_modules() if is_packed(module))
-        qkv = self.config.hybrid.qkv_dim
+        qkv = self.parallel.plan.local(self.config.hybrid.linear_num_heads) * self.config.hybrid.linear_head_dim
+        first_expert, _ = self.parallel.plan.local_experts(self.config.n_routed_experts)
 
         def load(name: str, tensor: torch.Tensor, first: int = 0, rows: int | None = None) -> None:
             name = param_of(name)
@@ -137,7 +145,7 @@ class Glm5NextForCausalLM(nn.Module):
                 _copy_rows(params[f"{m.group(1)}.conv_weight"], offset + first, tensor.reshape(tensor.shape[0], -1),
                            name)
                 return
-            _load_tensor(params, name, tensor, 0, first, tensor.shape[0] if rows is None else rows)
+            _load_tensor(params, name, tensor, first_expert, first, tensor.shape[0] if rows is None else rows)
 
         return load
 
@@ -150,12 +158,9 @@ def param_of(checkpoint_name: str) -> str:
     return name
 
 
-def refuse_unserved(attention_backend: str, mtp, parallel: ParallelContext) -> None:
+def refuse_unserved(attention_backend: str, mtp) -> None:
     if attention_backend == "page":
         raise ValueError("attention_backend='page' is not served on glm5_next (its indexer selects pools); "
                          "use 'sparse' or 'dense'")
     if mtp is not None:
         raise ValueError("speculative_config: MTP drafting is not served on glm5_next yet; drop --speculative-config")
-    if parallel.tp.size > 1 or parallel.dcp.size > 1:
-        raise ValueError("tensor_parallel_size / decode_context_parallel_size: glm5_next runs on one device for now; "
-                         "set both to 1")

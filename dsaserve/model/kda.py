@@ -8,7 +8,8 @@
 
 The state a request carries between steps (the recurrent state and the convolution's last inputs) lives in its
 slot of the layer's LinearStateCache: read at the start of its rows, written back after them, so a chunked prompt
-continues where its previous chunk stopped. A request with an empty context starts from zeros; one admitted on a
+continues where its previous chunk stopped. Under tensor parallelism a rank holds its share of the heads (and their
+state); o_proj sums the ranks' parts. A request with an empty context starts from zeros; one admitted on a
 prefix-cache hit starts from the snapshot kept after that prefix, and the snapshots a step is asked for (the state
 after given positions) are copied out as its rows pass them.
 """
@@ -23,15 +24,20 @@ from dsaserve.attention import delta_rule
 from dsaserve.attention.linear_state import LinearStateCache
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
+from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.linear import Linear
+from dsaserve.model.parallel_layers import RowParallelLinear
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext | None = None):
         super().__init__()
+        parallel = parallel or ParallelContext.single()
         hybrid = cfg.hybrid
-        h, qkv = cfg.hidden_size, hybrid.qkv_dim
-        self.heads, self.head_dim, self.qkv_dim = hybrid.linear_num_heads, hybrid.linear_head_dim, qkv
+        self.heads = parallel.plan.local(hybrid.linear_num_heads)  # this rank's
+        self.head_dim = hybrid.linear_head_dim
+        h, qkv = cfg.hidden_size, self.heads * self.head_dim
+        self.qkv_dim = qkv
         self.lower_bound = hybrid.gate_lower_bound
         self.norm_eps = cfg.rms_norm_eps
         self.q_proj, self.k_proj, self.v_proj = (Linear(h, qkv, bias=False) for _ in range(3))
@@ -46,7 +52,7 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = Linear(self.head_dim, qkv, bias=False)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.empty(self.head_dim))
-        self.o_proj = Linear(qkv, h, bias=False)
+        self.o_proj = RowParallelLinear(qkv, h, bias=False, comm=parallel.tp)
 
     def forward(self, x: torch.Tensor, meta: BatchMetadata, state: LinearStateCache) -> torch.Tensor:
         for slot, snapshot in zip(meta.state_slots, meta.state_restore):

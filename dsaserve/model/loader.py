@@ -170,8 +170,10 @@ def mtp_extras(cfg: ModelConfig, model_dir: str) -> tuple[bool, bool]:
 def read_part(f, name: str, info: TensorInfo, part: TensorSlice, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Only `part` of tensor `name` from an open safetensors file (its bytes, not the whole tensor); of that part,
     only rows [r0, r1) when `rows` is given."""
-    if len(info.shape) < 2 or (part.dim is None and rows is None):
+    if part.dim is None and (len(info.shape) < 2 or rows is None):
         return f.get_tensor(name)
+    if len(info.shape) < 2:  # a 1-D tensor split by head (a KDA layer's dt_bias, A_log)
+        return f.get_slice(name)[part.start : part.stop]
     index = [slice(None)] * len(info.shape)
     if part.dim is not None:
         index[part.dim] = slice(part.start, part.stop)

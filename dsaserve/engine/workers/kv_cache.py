@@ -38,7 +38,8 @@ class KVCacheLayout:
 
     @classmethod
     def of(cls, cfg: ModelConfig, dtype: torch.dtype, indexer_dtype: str = "auto", with_indexer: bool = True,
-           with_mtp: bool = False) -> "KVCacheLayout":
+           with_mtp: bool = False, tp_size: int = 1) -> "KVCacheLayout":
+        """tp_size: a rank's share of a hybrid model's KDA state (its heads); the latent cache is every rank's."""
         item = torch.empty((), dtype=dtype).element_size()
         if cfg.hybrid is not None:
             per_layer = PooledKeyCache.bytes_per_token(cfg.index_head_dim, cfg.hybrid.index_kpool, dtype)
@@ -48,7 +49,7 @@ class KVCacheLayout:
         return cls(
             latent_bytes_per_token=len(attending) * cfg.kv_cache_dim * item,
             indexer_bytes_per_token=len(indexer_layers(cfg, with_mtp)) * per_layer if with_indexer else 0,
-            state_bytes_per_request=cfg.hybrid.state_bytes_per_request() if cfg.hybrid is not None else 0,
+            state_bytes_per_request=cfg.hybrid.state_bytes_per_request() // tp_size if cfg.hybrid is not None else 0,
         )
 
 
@@ -60,7 +61,8 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, with_indexer: bool = True, indexer_dtype: str = "auto", with_mtp: bool = False,
-                 shard: ContextShard | None = None, state_slots: int = 0, state_snapshots: int = 0):
+                 shard: ContextShard | None = None, state_slots: int = 0, state_snapshots: int = 0,
+                 tp_size: int = 1):
         """state_slots: requests a hybrid model's KDA layers hold state for (the running ones, max_num_seqs);
         state_snapshots: copies of it kept at prefix positions for prefix caching."""
         self.num_blocks = num_blocks
@@ -69,7 +71,7 @@ class KVCache:
         # Layer i's cache: latent pages, or a KDA layer's state slots.
         self.latent = [
             torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device) if cfg.is_attention(i)
-            else LinearStateCache(cfg.hybrid, state_slots, device, state_snapshots)
+            else LinearStateCache(cfg.hybrid, state_slots, device, state_snapshots, tp_size)
             for i in cache_layers(cfg, with_mtp)
         ]
         if cfg.hybrid is not None:

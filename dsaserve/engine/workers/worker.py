@@ -47,7 +47,8 @@ class Worker:
                                 scratch_budget=parse_bytes(args.load_scratch_memory, "load_scratch_memory"))
         self.with_indexer = self.model.backend.uses_indexer
         # Bytes per token this rank stores (under DCP, per token it holds: 1/N of a request's tokens).
-        self.kv_layout = KVCacheLayout.of(cfg, dtype, args.indexer_cache_dtype, self.with_indexer, self.with_mtp)
+        self.kv_layout = KVCacheLayout.of(cfg, dtype, args.indexer_cache_dtype, self.with_indexer, self.with_mtp,
+                                          self.parallel.tp.size)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
 
@@ -57,7 +58,7 @@ class Worker:
         self.kv_cache = KVCache(self.cfg, num_blocks, self.args.block_size, self.dtype, self.device,
                                 with_indexer=self.with_indexer, indexer_dtype=self.args.indexer_cache_dtype,
                                 with_mtp=self.with_mtp, shard=shard, state_slots=self.args.max_num_seqs,
-                                state_snapshots=self.args.num_state_snapshots)
+                                state_snapshots=self.args.num_state_snapshots, tp_size=self.parallel.tp.size)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.args.seed,
                                   self.cfg.index_share_for_mtp_iteration)
 
