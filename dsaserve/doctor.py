@@ -16,7 +16,7 @@ from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.engine.workers.kv_cache import KVCacheLayout
 from dsaserve.model import huge_pages
-from dsaserve.model.checkpoint_layout import checkpoint_shapes, component_of, is_mtp_tensor
+from dsaserve.model.checkpoint_layout import checkpoint_shapes, component_of, is_mtp_tensor, text_prefix
 from dsaserve.model.load_memory import available_memory, default_scratch_budget
 from dsaserve.model.loader import (
     SCRATCH_PER_THREAD,
@@ -137,8 +137,8 @@ def _mtp_line(cfg: ModelConfig, infos: dict) -> str:
         return (f"MTP layer: none (num_nextn_predict_layers={cfg.num_nextn_predict_layers}); "
                 "--speculative-config is unavailable")
     size = sum(math.prod(i.shape) * _BYTES.get(i.dtype, 2) for i in mtp.values())
-    return (f"MTP layer: model.layers.{cfg.num_hidden_layers} ({len(mtp)} tensors, {human(size)} more to load with "
-            f"--speculative-config; index_share_for_mtp_iteration={cfg.index_share_for_mtp_iteration})")
+    return (f"MTP layer: {text_prefix(cfg)}layers.{cfg.num_hidden_layers} ({len(mtp)} tensors, {human(size)} more to "
+            f"load with --speculative-config; index_share_for_mtp_iteration={cfg.index_share_for_mtp_iteration})")
 
 
 def _selected_rows_path(cfg: ModelConfig) -> str:
@@ -205,13 +205,15 @@ def _weight_kernel_path() -> str:
 
 
 def _schedule_check(cfg: ModelConfig, infos) -> list[str]:
-    with_indexer = {int(n.split(".")[2]) for n in infos if ".self_attn.indexer." in n and not is_mtp_tensor(cfg, n)}
+    layers = f"{text_prefix(cfg)}layers."
+    with_indexer = {int(n.removeprefix(layers).split(".")[0]) for n in infos
+                    if n.startswith(layers) and ".self_attn.indexer." in n and not is_mtp_tensor(cfg, n)}
     full = set(cfg.full_layers)
     missing = sorted(full - with_indexer)
     extra = sorted(with_indexer - full)
     if not missing and not extra:
         return [f"  indexer weights on all {len(full)} full layers and on none of the "
-                f"{cfg.num_hidden_layers - len(full)} shared layers"]
+                f"{len(cfg.attention_layers) - len(full)} shared layers"]
     out = []
     if missing:
         out.append(f"  MISMATCH: full layers without indexer weights: {missing}")

@@ -143,6 +143,12 @@ class EngineArgs:
         return self.max_num_seqs if self.state_snapshots is None else self.state_snapshots
 
     @property
+    def num_draft_states(self) -> int:
+        """KDA states a hybrid model keeps per running request while speculating: the state after each draft's
+        row, to roll back to after verification."""
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+
+    @property
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel, self.decode_context_parallel_size,
                               self.nnodes, self.node_rank, self.master_addr, self.master_port, self.dist_timeout,

@@ -290,3 +290,44 @@ def test_tensor_parallel_2_matches_reference(path, ref):
     assert (ours - theirs).abs().max().item() < 1e-4
     assert list(out[0].outputs[0].token_ids) == reference_greedy(ref, ids, 16)
     assert list(out[1].outputs[0].token_ids) == reference_greedy(ref, other, 16)
+
+
+@pytest.fixture(scope="module")
+def mtp_path(make_checkpoint):
+    return make_checkpoint("glm5_next_mtp", seed=5, model_type="glm5_next", include_mtp=True)
+
+
+@pytest.mark.parametrize("n_spec", [1, 3])
+def test_mtp_speculation_keeps_reference_greedy_and_rolls_back_kda_state(mtp_path, monkeypatch, n_spec):
+    """The MTP layer (model.language_model.layers.{num_hidden_layers}: indexed MLA + MoE, plain residual) drafts
+    through the speculative path, chunked and batched; drafts replaced by the reference continuation with every third
+    one wrong, so rounds are both accepted and rejected: a rejected draft's row has run through the KDA layers, and
+    their state must come back to the last accepted row's for the output to stay the reference's greedy tokens."""
+    from test_speculative import oracle_drafts
+    ref_mtp = load_reference(mtp_path)
+    vocab = ref_mtp.config.text_config.vocab_size
+    prompts = [prompt(vocab, PROMPT_LEN, seed=1), prompt(vocab, 50, seed=3)]
+    truth = [reference_greedy(ref_mtp, ids, 20) for ids in prompts]
+    spec = {"method": "mtp", "num_speculative_tokens": n_spec, "disable_by_batch_size": None}
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = make_llm(mtp_path, speculative_config=spec, max_num_batched_tokens=37)
+    assert [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                           use_tqdm=False)] == truth  # the layer's own drafts
+    llm = make_llm(mtp_path, speculative_config=spec, max_num_batched_tokens=37)
+    by_prompt = {tuple(ids): out for ids, out in zip(prompts, truth)}
+    oracle_drafts(monkeypatch, llm.engine.runner, lambda rid, state: by_prompt[tuple(state.prompt_token_ids)])
+    out = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == truth
+    stats = llm.engine.stats().spec_decode
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_doctor_on_a_flash_checkpoint_with_its_mtp_layer(mtp_path):
+    """Weights present: the indexer weights checked against the schedule over the indexed layers (the layer number
+    read after `model.language_model.layers.`), the MTP layer found under the same prefix."""
+    from test_cli import run
+    result = run("doctor", mtp_path)
+    assert result.returncode == 0, result.stderr
+    assert "indexer weights on all 2 full layers and on none of the 1 shared layers" in result.stdout
+    assert "every tensor matches the layout config.json describes" in result.stdout
+    assert "MTP layer: model.language_model.layers.6 (49 tensors" in result.stdout

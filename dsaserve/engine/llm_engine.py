@@ -52,7 +52,8 @@ class LLMEngine:
             dcp = parallel.decode_context_parallel_size
             tokens_per_block = args.block_size * dcp
             num_blocks = plan_num_blocks(layout, args.block_size, args.kv_cache_bytes, max_model_len,
-                                         args.max_num_seqs, tokens_per_block, args.num_state_snapshots)
+                                         args.max_num_seqs, tokens_per_block, args.num_state_snapshots,
+                                         args.num_draft_states)
             self.max_model_len = fit_max_model_len(max_model_len, num_blocks * tokens_per_block,
                                                    layout.bytes_per_token / dcp,
                                                    explicit=args.max_model_len is not None)

@@ -115,7 +115,7 @@ def decoder_layer_shapes(cfg: ModelConfig, layer: int, full: bool, moe: bool) ->
         f"{prefix}.input_layernorm.weight": (cfg.hidden_size,),
         f"{prefix}.post_attention_layernorm.weight": (cfg.hidden_size,),
     }
-    if cfg.hybrid is not None:
+    if cfg.hybrid is not None and layer < cfg.num_hidden_layers:  # (an MTP layer has a plain residual)
         shapes.update(hyper_connection_shapes(cfg, prefix))
     if not cfg.is_attention(layer):
         shapes.update(kda_shapes(cfg, f"{prefix}.self_attn"))
@@ -132,7 +132,7 @@ def decoder_layer_shapes(cfg: ModelConfig, layer: int, full: bool, moe: bool) ->
 
 def mtp_layer_shapes(cfg: ModelConfig, layer: int) -> Shapes:
     """A next-token-prediction layer: projections joining embedding and hidden state, then a decoder layer."""
-    h, prefix = cfg.hidden_size, f"model.layers.{layer}"
+    h, prefix = cfg.hidden_size, f"{text_prefix(cfg)}layers.{layer}"
     shapes = decoder_layer_shapes(cfg, layer, full=True, moe=True)
     shapes.update({
         f"{prefix}.enorm.weight": (h,),
@@ -159,7 +159,7 @@ def checkpoint_shapes(cfg: ModelConfig, include_mtp: bool = False) -> Shapes:
 
 def optional_mtp_shapes(cfg: ModelConfig) -> Shapes:
     """MTP tensors a checkpoint may carry or leave out (the main model's are used when absent)."""
-    prefix = f"model.layers.{cfg.num_hidden_layers}"
+    prefix = f"{text_prefix(cfg)}layers.{cfg.num_hidden_layers}"
     return {f"{prefix}.shared_head.head.weight": (cfg.vocab_size, cfg.hidden_size),
             f"{prefix}.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
 

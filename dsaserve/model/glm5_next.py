@@ -11,8 +11,12 @@ across the KDA layers between them. The gated MLPs clamp at `swiglu_limit`.
 Under tensor parallelism the MLA heads, the KDA heads (with their state), the MLPs and the experts are split as
 GLM-5.2's are (distributed/sharding.py); the mHC weights, norms and the pooled indexer run on every rank.
 
-Not served yet on this model: the MTP layer (speculative decoding) and the `page` backend, each refused at
-construction naming the option; decode context parallelism, refused by ParallelConfig.check_model.
+The MTP layer (model/mtp.py) drafts for speculative decoding: an indexed MLA + MoE layer with a plain residual
+(no mHC streams), its output fed back after shared_head.norm. A verified step keeps the KDA state after each
+draft's row and rolls back to the one after the last accepted row (engine/workers/kv_cache.py).
+
+Not served yet on this model: the `page` backend, refused at construction naming the option; decode context
+parallelism, refused by ParallelConfig.check_model.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from dsaserve.attention.indexer_selection import Selection
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
-from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, _copy_rows, _load_tensor
+from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES, DecoderLayer, _copy_rows, _load_tensor
 from dsaserve.model.hyper_connection import HyperConnection
 from dsaserve.model.kda import KimiDeltaAttention
-from dsaserve.model.layers import GatedMLP, RMSNorm
+from dsaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from dsaserve.model.mla import MLAAttention
 from dsaserve.model.moe import MoE
+from dsaserve.model.mtp import Drafting, MTPLayer, mtp_param_name
 from dsaserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from dsaserve.quantization.packed import is_packed
 
@@ -83,7 +88,7 @@ class Glm5NextModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Glm5NextForCausalLM(nn.Module):
+class Glm5NextForCausalLM(Drafting, nn.Module):
     # Computed in fp32 whatever the model dtype, as in the reference.
     FP32_PARAM_SUFFIXES = FP32_PARAM_SUFFIXES + ("conv_weight", "dt_bias", "A_log", "_hc.base", "_hc.scale")
 
@@ -92,7 +97,7 @@ class Glm5NextForCausalLM(nn.Module):
                  decode_plan: bool = True):
         super().__init__()
         parallel = parallel or ParallelContext.single()
-        refuse_unserved(attention_backend, mtp)
+        refuse_unserved(attention_backend)
         self.config = cfg
         self.parallel = parallel
         self.decode_plan = False  # the decode plan traces GLM-5.2's layer; this layer runs through its modules
@@ -100,7 +105,13 @@ class Glm5NextForCausalLM(nn.Module):
         self.selection = Selection(cfg.index_topk)
         self.model = Glm5NextModel(cfg, self.backend, self.selection, parallel)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel.plan, parallel.tp)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)  # (NoPE: no rotary dims)
         self.mtp = None
+        if mtp is not None:
+            block = DecoderLayer(cfg, cfg.num_hidden_layers, self.backend, self.selection, full=True, moe=True,
+                                 parallel=parallel)
+            self.mtp = MTPLayer(cfg, block, own_head=mtp[0], own_embed=mtp[1], parallel=parallel, decode_plan=False,
+                                normed_output=True)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -139,7 +150,7 @@ class Glm5NextForCausalLM(nn.Module):
         first_expert, _ = self.parallel.plan.local_experts(self.config.n_routed_experts)
 
         def load(name: str, tensor: torch.Tensor, first: int = 0, rows: int | None = None) -> None:
-            name = param_of(name)
+            name = param_of(name, self.config.num_hidden_layers)
             if m := _CONV.match(name):
                 offset = "qkv".index(m.group(2)) * qkv
                 _copy_rows(params[f"{m.group(1)}.conv_weight"], offset + first, tensor.reshape(tensor.shape[0], -1),
@@ -150,17 +161,17 @@ class Glm5NextForCausalLM(nn.Module):
         return load
 
 
-def param_of(checkpoint_name: str) -> str:
+def param_of(checkpoint_name: str, num_hidden_layers: int) -> str:
     """The model's name for a checkpoint tensor (the q/k/v convolutions are still apart: the loader joins them)."""
     name = checkpoint_name.replace("model.language_model.", "model.", 1)
+    if name.startswith(f"model.layers.{num_hidden_layers}."):
+        return mtp_param_name(name, num_hidden_layers)
     if m := _HC.match(name):
         return f"{m.group(1)}.{m.group(2)}_hc.{m.group(3)}"
     return name
 
 
-def refuse_unserved(attention_backend: str, mtp) -> None:
+def refuse_unserved(attention_backend: str) -> None:
     if attention_backend == "page":
         raise ValueError("attention_backend='page' is not served on glm5_next (its indexer selects pools); "
                          "use 'sparse' or 'dense'")
-    if mtp is not None:
-        raise ValueError("speculative_config: MTP drafting is not served on glm5_next yet; drop --speculative-config")

@@ -21,7 +21,7 @@ from dsaserve.model.decode_plan import DecodePlan
 from dsaserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from dsaserve.model.mla import MLAAttention
 from dsaserve.model.moe import MoE
-from dsaserve.model.mtp import MTPLayer, mtp_param_name
+from dsaserve.model.mtp import Drafting, MTPLayer, mtp_param_name
 from dsaserve.model.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from dsaserve.model.training_pass import TrainingPass
 from dsaserve.prepared_calls import PreparedCalls
@@ -51,8 +51,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg, layer_idx, backend, selection, full, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.mlp_layer_types[layer_idx] == "sparse" if moe is None else moe:
-            self.mlp = MoE(cfg, parallel)
+        if cfg.mlp_layer_types[layer_idx] == "sparse" if moe is None else moe:  # (glm5_next's MTP layer clamps)
+            self.mlp = MoE(cfg, parallel, swiglu_limit=cfg.hybrid.swiglu_limit if cfg.hybrid is not None else None)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, parallel.plan.local(cfg.intermediate_size), parallel.tp)
 
@@ -72,7 +72,7 @@ class GlmMoeDsaModel(PreparedCalls):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class GlmMoeDsaForCausalLM(nn.Module):
+class GlmMoeDsaForCausalLM(Drafting, nn.Module):
     FP32_PARAM_SUFFIXES = FP32_PARAM_SUFFIXES
     def __init__(self, cfg: ModelConfig, attention_backend: str = "sparse", page_budget: int | None = None,
                  mtp: tuple[bool, bool] | None = None, parallel: ParallelContext | None = None,
@@ -128,26 +128,6 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
     def _plan(self) -> DecodePlan | None:
         return DecodePlan.build(self.model.layers) if self.decode_plan else None
-
-    @torch.inference_mode()
-    def draft(self, meta: BatchMetadata, prev_hidden: torch.Tensor, kv_caches: list[torch.Tensor],
-              indexer_caches: dict, topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One MTP step over meta's rows: (hidden [T, hidden], the top-k it attended with)."""
-        layer = self.config.num_hidden_layers
-        return self.mtp(self.model.embed_tokens, self.rotary, meta, prev_hidden, kv_caches[layer],
-                        indexer_caches.get(layer), topk)
-
-    @torch.inference_mode()
-    def fill_draft_caches(self, meta: BatchMetadata, prev_hidden: torch.Tensor, kv_caches: list[torch.Tensor],
-                          indexer_caches: dict) -> None:
-        """The MTP layer's cache entries for meta's rows, without running the layer past them."""
-        layer = self.config.num_hidden_layers
-        self.mtp.fill_caches(self.model.embed_tokens, self.rotary, meta, prev_hidden, kv_caches[layer],
-                             indexer_caches.get(layer))
-
-    @torch.inference_mode()
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.mtp.logits(self.lm_head, hidden)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,10 @@ class Indexer(nn.Module):
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.rope(self.k_norm(self.wk(x)), cos, sin)
 
+    def write_keys(self, x: torch.Tensor, cos, sin, meta: BatchMetadata, cache) -> None:
+        """What forward() writes to the key cache, alone."""
+        cache.write(meta.slot_mapping, meta.rows_to_write(self.keys(x, cos, sin)))
+
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [T, heads, head_dim], per-head weights [T, heads] fp32 with both scales folded in)."""

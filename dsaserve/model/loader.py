@@ -27,7 +27,13 @@ from tqdm import tqdm
 
 from dsaserve.config import CheckpointError, ModelConfig
 from dsaserve.distributed.sharding import ShardPlan, TensorSlice, tensor_slice
-from dsaserve.model.checkpoint_layout import VISION_PREFIX, checkpoint_shapes, is_mtp_tensor, optional_mtp_shapes
+from dsaserve.model.checkpoint_layout import (
+    VISION_PREFIX,
+    checkpoint_shapes,
+    is_mtp_tensor,
+    optional_mtp_shapes,
+    text_prefix,
+)
 from dsaserve.model.glm5_next import param_of as hybrid_param_of
 from dsaserve.model.glm_moe_dsa import param_of
 from dsaserve.quantization.fp8_blocks import Fp8Slice, dequantize_fp8  # noqa: F401 (dequantize_fp8: the loader's rule)
@@ -161,8 +167,9 @@ def mtp_extras(cfg: ModelConfig, model_dir: str) -> tuple[bool, bool]:
     layer = cfg.num_hidden_layers
     if cfg.num_nextn_predict_layers < 1 or not any(is_mtp_tensor(cfg, n) for n in infos):
         raise CheckpointError(
-            f"{model_dir!r} has no MTP layer (no model.layers.{layer}.* tensors; config num_nextn_predict_layers="
-            f"{cfg.num_nextn_predict_layers}), so it cannot draft tokens; drop --speculative-config")
+            f"{model_dir!r} has no MTP layer (no {text_prefix(cfg)}layers.{layer}.* tensors; config "
+            f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}), so it cannot draft tokens; "
+            "drop --speculative-config")
     optional = list(optional_mtp_shapes(cfg))
     return optional[0] in infos, optional[1] in infos
 
@@ -225,7 +232,7 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
         infos = {name: info for name, info in infos.items() if not is_vision_tensor(cfg, name)}
     block = _fp8_block(cfg)
     by_file: dict[str, list[str]] = {}
-    drafting_layer = f"model.layers.{cfg.num_hidden_layers}."  # further MTP layers are not used
+    drafting_layer = f"{text_prefix(cfg)}layers.{cfg.num_hidden_layers}."  # further MTP layers are not used
     parts: dict[str, TensorSlice] = {}
     for name, info in infos.items():
         wanted = not is_mtp_tensor(cfg, name) or (with_mtp and name.startswith(drafting_layer))
@@ -295,6 +302,6 @@ def fp8_params(cfg: ModelConfig, model_dir: str) -> set[str]:
         return set()
     infos = read_tensor_infos(checkpoint_files(model_dir))
     def model_param(name: str) -> str:
-        return param_of(hybrid_param_of(name) if cfg.hybrid is not None else name, cfg.num_hidden_layers)
+        return (hybrid_param_of if cfg.hybrid is not None else param_of)(name, cfg.num_hidden_layers)
 
     return {model_param(name) for name, info in infos.items() if info.dtype in FP8_DTYPES}

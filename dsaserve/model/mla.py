@@ -277,7 +277,7 @@ class MLAAttention(PreparedCalls):
         reads them), without attending: for rows whose outputs nobody needs."""
         self.write_latents(x, cos, sin, meta, kv_cache)
         if self.selects():
-            indexer_cache.write(meta.slot_mapping, meta.rows_to_write(self.indexer.keys(x, cos, sin)))
+            self.indexer.write_keys(x, cos, sin, meta, indexer_cache)
 
 
 def per_head(x: torch.Tensor, weight, transposed: bool = False) -> torch.Tensor:

@@ -4,11 +4,14 @@
     h_k = block(eh_proj(cat[e, hnorm(h_{k-1})]))
     logits = head(shared_head.norm(h_k))
 
-`block` is a full decoder layer (MLA with its own indexer, MoE) with its own latent and indexer-key cache.
-h_0 is the target's hidden state at the same position after its final norm (the model's output, which
-is what vLLM feeds its DeepSeek MTP layer); a draft round then feeds the MTP layer's own output back,
-before shared_head.norm. `embed` and `head` are the main model's unless the checkpoint
-carries the layer's own `embed_tokens` / `shared_head.head`.
+`block` is a full decoder layer (MLA with its own indexer, MoE; a plain residual, also on glm5_next whose main
+layers carry mHC streams) with its own latent and indexer-key cache. h_0 is the target's hidden state at the same
+position after its final norm (the model's output, which is what vLLM feeds its MTP layers); a draft round then
+feeds the MTP layer's own output back: before shared_head.norm on GLM-5.2 and DeepSeek-V3.2, after it on glm5_next
+(`normed_output`, as vLLM's GLM-5.3-Flash MTP recycles it). `embed` and `head` are the main model's unless the
+checkpoint carries the layer's own `embed_tokens` / `shared_head.head`.
+
+A model that drafts inherits `Drafting`: the three calls engine/speculative/mtp_drafter.py makes.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from dsaserve.prepared_calls import PreparedCalls
 
 class MTPLayer(PreparedCalls):
     def __init__(self, cfg: ModelConfig, block: nn.Module, own_head: bool = False, own_embed: bool = False,
-                 parallel: ParallelContext | None = None, decode_plan: bool = True):
+                 parallel: ParallelContext | None = None, decode_plan: bool = True, normed_output: bool = False):
         """block: a full MoE decoder layer at index num_hidden_layers; decode_plan: a few tokens run as its native
-        pieces where it has them (model/decode_plan.py)."""
+        pieces where it has them (model/decode_plan.py); normed_output: forward returns the hidden state after
+        shared_head.norm (what is fed back and what the head reads)."""
         super().__init__()
         self.decode_plan = decode_plan
+        self.normed_output = normed_output
         parallel = parallel or ParallelContext.single()
         h = cfg.hidden_size
         self.layer_idx = cfg.num_hidden_layers
@@ -48,15 +53,16 @@ class MTPLayer(PreparedCalls):
     def forward(self, embed: nn.Module, rotary, meta: BatchMetadata, prev_hidden: torch.Tensor,
                 kv_cache: torch.Tensor, indexer_cache, topk: torch.Tensor | None = None):
         """meta: the rows to run (input ids = the next tokens); prev_hidden [T, hidden]. With `topk`, the
-        indexer does not run and attention uses it. Returns (hidden before the head norm, the top-k used)."""
+        indexer does not run and attention uses it. Returns (hidden before the head norm, or after it with
+        normed_output; the top-k used)."""
         x = self.block_input(embed, meta, prev_hidden)
         cos, sin = rotary.cos_sin(meta.positions, x.dtype, max(meta.seq_lens_host))
         plan = self.prepared("decode plan", self._plan)
         out = (plan.run(x, cos, sin, meta, [kv_cache], {0: indexer_cache}, topk, need_topk=True)
                if plan is not None else None)
-        if out is not None:
-            return out
-        return self.block(x, cos, sin, meta, kv_cache, indexer_cache, topk, run_indexer=topk is None)
+        if out is None:
+            out = self.block(x, cos, sin, meta, kv_cache, indexer_cache, topk, run_indexer=topk is None)
+        return (self.head_norm(out[0]), out[1]) if self.normed_output else out
 
     def _plan(self) -> DecodePlan | None:
         return DecodePlan.build([self.block]) if self.decode_plan else None
@@ -76,7 +82,32 @@ class MTPLayer(PreparedCalls):
         return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev_hidden.to(e.dtype))], dim=-1))
 
     def logits(self, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.head or lm_head)(self.head_norm(hidden)).float()
+        return (self.head or lm_head)(hidden if self.normed_output else self.head_norm(hidden)).float()
+
+
+class Drafting:
+    """What the MTP drafter calls on a model with an `mtp` layer, `config`, `model.embed_tokens`, `rotary` and
+    `lm_head`; the MTP layer's caches are layer num_hidden_layers's."""
+
+    @torch.inference_mode()
+    def draft(self, meta: BatchMetadata, prev_hidden: torch.Tensor, kv_caches: list, indexer_caches: dict,
+              topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One MTP step over meta's rows: (hidden [T, hidden], the top-k it attended with)."""
+        layer = self.config.num_hidden_layers
+        return self.mtp(self.model.embed_tokens, self.rotary, meta, prev_hidden, kv_caches[layer],
+                        indexer_caches.get(layer), topk)
+
+    @torch.inference_mode()
+    def fill_draft_caches(self, meta: BatchMetadata, prev_hidden: torch.Tensor, kv_caches: list,
+                          indexer_caches: dict) -> None:
+        """The MTP layer's cache entries for meta's rows, without running the layer past them."""
+        layer = self.config.num_hidden_layers
+        self.mtp.fill_caches(self.model.embed_tokens, self.rotary, meta, prev_hidden, kv_caches[layer],
+                             indexer_caches.get(layer))
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mtp.logits(self.lm_head, hidden)
 
 
 _OWN_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "head_norm",

@@ -35,10 +35,14 @@ class PooledIndexer(nn.Module):
                 cache: PooledKeyCache) -> torch.Tensor:
         """Selected logical positions int32 [T, index_topk + kpool - 1] (-1 = empty); this step's keys, gate logits
         and completed pools go to `cache` first."""
-        cache.write(meta, self.keys(x), linear(x, self.index_kpool_compress_gate), self.index_kpool_compress_ape)
+        self.write_keys(x, cos, sin, meta, cache)
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.weight_scale
         return select_pools(q, weights, cache, meta, self.index_topk)
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
         return self.k_norm(self.wk(x))
+
+    def write_keys(self, x: torch.Tensor, cos, sin, meta: BatchMetadata, cache: PooledKeyCache) -> None:
+        """This step's keys and gate logits, and the pools they complete (no RoPE: cos/sin unused)."""
+        cache.write(meta, self.keys(x), linear(x, self.index_kpool_compress_gate), self.index_kpool_compress_ape)

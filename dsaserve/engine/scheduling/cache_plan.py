@@ -12,16 +12,19 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when the caller does not say
 
 
 def plan_num_blocks(layout: KVCacheLayout, block_size: int, memory: int | None, max_model_len: int,
-                    max_num_seqs: int, tokens_per_block: int | None = None, state_snapshots: int = 0) -> int:
+                    max_num_seqs: int, tokens_per_block: int | None = None, state_snapshots: int = 0,
+                    draft_states: int = 0) -> int:
     """Blocks of `block_size` stored tokens each in `memory` bytes (per rank); a block holds
     `tokens_per_block` tokens of a request (more than it stores under decode context parallelism). A hybrid model's
-    KDA state (one per running request, plus state_snapshots) comes out of `memory` first."""
+    KDA states (per running request its own and, speculating, one per draft; plus state_snapshots) come out of
+    `memory` first."""
     per_block = layout.bytes_per_token * block_size
     if memory is not None and layout.state_bytes_per_request:
-        state = layout.state_bytes_per_request * (max_num_seqs + state_snapshots)
+        state = layout.state_bytes_per_request * (max_num_seqs * (1 + draft_states) + state_snapshots)
         if memory - state < per_block:
+            drafts = f" with {draft_states} draft state(s) each (num_speculative_tokens)" if draft_states else ""
             raise ValueError(f"kv_cache_memory={memory} bytes does not hold the KDA state of "
-                             f"max_num_seqs={max_num_seqs} requests and state_snapshots={state_snapshots} "
+                             f"max_num_seqs={max_num_seqs} requests{drafts} and state_snapshots={state_snapshots} "
                              f"({layout.state_bytes_per_request} bytes each) and one KV block ({per_block} bytes); "
                              "raise kv_cache_memory or lower max_num_seqs or state_snapshots")
         memory -= state

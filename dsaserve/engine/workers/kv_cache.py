@@ -62,16 +62,19 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, with_indexer: bool = True, indexer_dtype: str = "auto", with_mtp: bool = False,
                  shard: ContextShard | None = None, state_slots: int = 0, state_snapshots: int = 0,
-                 tp_size: int = 1):
+                 tp_size: int = 1, draft_states: int = 0):
         """state_slots: requests a hybrid model's KDA layers hold state for (the running ones, max_num_seqs);
-        state_snapshots: copies of it kept at prefix positions for prefix caching."""
+        state_snapshots: copies of it kept at prefix positions for prefix caching; draft_states: per state slot,
+        copies kept after each draft's row while speculating (after the prefix snapshots in the same tensors)."""
         self.num_blocks = num_blocks
+        self.state_snapshots, self.draft_states = state_snapshots, draft_states
         self.shard = shard
         self.block_size = block_size if shard is None else shard.tokens_per_block
         # Layer i's cache: latent pages, or a KDA layer's state slots.
         self.latent = [
             torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device) if cfg.is_attention(i)
-            else LinearStateCache(cfg.hybrid, state_slots, device, state_snapshots, tp_size)
+            else LinearStateCache(cfg.hybrid, state_slots, device, state_snapshots + state_slots * draft_states,
+                                  tp_size)
             for i in cache_layers(cfg, with_mtp)
         ]
         if cfg.hybrid is not None:
@@ -84,6 +87,17 @@ class KVCache:
             layer: IndexerKeyCache(num_blocks, block_size, cfg.index_head_dim, indexer_dtype, dtype, device, packed)
             for layer in (indexer_layers(cfg, with_mtp) if with_indexer else ())
         }
+
+    def draft_snapshot(self, slot: int, draft: int) -> int:
+        """The snapshot holding a request's KDA state after the row of its draft `draft` (0-based)."""
+        return self.state_snapshots + slot * self.draft_states + draft
+
+    def roll_back_state(self, slot: int, accepted: int) -> None:
+        """After verification kept `accepted` of a request's drafts (fewer than it ran): every KDA layer's state
+        becomes the one after the last accepted draft's row."""
+        for cache in self.latent:
+            if isinstance(cache, LinearStateCache):
+                cache.restore(slot, self.draft_snapshot(slot, accepted))
 
     def tensors(self) -> list[torch.Tensor]:
         layers = [t for cache in self.latent for t in ([cache] if isinstance(cache, torch.Tensor) else cache.tensors())]

@@ -70,7 +70,7 @@ class ModelRunner:
             self.kv_cache.block_size, logits_rows, device=self.device, shard=self.kv_cache.shard,
             state_slots=[s.state_slot for s in scheduler_output.scheduled],
             state_restore=[s.state_restore for s in scheduler_output.scheduled],
-            state_snapshots=[s.state_snapshots for s in scheduler_output.scheduled],
+            state_snapshots=[self._state_snapshots(s) for s in scheduler_output.scheduled],
         )
         hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
         logits = self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices]))
@@ -84,9 +84,29 @@ class ModelRunner:
         for request_id, rows in zip(sample_ids, sample_rows):
             if len(rows) > 1:
                 self._verify(request_id, list(by_id[request_id].spec_token_ids), logits[rows], output)
+                self._roll_back_state(by_id[request_id], output)
         if self.model.mtp is not None:
             self._draft(scheduler_output, offsets, hidden, output)
         return output
+
+    def _state_snapshots(self, s) -> tuple[tuple[int, int], ...]:
+        """The KDA state copies a request's rows take (position, snapshot): the prefix-cache snapshots the scheduler
+        planned, and while speculating the state after each draft's row (for a rollback after verification)."""
+        k = len(s.spec_token_ids)
+        if not k or s.state_slot is None or not self.kv_cache.draft_states:
+            return s.state_snapshots
+        after_known = s.num_computed_tokens + len(s.token_ids) - k
+        drafts = tuple((after_known + j, self.kv_cache.draft_snapshot(s.state_slot, j)) for j in range(k))
+        return tuple(sorted(s.state_snapshots + drafts))
+
+    def _roll_back_state(self, s, output: ModelRunnerOutput) -> None:
+        """A hybrid model's KDA state ran through every draft: back to the state after the last accepted one."""
+        committed = output.sampled_token_ids.get(s.request_id)
+        if s.state_slot is None or not self.kv_cache.draft_states or committed is None:
+            return
+        accepted = len(committed) - 1
+        if accepted < len(s.spec_token_ids):
+            self.kv_cache.roll_back_state(s.state_slot, accepted)
 
     def _verify(self, request_id: str, drafts: list[int], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         state = self.requests[request_id]

@@ -58,7 +58,8 @@ class Worker:
         self.kv_cache = KVCache(self.cfg, num_blocks, self.args.block_size, self.dtype, self.device,
                                 with_indexer=self.with_indexer, indexer_dtype=self.args.indexer_cache_dtype,
                                 with_mtp=self.with_mtp, shard=shard, state_slots=self.args.max_num_seqs,
-                                state_snapshots=self.args.num_state_snapshots, tp_size=self.parallel.tp.size)
+                                state_snapshots=self.args.num_state_snapshots, tp_size=self.parallel.tp.size,
+                                draft_states=self.args.num_draft_states)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.args.seed,
                                   self.cfg.index_share_for_mtp_iteration)
 
