@@ -22,6 +22,7 @@ from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ConfigError, ModelConfig
 from dsaserve.engine.workers.kv_cache import KVCache
 from dsaserve.model import load_model
+from dsaserve.native import torch_ops
 
 INDEX_TOPK, KPOOL = 16, 4
 PROMPT_LEN = 77  # ≥ 4 × index_topk, not a multiple of the pool or the block
@@ -331,3 +332,54 @@ def test_doctor_on_a_flash_checkpoint_with_its_mtp_layer(mtp_path):
     assert "indexer weights on all 2 full layers and on none of the 1 shared layers" in result.stdout
     assert "every tensor matches the layout config.json describes" in result.stdout
     assert "MTP layer: model.language_model.layers.6 (49 tensors" in result.stdout
+
+
+@pytest.mark.skipif(not torch_ops.load(), reason="dsaserve's torch operators could not be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_convolution_equals_the_torch_path(path, monkeypatch, dtype):
+    """The native kda_conv (convolution and SiLU in one pass) against the torch operators, over a fresh request, one
+    continuing its tail with a row (decode) and one with fewer rows than the tail: the same outputs but for the order
+    of the fp32 sums (fp32: 1e-6; bf16: one rounding step), and the same carried inputs and snapshots."""
+    from dsaserve.attention.linear_state import LinearStateCache
+    from dsaserve.model.kda import KimiDeltaAttention
+    cfg = ModelConfig.from_pretrained(path)
+    g = torch.Generator().manual_seed(9)
+    kda = KimiDeltaAttention(cfg)
+    kda.conv_weight.data = torch.randn(kda.conv_weight.shape, generator=g)
+    channels = kda.conv_weight.shape[0]
+    lens, contexts = [9, 1, 2], [0, 7, 5]
+    meta = BatchMetadata.build([[1] * n for n in lens], contexts, [[0], [1], [2]], 16, [], state_slots=[0, 1, 2],
+                               state_snapshots=[((4, 0),), (), ((6, 1),)])
+    mixed = torch.randn(sum(lens), channels, generator=g).to(dtype)
+    tails = torch.randn(3, cfg.hybrid.conv_kernel - 1, channels, generator=g)
+
+    def run():
+        state = LinearStateCache(cfg.hybrid, 3, torch.device("cpu"), num_snapshots=2)
+        state.conv.copy_(tails)
+        return kda.convolve(mixed, meta, state), state.conv.clone(), state.snapshot_conv.clone()
+
+    native = run()
+    with monkeypatch.context() as m:
+        m.setattr(torch_ops, "load", lambda: False)
+        reference = run()
+    tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(native[0], reference[0], **tolerance)
+    assert torch.equal(native[1], reference[1]) and torch.equal(native[2], reference[2])
+
+
+@pytest.mark.skipif(not torch_ops.load(), reason="dsaserve's torch operators could not be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_gated_norm_equals_the_torch_path(path, monkeypatch, dtype):
+    """The native gated_rms_norm (KDA's output norm: RMSNorm per head times sigmoid(gate)) against the torch
+    operators: equal but for the order of the fp32 sum (fp32: 1e-6; bf16: one rounding step)."""
+    from dsaserve.model.kda import KimiDeltaAttention
+    kda = KimiDeltaAttention(ModelConfig.from_pretrained(path))
+    g = torch.Generator().manual_seed(2)
+    kda.o_norm.weight.data = torch.randn(kda.head_dim, generator=g)
+    o, gate = (torch.randn(7, kda.heads, kda.head_dim, generator=g).mul(3).to(dtype) for _ in range(2))
+    native = kda.gated_norm(o, gate)
+    with monkeypatch.context() as m:
+        m.setattr(torch_ops, "load", lambda: False)
+        reference = kda.gated_norm(o, gate)
+    tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(native, reference, **tolerance)

@@ -33,8 +33,9 @@ class HyperConnection(nn.Module):
         """streams [T, n, hidden] → (post [T, n], comb [T, n, n], the block's input [T, hidden])."""
         n = self.n
         flat = streams.reshape(streams.shape[0], -1).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.rms_eps)
-        mixed = flat @ self.fn.float().T
+        # RMS-normalising the streams scales each row: applied to the few mixed values instead of the streams.
+        rms = torch.linalg.vector_norm(flat, dim=-1, keepdim=True) * flat.shape[-1] ** -0.5
+        mixed = (flat @ self.fn.float().T) * torch.rsqrt(rms.square() + self.rms_eps)
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)

@@ -25,11 +25,13 @@ from dsaserve.attention.linear_state import LinearStateCache
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
+from dsaserve.model.layers import one_operator
 from dsaserve.model.linear import Linear
 from dsaserve.model.parallel_layers import RowParallelLinear
+from dsaserve.prepared_calls import PreparedCalls
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(PreparedCalls):
     def __init__(self, cfg: ModelConfig, parallel: ParallelContext | None = None):
         super().__init__()
         parallel = parallel or ParallelContext.single()
@@ -59,7 +61,7 @@ class KimiDeltaAttention(nn.Module):
             if snapshot >= 0:
                 state.restore(slot, snapshot)
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        convolved = self.convolve(mixed, meta, state).to(x.dtype)
+        convolved = self.convolve(mixed, meta, state)
         q, k, v = (t.view(-1, self.heads, self.head_dim) for t in convolved.split(self.qkv_dim, dim=-1))
         q, k = delta_rule.prepare(q, k)
         g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x))
@@ -76,28 +78,46 @@ class KimiDeltaAttention(nn.Module):
         return -rate * F.softplus(raw, threshold=20.0)
 
     def gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over each head's values (fp32, weight in fp32) times sigmoid(gate), back in o's dtype."""
+        """RMSNorm over each head's values (fp32, weight in fp32) times sigmoid(gate), back in o's dtype: the native
+        gated_rms_norm where loaded (one pass), else torch's operators."""
+        if one_operator(o, gate) and o.is_contiguous() and gate.is_contiguous():
+            return torch.ops.dsaserve.gated_rms_norm(o, gate, self.o_norm.weight.float(), self.norm_eps)
         y = o.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.norm_eps)
         return (self.o_norm.weight.float() * y * torch.sigmoid(gate.float())).to(o.dtype)
 
     def convolve(self, mixed: torch.Tensor, meta: BatchMetadata, state: LinearStateCache) -> torch.Tensor:
-        """silu(causal depthwise convolution) of mixed [T, channels], continuing each request's last inputs; fp32."""
-        out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
-        weight = self.conv_weight.float()
-        width = weight.shape[1] - 1
+        """silu(causal depthwise convolution) of mixed [T, channels], continuing each request's last inputs; computed
+        in fp32, returned in mixed's dtype (the native kda_conv where loaded, else torch's operators)."""
+        out = torch.empty_like(mixed)
+        width = self.conv_weight.shape[1] - 1
+        native = one_operator(mixed)
         for i in range(meta.num_reqs):
             start, end = meta.query_range(i)
-            slot = meta.state_slots[i]
-            fresh = meta.context_len(i) == 0
-            tail = mixed.new_zeros(width, mixed.shape[1], dtype=torch.float32) if fresh else state.conv[slot]
-            seq = torch.cat([tail, mixed[start:end].float()])  # [width + n, channels]: from position context - width
-            out[start:end] = (seq.unfold(0, width + 1, 1) * weight).sum(-1)
-            state.conv[slot] = seq[-width:]
+            slot, context = meta.state_slots[i], meta.context_len(i)
+            tail = mixed.new_zeros(width, mixed.shape[1], dtype=torch.float32) if context == 0 else state.conv[slot]
+            rows = mixed[start:end]
+            if native:
+                out[start:end] = torch.ops.dsaserve.kda_conv(rows, tail.contiguous(), self.taps_by_channel())
+            else:
+                out[start:end] = self.convolve_torch(rows, tail)
             for position, snapshot in meta.state_snapshots[i]:  # the inputs before `position`
-                offset = position - meta.context_len(i)
-                state.snapshot_conv[snapshot] = seq[offset : offset + width]
-        return F.silu(out)
+                state.snapshot_conv[snapshot] = inputs_before(tail, rows, position - context)
+            state.conv[slot] = inputs_before(tail, rows, end - start)
+        return out
+
+    def convolve_torch(self, rows: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        weight = self.conv_weight.float()
+        width = weight.shape[1] - 1
+        seq = torch.cat([tail, rows.float()])  # [width + n, channels]: from position context - width
+        out = seq[width:] * weight[:, width]  # one multiply-add per tap: no [n, channels, taps] product
+        for tap in range(width):
+            out.addcmul_(seq[tap : tap + rows.shape[0]], weight[:, tap])
+        return F.silu(out).to(rows.dtype)
+
+    def taps_by_channel(self) -> torch.Tensor:
+        """conv_weight [channels, taps] as the native kernel reads it: [taps, channels] fp32, made once."""
+        return self.prepared("taps by channel", lambda: self.conv_weight.float().t().contiguous())
 
     def recur(self, q, k, v, g, beta, meta: BatchMetadata, state: LinearStateCache) -> torch.Tensor:
         """The delta rule over every request's rows from its slot's state (written back): o [T, heads, dv] fp32.
@@ -129,3 +149,12 @@ class KimiDeltaAttention(nn.Module):
                     state.snapshot_recurrent[snapshot] = carried
             state.recurrent[slot] = carried
         return out
+
+
+def inputs_before(tail: torch.Tensor, rows: torch.Tensor, offset: int) -> torch.Tensor:
+    """The convolution's `width` inputs before row `offset` of a request's rows (fp32), reaching into the tail (the
+    inputs before its first row) where offset < width."""
+    width = tail.shape[0]
+    if offset >= width:
+        return rows[offset - width : offset].float()
+    return torch.cat([tail[offset:], rows[:offset].float()])

@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <tuple>
 
@@ -51,6 +52,44 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {rms_norm(sum, weight, eps), sum};
 }
 
+// A KDA layer's output norm (model/kda.py gated_norm) per head row of o [..., D]: weight * (o * rsqrt(mean(o^2) +
+// eps)) * sigmoid(gate), all in fp32 and rounded once to o's dtype, as the torch operators compute it (only the
+// order of the fp32 sum differs). o and gate of one dtype (bf16 or fp32) and shape; weight fp32 [D].
+template <typename T>
+void gate_rows(const T* o, const T* gate, const float* weight, T* y, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* x = o + r * dim;
+      const T* g = gate + r * dim;
+      float squares = 0.0f;
+      for (int64_t i = 0; i < dim; ++i) squares += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      for (int64_t i = 0; i < dim; ++i) {
+        const float normed = static_cast<float>(x[i]) * scale;
+        y[r * dim + i] = static_cast<T>(weight[i] * normed / (1.0f + std::exp(-static_cast<float>(g[i]))));
+      }
+    }
+  });
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& gate, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(o.scalar_type() == gate.scalar_type() && o.sizes() == gate.sizes() && o.is_contiguous() &&
+                  gate.is_contiguous() && (o.scalar_type() == at::kBFloat16 || o.scalar_type() == at::kFloat),
+              "dsaserve gated_rms_norm: o and gate must be contiguous, of one shape and dtype (bf16 or fp32)");
+  const int64_t dim = o.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "dsaserve gated_rms_norm: weight must be fp32 [dim]");
+  at::Tensor y = at::empty_like(o);
+  const int64_t rows = o.numel() / dim;
+  if (o.scalar_type() == at::kFloat)
+    gate_rows(o.data_ptr<float>(), gate.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, dim,
+              static_cast<float>(eps));
+  else
+    gate_rows(o.data_ptr<c10::BFloat16>(), gate.data_ptr<c10::BFloat16>(), weight.data_ptr<float>(),
+              y.data_ptr<c10::BFloat16>(), rows, dim, static_cast<float>(eps));
+  return y;
+}
+
 }  // namespace
 
 // For decode_plan.cpp (layer_pieces.h).
@@ -65,6 +104,9 @@ std::tuple<at::Tensor, at::Tensor> dsaserve::add_rms_norm(const at::Tensor& x, c
 namespace {
 // Meta kernels: the output shapes without computing (meta tensors, tracing).
 at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor&, double) { return at::empty_like(x); }
+at::Tensor gated_rms_norm_meta(const at::Tensor& o, const at::Tensor&, const at::Tensor&, double) {
+  return at::empty_like(o);
+}
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
                                                      double) {
   return {at::empty_like(x), at::empty_like(x)};
@@ -74,14 +116,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_meta(const at::Tensor& x, const 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("gated_rms_norm(Tensor o, Tensor gate, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("gated_rms_norm", &gated_rms_norm);
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, Meta, m) {
   m.impl("rms_norm", &rms_norm_meta);
   m.impl("add_rms_norm", &add_rms_norm_meta);
+  m.impl("gated_rms_norm", &gated_rms_norm_meta);
 }
