@@ -285,13 +285,15 @@ def test_the_torch_fallback_dequantizes_a_slab_of_rows_at_a_time(monkeypatch, ki
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", ["float", "packed", "packed, twice as wide"])
-def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, shared, monkeypatch, body):
+@pytest.mark.parametrize("swiglu_limit", [None, 0.5])
+def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, shared, swiglu_limit, monkeypatch, body):
     """The one-call routed experts (decode, verification) against the per-expert loop of model/moe.py on
     the same packed weights: the same bits, with 5 of 8 experts on this rank (first one 2, as under expert
     parallelism; tokens routed to the others are skipped), a partial 16-row block in both products, odd
     column counts, and for fp8 a down projection whose columns start 64 into their FP8 blocks (TP). The shared
     expert as float weights (its own torch path first), packed like the experts (swept in their passes, same
-    call), and packed with two experts' width (its own passes, same call)."""
+    call), and packed with two experts' width (its own passes, same call). With a SwiGLU clamp (GLM-5.3-Flash) low
+    enough that most gates and ups are clamped."""
     from types import SimpleNamespace
 
     from dsaserve.model import moe as moe_module
@@ -301,7 +303,7 @@ def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, shared
     cfg = SimpleNamespace(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
                           n_shared_experts=n_shared, num_experts_per_tok=3, n_group=1, topk_group=1,
                           norm_topk_prob=True, routed_scaling_factor=2.5)
-    layer = moe_module.MoE(cfg)
+    layer = moe_module.MoE(cfg, swiglu_limit=swiglu_limit)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in list(layer.named_parameters()):
@@ -318,7 +320,7 @@ def test_fused_routed_experts_give_the_per_expert_loops_bits(kind, dtype, shared
     calls = []
     real = moe_module.add_routed_experts
     monkeypatch.setattr(moe_module, "add_routed_experts",
-                        lambda *a: calls.append(len(a) == 7 and a[6] is not None) or real(*a))
+                        lambda *a: calls.append(len(a) >= 7 and a[6] is not None) or real(*a))
     for tokens in (1, 3, 9, 16):
         x = torch.randn(tokens, hidden, generator=g).to(dtype)
         fused = layer(x)
@@ -344,15 +346,16 @@ def pack_gated_mlp(mlp, kind: str, hidden: int, inter: int, g: torch.Generator) 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_call_gated_mlp_gives_the_three_calls_bits(kind, dtype, monkeypatch, body):
+@pytest.mark.parametrize("swiglu_limit", [None, 0.5])
+def test_one_call_gated_mlp_gives_the_three_calls_bits(kind, dtype, swiglu_limit, monkeypatch, body):
     """A gated MLP (the shared experts, a dense layer's MLP) in one native call against its two products with
     torch's SiLU and product between them: the same bits, for 1 to 16 rows, an odd hidden size (padded
     columns), an intermediate size past one scale group, and for fp8 a down projection whose columns start
-    64 into their FP8 blocks (a tensor-parallel rank's share)."""
+    64 into their FP8 blocks (a tensor-parallel rank's share); with and without a SwiGLU clamp."""
     from dsaserve.model import layers
 
     hidden, inter = 201, 136
-    mlp = layers.GatedMLP(hidden, inter, first_column=64 if kind == "fp8" else 0)
+    mlp = layers.GatedMLP(hidden, inter, first_column=64 if kind == "fp8" else 0, swiglu_limit=swiglu_limit)
     g = torch.Generator().manual_seed(3)
     pack_gated_mlp(mlp, kind, hidden, inter, g)
     calls = []

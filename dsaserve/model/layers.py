@@ -113,8 +113,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        if self.swiglu_limit is None and fused_applies(x, self.gate_up_proj, down.weight):
-            y = gated_mlp(x, self.gate_up_proj, down.weight, self.intermediate_size)  # one native call, the same bits
+        if fused_applies(x, self.gate_up_proj, down.weight):  # one native call, the same bits
+            y = gated_mlp(x, self.gate_up_proj, down.weight, self.intermediate_size, self.swiglu_limit)
             return y if down.comm.size == 1 else down.comm.all_reduce(y)
         gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
         return down(swiglu(gate, up, self.swiglu_limit))

@@ -124,14 +124,14 @@ class MoE(PreparedCalls):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, gate_up, down, shared, shared_weights, elsewhere = self.prepared("parts", self._parts)
         weights, ids = gate(x)
-        if self.swiglu_limit is None and fused_applies(x, gate_up, down):  # a few tokens: one native call
+        if fused_applies(x, gate_up, down):  # a few tokens: one native call
             if elsewhere:
                 local = ids - self.first_expert
                 ids = torch.where((local >= 0) & (local < gate_up.shape[0]), local, -1)
             in_call = (shared is not None and fused_applies(x, *shared_weights)
                        and shared_weights[0].kind == gate_up.kind)
             out = torch.empty_like(x) if in_call else self._shared_output(x)  # in_call: written first, in the call
-            add_routed_experts(x, gate_up, down, ids, weights, out, shared if in_call else None)
+            add_routed_experts(x, gate_up, down, ids, weights, out, shared if in_call else None, self.swiglu_limit)
             return self.comm.all_reduce(out)
         out = self._shared_output(x)
         flat_ids = ids.flatten()

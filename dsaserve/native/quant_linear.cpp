@@ -883,9 +883,10 @@ void gate_products(const T* gate, const T* h, T* a, int64_t rows, int64_t inter,
 // Entry i of xs [A, S, hidden2] (its first rows[i] <= S rows; columns past hidden zero) through the gated MLP
 // whose weights are sources[i], all of the shapes gate_up [2 * inter, hidden] and down [hidden, inter] describe:
 // y [A, S, hidden] = down(silu(gate) * up). Each product runs over every entry's blocks in one parallel pass.
-// Rounding is torch's on the same tensors: each product in x's dtype, the SiLU, then the gating product.
+// Rounding is torch's on the same tensors: each product in x's dtype, the SiLU, then the gating product. With
+// swiglu_limit > 0 (GLM-5.3-Flash) gate is clamped to <= limit and up to [-limit, limit] first, in x's dtype.
 at::Tensor gated_rows(Problem gate_up, Problem down, const std::vector<GatedWeights>& sources,
-                      const std::vector<int64_t>& rows, const at::Tensor& xs) {
+                      const std::vector<int64_t>& rows, const at::Tensor& xs, double swiglu_limit = 0.0) {
   const int64_t A = static_cast<int64_t>(sources.size()), inter = gate_up.N / 2, hidden = down.N, S = xs.size(1);
   const bool bf16 = xs.scalar_type() == at::kBFloat16;
   const int64_t item = bf16 ? 2 : 4, inter2 = down.K2 * 2;
@@ -922,7 +923,19 @@ at::Tensor gated_rows(Problem gate_up, Problem down, const std::vector<GatedWeig
 #endif
   // The gating as torch computes it on the loop's [rows, 2 * inter] outputs: torch's SiLU on the same view (its
   // bits), then each product rounded to the dtype as torch's multiplication rounds it, written in place.
-  const at::Tensor gate = at::silu(h.narrow(2, 0, inter)).contiguous();
+  at::Tensor gate;
+  if (swiglu_limit > 0) {
+    // Per entry, on a clamped copy of its rows, as torch's clamp makes one per expert: its SiLU then runs over
+    // those rows as one contiguous range, whose vector and remainder elements are the torch path's.
+    gate = at::zeros({A, S, inter}, xs.options());
+    for (int64_t i = 0; i < A; ++i)
+      if (rows[i] > 0)
+        gate[i].narrow(0, 0, rows[i])
+            .copy_(at::silu(h[i].narrow(0, 0, rows[i]).narrow(1, 0, inter).clamp_max(swiglu_limit)));
+    h.narrow(2, inter, inter).clamp_(-swiglu_limit, swiglu_limit);
+  } else {
+    gate = at::silu(h.narrow(2, 0, inter)).contiguous();
+  }
   if (bf16) gate_products(gate.data_ptr<c10::BFloat16>(), h.data_ptr<c10::BFloat16>(), a.data_ptr<c10::BFloat16>(),
                           A * S, inter, inter2);
   else gate_products(gate.data_ptr<float>(), h.data_ptr<float>(), a.data_ptr<float>(), A * S, inter, inter2);
@@ -969,7 +982,7 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
                  int64_t down_col_offset, const std::optional<at::Tensor>& shared_gate_up_q,
                  const std::optional<at::Tensor>& shared_gate_up_s, const std::optional<at::Tensor>& shared_down_q,
                  const std::optional<at::Tensor>& shared_down_s, int64_t shared_inter, int64_t shared_gate_up_group,
-                 int64_t shared_down_group, int64_t shared_down_col_offset) {
+                 int64_t shared_down_group, int64_t shared_down_col_offset, double swiglu_limit) {
   check(cpu_has_kernels(), "no body of the packed products runs here (cpu_isa)");
   check(x.dim() == 2 && x.is_contiguous() && x.size(0) <= kMaxRows, "x must be contiguous [T <= 16, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1), E = gate_up_q.size(0), top = ids.size(1);
@@ -1019,7 +1032,8 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
       sources.push_back(source);
       tokens.push_back(first_tokens(T));
     } else {  // other shapes: a pass of its own
-      shared_y = gated_rows(sgu, sd, {source}, {T}, entry_rows(x, sgu.K2 * 2, {first_tokens(T)}))[0].narrow(0, 0, T);
+      shared_y = gated_rows(sgu, sd, {source}, {T}, entry_rows(x, sgu.K2 * 2, {first_tokens(T)}), swiglu_limit)[0]
+                     .narrow(0, 0, T);
     }
   }
   if (sources.empty()) {
@@ -1028,7 +1042,7 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
   }
   std::vector<int64_t> rows;
   for (const auto& t : tokens) rows.push_back(static_cast<int64_t>(t.size()));
-  const at::Tensor y = gated_rows(gate_up, down, sources, rows, entry_rows(x, gate_up.K2 * 2, tokens));
+  const at::Tensor y = gated_rows(gate_up, down, sources, rows, entry_rows(x, gate_up.K2 * 2, tokens), swiglu_limit);
   if (with_shared && shared_in_pass)  // the shared expert's first T rows of y [A + 1, S, hidden]
     std::memcpy(out.data_ptr(), static_cast<const uint8_t*>(y.data_ptr()) + A * y.size(1) * hidden * item,
                 T * hidden * item);
@@ -1058,7 +1072,7 @@ void moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Ten
 // its products called one by one with torch's SiLU and product between them.
 at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
                      const at::Tensor& down_q, const at::Tensor& down_s, int64_t kind, int64_t inter,
-                     int64_t gate_up_group, int64_t down_group, int64_t down_col_offset) {
+                     int64_t gate_up_group, int64_t down_group, int64_t down_col_offset, double swiglu_limit) {
   check(cpu_has_kernels(), "no body of the packed products runs here (cpu_isa)");
   check(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows, "x must be [1 <= T <= 16, hidden]");
   check(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
@@ -1066,7 +1080,7 @@ at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_q, const at:
   const Problem gate_up = problem_of(gate_up_q, gate_up_s, kind, gate_up_group, 0, 2 * inter, hidden);
   const Problem down = problem_of(down_q, down_s, kind, down_group, down_col_offset, hidden, inter);
   const at::Tensor y = gated_rows(gate_up, down, {stacked(gate_up, gate_up_q, gate_up_s, down, down_q, down_s, 0)}, {T},
-                                 entry_rows(x.contiguous(), gate_up.K2 * 2, {first_tokens(T)}));
+                                 entry_rows(x.contiguous(), gate_up.K2 * 2, {first_tokens(T)}), swiglu_limit);
   return y[0].narrow(0, 0, T);
 }
 
@@ -1146,13 +1160,13 @@ void dsaserve::moe_experts(const at::Tensor& x, const at::Tensor& gate_up_q, con
                            int64_t shared_gate_up_group, int64_t shared_down_group, int64_t shared_down_col_offset) {
   ::moe_experts(x, gate_up_q, gate_up_s, down_q, down_s, ids, weights, out, kind, inter, gate_up_group, down_group,
                 down_col_offset, shared_gate_up_q, shared_gate_up_s, shared_down_q, shared_down_s, shared_inter,
-                shared_gate_up_group, shared_down_group, shared_down_col_offset);
+                shared_gate_up_group, shared_down_group, shared_down_col_offset, 0.0);
 }
 at::Tensor dsaserve::gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_q, const at::Tensor& gate_up_s,
                                const at::Tensor& down_q, const at::Tensor& down_s, int64_t kind, int64_t inter,
                                int64_t gate_up_group, int64_t down_group, int64_t down_col_offset) {
   return ::gated_mlp(x, gate_up_q, gate_up_s, down_q, down_s, kind, inter, gate_up_group, down_group,
-                     down_col_offset);
+                     down_col_offset, 0.0);
 }
 
 at::Tensor dsaserve::packed_product(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
@@ -1175,9 +1189,9 @@ void moe_experts_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, c
                       const at::Tensor&, const at::Tensor&, at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t,
                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t, int64_t, int64_t,
-                      int64_t) {}
+                      int64_t, double) {}
 at::Tensor gated_mlp_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t) {
+                          const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double) {
   return at::empty_like(x);  // down maps the intermediate back to hidden
 }
 
@@ -1190,9 +1204,9 @@ TORCH_LIBRARY(dsaserve, m) {
         "Tensor weights, Tensor(a!) out, int kind, int inter, int gate_up_group, int down_group, int down_col_offset, "
         "Tensor? shared_gate_up_q=None, Tensor? shared_gate_up_s=None, Tensor? shared_down_q=None, "
         "Tensor? shared_down_s=None, int shared_inter=0, int shared_gate_up_group=0, int shared_down_group=0, "
-        "int shared_down_col_offset=0) -> ()");
+        "int shared_down_col_offset=0, float swiglu_limit=0.) -> ()");
   m.def("gated_mlp(Tensor x, Tensor gate_up_q, Tensor gate_up_s, Tensor down_q, Tensor down_s, int kind, int inter, "
-        "int gate_up_group, int down_group, int down_col_offset) -> Tensor");
+        "int gate_up_group, int down_group, int down_col_offset, float swiglu_limit=0.) -> Tensor");
   m.def("int4_bf16_path() -> str", &int4_bf16_path);
   m.def("int8_bf16_path() -> str", &int8_bf16_path);
   m.def("fp8_bf16_path() -> str", &fp8_bf16_path);

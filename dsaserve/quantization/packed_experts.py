@@ -25,20 +25,25 @@ def fused_applies(x: torch.Tensor, gate_up, down) -> bool:
             and 0 < x.shape[0] <= KERNEL_ROWS and torch_ops.runs("packed_products"))
 
 
-def gated_mlp(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, inter: int) -> torch.Tensor:
-    """down(silu(gate) · up) of x [T, hidden], gate|up [2 · inter, hidden] fused. Only where fused_applies."""
+def gated_mlp(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, inter: int,
+              swiglu_limit: float | None = None) -> torch.Tensor:
+    """down(silu(gate) · up) of x [T, hidden], gate|up [2 · inter, hidden] fused (gate and up clamped at
+    swiglu_limit first, where given). Only where fused_applies."""
     return torch.ops.dsaserve.gated_mlp.default(x, gate_up.qweight, gate_up.scale, down.qweight, down.scale,
-                                                gate_up.args[0], inter, gate_up.args[1], down.args[1], down.col_offset)
+                                                gate_up.args[0], inter, gate_up.args[1], down.args[1], down.col_offset,
+                                                swiglu_limit or 0.0)
 
 
 def add_routed_experts(x: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight, ids: torch.Tensor,
-                       weights: torch.Tensor, out: torch.Tensor, shared=None) -> None:
+                       weights: torch.Tensor, out: torch.Tensor, shared=None,
+                       swiglu_limit: float | None = None) -> None:
     """out [T, hidden] += Σ_j weights[t, j] · expert ids[t, j] applied to x[t]; ids are this rank's expert
     indices (-1: an expert held elsewhere), weights fp32 [T, top_k]. Only where fused_applies. With `shared` (a
-    GatedMLP whose packed weights are of the experts' kind), out is first set to its output in the same call."""
+    GatedMLP whose packed weights are of the experts' kind), out is first set to its output in the same call. With
+    swiglu_limit, every expert's gate and up are clamped at it first."""
     tensors, tail = routed_expert_args(gate_up, down, shared)
     torch.ops.dsaserve.moe_experts.default(x.contiguous(), *tensors, ids.contiguous(), weights.float().contiguous(),
-                                           out, *tail)
+                                           out, *tail, swiglu_limit=swiglu_limit or 0.0)
 
 
 def routed_expert_args(gate_up: QuantizedWeight, down: QuantizedWeight, shared=None) -> tuple[tuple, tuple]:
