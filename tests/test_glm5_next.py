@@ -383,3 +383,15 @@ def test_native_gated_norm_equals_the_torch_path(path, monkeypatch, dtype):
         reference = kda.gated_norm(o, gate)
     tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
     torch.testing.assert_close(native, reference, **tolerance)
+
+
+def test_build_demo_writes_a_flash_checkpoint_the_reference_agrees_with(tmp_path):
+    """`dsaserve build-demo --model-type glm5_next DIR`: a random-weight GLM-5.3-Flash checkpoint (GLM tokenizer) that
+    dsaserve serves and transformers loads, with the same greedy tokens for a chat prompt."""
+    from test_cli import run
+    target = str(tmp_path / "flash")
+    assert run("build-demo", "--model-type", "glm5_next", target).returncode == 0
+    llm = make_llm(target)
+    ids = llm.tokenizer.encode("[gMASK]<sop><|user|>\nHello<|assistant|>")
+    out = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(out) == reference_greedy(load_reference(target), ids, GREEDY.max_tokens)

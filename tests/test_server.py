@@ -411,3 +411,16 @@ def test_an_error_inside_a_started_stream_is_reported_and_the_stream_ends():
         error = json.loads(out[-2][len("data: "):])["error"]
         assert error["type"] == "internal_error" and "simulated device error" in error["message"]
         assert out[-1] == "data: [DONE]\n\n"
+
+
+def test_image_content_is_a_400_that_says_it_is_not_served(server):
+    """An image part (GLM-5.3-Flash ships a vision tower; dsaserve serves the text model) is refused by name, not with
+    pydantic's "Input should be 'text'", and the server keeps serving."""
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [part]}]}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages.0.content" and "'image_url' content is not served yet" in error["message"]
+    ok = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert httpx.post(server.url + "/v1/chat/completions", json=ok, timeout=60).status_code == 200

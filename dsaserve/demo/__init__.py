@@ -35,9 +35,13 @@ RANDOM_DEMO_CONFIG = dict(
 
 def random_demo_config(model_type: str = "glm_moe_dsa") -> dict:
     """The random demo's geometry in a family's layout: DeepSeek-V3.2 runs an indexer on every layer and routes
-    within groups of experts (4 groups of 4, the best 2 groups chosen)."""
+    within groups of experts (4 groups of 4, the best 2 groups chosen); GLM-5.3-Flash takes its builder's hybrid
+    layout without RoPE."""
     if model_type == "glm_moe_dsa":
         return dict(RANDOM_DEMO_CONFIG)
+    if model_type == "glm5_next":  # its builder's hybrid layout (layer kinds, pools, mHC); NoPE attention
+        config = {k: v for k, v in RANDOM_DEMO_CONFIG.items() if k not in ("indexer_types", "first_k_dense_replace")}
+        return dict(config, model_type=model_type, qk_rope_head_dim=0)
     glm_only = ("indexer_types", "index_share_for_mtp_iteration")
     config = {k: v for k, v in RANDOM_DEMO_CONFIG.items() if k not in glm_only}
     return dict(config, model_type=model_type, n_group=4, topk_group=2)

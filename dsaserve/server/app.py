@@ -195,6 +195,21 @@ def validation_message(loc: list[str], msg: str) -> str:
     return f"{'.'.join(loc)}: {msg}" if loc else msg
 
 
+MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "input_audio", "audio_url")
+
+
+def unserved_media(errors) -> APIError | None:
+    """A content part carrying an image, video or audio (GLM-5.3-Flash has a vision tower; dsaserve serves its text
+    model only): a 400 that says so, instead of pydantic's "Input should be 'text'"."""
+    for error in errors:
+        raw = tuple(error.get("loc", ()))
+        if error.get("type") == "literal_error" and raw[-1:] == ("type",) and error.get("input") in MEDIA_PARTS:
+            path = ".".join(field_path(raw))
+            return APIError(400, f"{path}: {error['input']!r} content is not served yet (dsaserve serves text models "
+                                 "and the text part of multimodal ones); send 'text' parts", param=path)
+    return None
+
+
 def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="dsaserve", lifespan=lifespan)
     app.state.dsaserve = state
@@ -206,6 +221,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, exc: RequestValidationError):
+        media = unserved_media(exc.errors())
+        if media is not None:
+            return error_response(media)
         first = exc.errors()[0] if exc.errors() else {}
         loc = field_path(first.get("loc", ()))
         if first.get("type") == "json_invalid":
