@@ -395,3 +395,27 @@ def test_build_demo_writes_a_flash_checkpoint_the_reference_agrees_with(tmp_path
     ids = llm.tokenizer.encode("[gMASK]<sop><|user|>\nHello<|assistant|>")
     out = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert list(out) == reference_greedy(load_reference(target), ids, GREEDY.max_tokens)
+
+
+def test_fp8_block_checkpoint_loads_within_fp8_error(make_checkpoint):
+    """GLM-5.3-Flash as an FP8 checkpoint (128 × 128 blocks): KDA and MLA projections and the experts stored in
+    e4m3 with their scales, KDA's convolution taps, norms, gates and mHC weights in their own dtype; every
+    parameter loads as its bf16 twin's, within e4m3's error where stored in FP8."""
+    from safetensors.torch import load_file
+    dims = dict(model_type="glm5_next", dtype=torch.bfloat16)
+    bf16, fp8 = make_checkpoint("flash_bf16", seed=7, **dims), make_checkpoint("flash_fp8", seed=7, fp8=True, **dims)
+    stored = load_file(os.path.join(fp8, "model.safetensors"))
+    layer = "model.language_model.layers.0.self_attn"
+    assert stored[f"{layer}.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert f"{layer}.q_proj.weight_scale_inv" in stored
+    assert stored[f"{layer}.q_conv1d.weight"].dtype != torch.float8_e4m3fn
+    models = [load_model(ModelConfig.from_pretrained(p), p, torch.float32, torch.device("cpu"), progress=False)
+              for p in (bf16, fp8)]
+    exact, dequant = (dict(m.named_parameters()) for m in models)
+    differ = 0
+    for name, a in exact.items():
+        b = dequant[name]
+        if not torch.equal(a, b):  # e4m3: relative error ≤ 2^-4, plus the block's subnormal step
+            assert ((a - b).abs() <= a.abs() * 2**-4 + a.abs().max() * 2**-9).all(), name
+            differ += 1
+    assert differ > 10 and any(".self_attn.q_proj" in n for n in exact)

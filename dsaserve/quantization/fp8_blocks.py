@@ -107,9 +107,11 @@ def as_float(source) -> torch.Tensor:
 
 def is_fp8_quantizable(name: str) -> bool:
     """Whether a GLM FP8 checkpoint stores this tensor in FP8: linear projections do; embeddings, lm_head, norms,
-    the router and the indexer's weights_proj stay in their dtype."""
+    the router, the indexer's weights_proj and KDA's convolutions stay in their dtype."""
     if not name.endswith(".weight") or "norm" in name or "embed_tokens" in name or name.startswith("lm_head"):
         return False
     if name.endswith("mlp.gate.weight") or "weights_proj" in name or "shared_head" in name:
+        return False
+    if "conv1d" in name:  # a KDA layer's convolution taps (GLM-5.3-Flash): not a projection
         return False
     return True
