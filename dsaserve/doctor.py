@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import torch
 
+from dsaserve.byte_sizes import human
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.engine.workers.kv_cache import KVCacheLayout
@@ -32,14 +33,6 @@ from dsaserve.parallel_plan import plan_lines, stored_items
 
 _BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "U8": 1, "I8": 1}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def human(n: float, unit: str = "B") -> str:
-    for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
-        if abs(n) < 1024 or prefix == "Ti":
-            return f"{n:.1f} {prefix}{unit}" if prefix else f"{int(n)} {unit}"
-        n /= 1024
-    return f"{n} {unit}"
 
 
 def count(n: int) -> str:
@@ -126,7 +119,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
         layout = KVCacheLayout.of(cfg, dtype, tp_size=parallel.tensor_parallel_size)
         lines += plan_lines(cfg, parallel, stored, torch.empty((), dtype=dtype).element_size(),
                             str(dtype).removeprefix("torch."), layout.bytes_per_token,
-                            device_memory, utilization, human, layout.state_bytes_per_request)
+                            device_memory, utilization, layout.state_bytes_per_request)
     return "\n".join(lines), ok
 
 
@@ -286,7 +279,8 @@ def _kv_lines(cfg: ModelConfig, max_model_len: int | None) -> list[str]:
             f"{human(layout.state_bytes_per_request)}",
             f"  {len(h.linear_layers)} layers × ({h.linear_num_heads} × {h.linear_head_dim} × {h.linear_head_dim} "
             f"+ {h.conv_kernel - 1} × {h.conv_dim}) × 4 B; one slot per running request (max_num_seqs), counted in "
-            "kv_cache_memory",
+            "kv_cache_memory (without it, max_num_seqs and the snapshots are lowered to fit a quarter of the memory "
+            "available)",
             f"  prefix-cache snapshots: {human(layout.state_bytes_per_request)} each, one every 512 tokens of a "
             "request (--state-snapshot-interval), max-num-seqs of them kept (--state-snapshots); a hit resumes at the "
             "last snapshot inside the shared prefix",

@@ -66,7 +66,8 @@ class EngineArgs:
     state_snapshots: int | None = field(default=None, metadata=_help(
         "hybrid models (glm5_next) with prefix caching: KDA state snapshots kept at prefix positions, where a later "
         "request sharing the prefix resumes; each holds one request's KDA state, counted in kv-cache-memory "
-        "(default: max-num-seqs; 0: prefix caching off for such models)"))
+        "(default: max-num-seqs; 0: prefix caching off for such models; without kv-cache-memory both are lowered "
+        "until the states fit a quarter of the memory available)"))
     state_snapshot_interval: int = field(default=512, metadata=_help(
         "hybrid models: tokens between a request's KDA state snapshots (a multiple of block-size); a prefix-cache "
         "hit resumes at the last snapshot inside the shared prefix"))

@@ -13,6 +13,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from dsaserve.byte_sizes import human
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.distributed.sharding import ShardPlan, tensor_slice
@@ -62,7 +63,7 @@ def rank_shares(cfg: ModelConfig, parallel: ParallelConfig, tensors: dict[str, t
 
 
 def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_item: int, resident_dtype: str,
-               kv_bytes_per_token: int, device_memory: int | None, utilization: float, human,
+               kv_bytes_per_token: int, device_memory: int | None, utilization: float,
                state_bytes_per_request: int = 0) -> list[str]:
     """The plan as doctor prints it; kv_bytes_per_token is one rank's for a token it stores, and
     state_bytes_per_request one rank's share of a hybrid model's KDA state."""

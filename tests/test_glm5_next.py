@@ -16,13 +16,19 @@ import pytest
 import torch
 from reference import load_reference, reference_greedy
 from test_parity import prompt
+from test_quantization import assert_same_outputs, twin_of
 
 from dsaserve import LLM, SamplingParams
+from dsaserve.attention.linear_state import LinearStateCache
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ConfigError, ModelConfig
+from dsaserve.engine import llm_engine
+from dsaserve.engine.scheduling.cache_plan import DEFAULT_STATE_SHARE
 from dsaserve.engine.workers.kv_cache import KVCache
 from dsaserve.model import load_model
 from dsaserve.native import torch_ops
+from dsaserve.quantization.formats import QUANTIZATION_MODES
+from dsaserve.quantization.quantized_weight import QuantizedWeight
 
 INDEX_TOPK, KPOOL = 16, 4
 PROMPT_LEN = 77  # ≥ 4 × index_topk, not a multiple of the pool or the block
@@ -269,6 +275,30 @@ def test_without_snapshots_prefix_caching_is_off_and_says_why(path, caplog):
     assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
 
 
+def test_without_kv_cache_memory_the_states_fit_a_share_of_the_memory_available(path, ref, monkeypatch, caplog):
+    """No kv_cache_memory: max_num_seqs and state_snapshots are lowered (in proportion) until the KDA states fit a
+    quarter of the memory available, the log says so, and four requests still all finish, two at a time."""
+    per = make_llm(path, max_num_seqs=1).engine.kv_layout.state_bytes_per_request
+    # 4 states fit: 2 running requests + 2 snapshots (asked: 8 + 8)
+    monkeypatch.setattr(llm_engine, "memory_available", lambda device: int(per * 4.5 / DEFAULT_STATE_SHARE))
+    with caplog.at_level(logging.WARNING, logger="dsaserve.engine.scheduling.cache_plan"):
+        llm = make_llm(path, max_num_seqs=8, state_snapshots=8)
+    assert llm.engine.scheduler.config.max_num_seqs == 2 and llm.engine.scheduler.config.state_snapshots == 2
+    kda = next(c for c in llm.engine.kv_cache.latent if isinstance(c, LinearStateCache))
+    assert kda.recurrent.shape[0] == 2 and kda.snapshot_recurrent.shape[0] == 2
+    assert any("max_num_seqs lowered from 8 to 2" in r.getMessage() for r in caplog.records)
+    prompts = [prompt(ref.config.text_config.vocab_size, 20 + n, seed=40 + n) for n in range(4)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [alone(path, p) for p in prompts]
+    # given kv_cache_memory, the user's counts stand (and are checked against it)
+    given = make_llm(path, max_num_seqs=8, state_snapshots=8,
+                     kv_cache_memory=per * 16 + llm.engine.kv_layout.bytes_per_token * 512)
+    assert given.engine.scheduler.config.max_num_seqs == 8
+    monkeypatch.setattr(llm_engine, "memory_available", lambda device: int(per * 0.9 / DEFAULT_STATE_SHARE))
+    with pytest.raises(ValueError, match="set kv_cache_memory"):
+        make_llm(path)
+
+
 def test_page_selection_is_refused_by_name(path):
     with pytest.raises(ValueError, match="attention_backend='page'"):
         make_llm(path, attention_backend="page")
@@ -419,3 +449,22 @@ def test_fp8_block_checkpoint_loads_within_fp8_error(make_checkpoint):
             assert ((a - b).abs() <= a.abs() * 2**-4 + a.abs().max() * 2**-9).all(), name
             differ += 1
     assert differ > 10 and any(".self_attn.q_proj" in n for n in exact)
+
+
+@pytest.mark.parametrize("mode", QUANTIZATION_MODES)
+def test_quantized_weights_equal_their_dequantized_twin(path, ref, monkeypatch, mode):
+    """Weight-only fp8/int8/int4 as for GLM-5.2: KDA's projections are packed too (not its convolution taps), and
+    the model decodes what the same weights dequantized to floats decode, logprobs within 1e-4."""
+    vocab = ref.config.text_config.vocab_size
+    prompts = [prompt(vocab, 70 + 9 * i, seed=60 + i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
+
+    def run(llm):
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return ([o.outputs[0].token_ids for o in outs],
+                [[p[t].logprob for p, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+
+    llm = make_llm(path, quantization=mode, max_num_batched_tokens=40)
+    packed = {n for n, m in llm.engine.model.named_modules() if isinstance(m, QuantizedWeight)}
+    assert "model.layers.0.self_attn.q_proj.weight" in packed and not any("conv" in n for n in packed)  # 0: KDA
+    assert_same_outputs(run(llm), run(twin_of(llm, path, monkeypatch)))

@@ -12,10 +12,15 @@ import logging
 import time
 
 from dsaserve.config import ModelConfig
-from dsaserve.device import resolve_device, resolve_dtype
+from dsaserve.device import memory_available, resolve_device, resolve_dtype
 from dsaserve.engine.admission import AdmissionLimits, EngineRequest, compile_grammar
 from dsaserve.engine.output_processor import OutputProcessor
-from dsaserve.engine.scheduling.cache_plan import fit_max_model_len, plan_num_blocks, requested_max_model_len
+from dsaserve.engine.scheduling.cache_plan import (
+    fit_max_model_len,
+    plan_num_blocks,
+    plan_state_counts,
+    requested_max_model_len,
+)
 from dsaserve.engine.scheduling.kv_cache_manager import KVCacheManager
 from dsaserve.engine.scheduling.request import Request, samples_of
 from dsaserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
@@ -51,30 +56,31 @@ class LLMEngine:
             # rank stores block_size.
             dcp = parallel.decode_context_parallel_size
             tokens_per_block = args.block_size * dcp
+            states = plan_state_counts(layout, args.kv_cache_bytes, args.max_num_seqs, args.num_state_snapshots,
+                                       args.num_draft_states, memory_available(self.device))
             num_blocks = plan_num_blocks(layout, args.block_size, args.kv_cache_bytes, max_model_len,
-                                         args.max_num_seqs, tokens_per_block, args.num_state_snapshots,
-                                         args.num_draft_states)
+                                         states.slots, tokens_per_block, states.snapshots, args.num_draft_states)
             self.max_model_len = fit_max_model_len(max_model_len, num_blocks * tokens_per_block,
                                                    layout.bytes_per_token / dcp,
                                                    explicit=args.max_model_len is not None)
-            self.executor.init_cache(num_blocks)
+            self.executor.init_cache(num_blocks, states)
         except BaseException:
             self.executor.shutdown()
             raise
         self.kv_cache, self.runner = driver.kv_cache, driver.runner
-        self.prefix_caching = args.enable_prefix_caching and (cfg.hybrid is None or args.num_state_snapshots > 0)
+        self.prefix_caching = args.enable_prefix_caching and (cfg.hybrid is None or states.snapshots > 0)
         if cfg.hybrid is not None and self.prefix_caching:
             logger.info("prefix caching on %s: the KDA state is kept every %d tokens in %d snapshots of %.1f MiB",
-                        cfg.family.name, args.state_snapshot_interval, args.num_state_snapshots,
+                        cfg.family.name, args.state_snapshot_interval, states.snapshots,
                         layout.state_bytes_per_request / 2**20)
         elif cfg.hybrid is not None and args.enable_prefix_caching:
             logger.info("prefix caching is off: state_snapshots=0 keeps no KDA state to resume from")
-        self.scheduler = Scheduler(SchedulerConfig(self.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
+        self.scheduler = Scheduler(SchedulerConfig(self.max_model_len, states.slots, args.max_num_batched_tokens,
                                                    args.enable_chunked_prefill,
                                                    self.speculative.num_speculative_tokens if with_mtp else 0,
                                                    self.speculative.disable_by_batch_size if with_mtp else None,
                                                    state_slots=cfg.hybrid is not None,
-                                                   state_snapshots=args.num_state_snapshots,
+                                                   state_snapshots=states.snapshots,
                                                    state_snapshot_interval=args.state_snapshot_interval),
                                    KVCacheManager(num_blocks, tokens_per_block, self.prefix_caching,
                                                   share_samples=cfg.hybrid is None))

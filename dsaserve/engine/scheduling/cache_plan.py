@@ -3,12 +3,53 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+from dsaserve.byte_sizes import human
 from dsaserve.engine.workers.kv_cache import KVCacheLayout, blocks_needed
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when the caller does not say
+# Without kv_cache_memory a hybrid model's KDA states take at most this share of the memory available once the
+# weights are loaded (GLM-5.3-Flash's 256 requests and 256 snapshots would otherwise ask for about 74 GB).
+DEFAULT_STATE_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class StateCounts:
+    """How many KDA states a hybrid model keeps: one per running request (so also max_num_seqs) and the prefix
+    cache's snapshots."""
+
+    slots: int
+    snapshots: int
+
+
+def plan_state_counts(layout: KVCacheLayout, memory: int | None, max_num_seqs: int, state_snapshots: int,
+                      draft_states: int, available: int | None) -> StateCounts:
+    """With kv_cache_memory given, the states asked for (plan_num_blocks checks they fit). Without it, as many as
+    fit in DEFAULT_STATE_SHARE of `available` bytes: max_num_seqs and state_snapshots are lowered together, keeping
+    their ratio, and the log says so."""
+    asked = StateCounts(max_num_seqs, state_snapshots)
+    per = layout.state_bytes_per_request
+    if not per or memory is not None or available is None:
+        return asked
+    budget = int(available * DEFAULT_STATE_SHARE)
+    per_slot = 1 + draft_states + state_snapshots / max_num_seqs  # states each running request brings
+    if per * (max_num_seqs * (1 + draft_states) + state_snapshots) <= budget:
+        return asked
+    fit = budget // per
+    slots = min(max_num_seqs, int(fit // per_slot))
+    if slots < 1:
+        raise ValueError(f"one request's KDA state ({human(per)}, × {1 + draft_states} with its drafts) does not fit "
+                         f"in {DEFAULT_STATE_SHARE:.0%} of the {human(available)} available; set kv_cache_memory to "
+                         "the memory the cache may take")
+    counts = StateCounts(slots, min(state_snapshots, fit - slots * (1 + draft_states)))
+    logger.warning("KDA states of %s each: max_num_seqs lowered from %d to %d and state_snapshots from %d to %d, "
+                   "what fits in %.0f%% of the %s available; set kv_cache_memory for more", human(per),
+                   max_num_seqs, counts.slots, state_snapshots, counts.snapshots, DEFAULT_STATE_SHARE * 100,
+                   human(available))
+    return counts
 
 
 def plan_num_blocks(layout: KVCacheLayout, block_size: int, memory: int | None, max_model_len: int,

@@ -27,6 +27,7 @@ import torch
 
 from dsaserve.config import ModelConfig
 from dsaserve.distributed import process_group as pg
+from dsaserve.engine.scheduling.cache_plan import StateCounts
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
 from dsaserve.engine.workers.grammar_transport import grammars_serialized
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput
@@ -61,8 +62,8 @@ class InProcessExecutor:
     def __init__(self, worker: Worker):
         self.driver = worker
 
-    def init_cache(self, num_blocks: int) -> None:
-        self.driver.init_cache(num_blocks)
+    def init_cache(self, num_blocks: int, states: StateCounts) -> None:
+        self.driver.init_cache(num_blocks, states)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver.execute(scheduler_output)
@@ -162,9 +163,9 @@ class DistributedExecutor:
         """listener(cause) is called (on another thread) when a rank is found dead or failed."""
         self._listeners.append(listener)
 
-    def init_cache(self, num_blocks: int) -> None:
-        self._send(("init_cache", num_blocks))
-        self.driver.init_cache(num_blocks)
+    def init_cache(self, num_blocks: int, states: StateCounts) -> None:
+        self._send(("init_cache", num_blocks, states))
+        self.driver.init_cache(num_blocks, states)
         pg.wait_for_ranks(self.store, "ready", range(1, self.world), self._dead_rank)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -16,6 +16,7 @@ from dsaserve.attention.context_shard import ContextShard
 from dsaserve.config import ModelConfig
 from dsaserve.device import widened_for_cpu
 from dsaserve.distributed.parallel_context import ParallelContext
+from dsaserve.engine.scheduling.cache_plan import StateCounts
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
 from dsaserve.engine.workers.kv_cache import KVCache, KVCacheLayout
 from dsaserve.engine.workers.model_runner import ModelRunner
@@ -52,13 +53,14 @@ class Worker:
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
 
-    def init_cache(self, num_blocks: int) -> None:
+    def init_cache(self, num_blocks: int, states: StateCounts) -> None:
+        """num_blocks KV blocks and, for a hybrid model, the KDA states the engine planned (plan_state_counts)."""
         dcp = self.parallel.dcp
         shard = ContextShard(dcp.rank, dcp.size, self.args.block_size, dcp) if dcp.size > 1 else None
         self.kv_cache = KVCache(self.cfg, num_blocks, self.args.block_size, self.dtype, self.device,
                                 with_indexer=self.with_indexer, indexer_dtype=self.args.indexer_cache_dtype,
-                                with_mtp=self.with_mtp, shard=shard, state_slots=self.args.max_num_seqs,
-                                state_snapshots=self.args.num_state_snapshots, tp_size=self.parallel.tp.size,
+                                with_mtp=self.with_mtp, shard=shard, state_slots=states.slots,
+                                state_snapshots=states.snapshots, tp_size=self.parallel.tp.size,
                                 draft_states=self.args.num_draft_states)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.args.seed,
                                   self.cfg.index_share_for_mtp_iteration)
