@@ -9,7 +9,8 @@ Measures, the backends' engines loaded side by side and taking turns:
   synthetically (random latents, pool keys and KDA states), as `dsaserve bench longctx` does;
 - where a decode step's time goes: the KDA layers' attention, the indexed layer's attention, and the rest (MLP/MoE,
   mHC, norms, head), from module hooks on batch-1 steps; and one KDA layer against the indexed (MLA) layer;
-- prefill of 8K tokens (time to first token);
+- prefill of 8K tokens (time to first token), with the KDA layers' and the indexed layer's share of it, and the
+  sparse engine's prefill again with the delta rule in torch's chunked form instead of the native kda_delta;
 - the KDA state a request holds, and a prefix-cache hit's time to first token against a miss.
 """
 
@@ -25,6 +26,7 @@ from collections import defaultdict
 import torch
 
 from dsaserve import LLM, SamplingParams
+from dsaserve.attention import delta_rule
 from dsaserve.bench.longctx import fill_synthetic_prefix
 from dsaserve.demo.checkpoint_builder import build_checkpoint
 
@@ -95,6 +97,17 @@ def decode(llm: LLM, context: int, batch: int, steps: int, clock: bool = False) 
     return out
 
 
+def prefill(llm: LLM, ids: list[int]) -> dict:
+    """Time to first token of a fresh prompt and the attention layers' shares of it."""
+    layers = LayerClock(llm.engine.model)
+    seconds = ttft(llm, ids)[0]
+    layers.close()
+    kda = sum(s for (kind, _), s in layers.seconds.items() if kind == "kda")
+    indexed = sum(s for (kind, _), s in layers.seconds.items() if kind == "indexed")
+    return {"seconds": seconds, "tokens_per_s": len(ids) / seconds, "kda_share": kda / seconds,
+            "indexed_share": indexed / seconds}
+
+
 def ttft(llm: LLM, ids: list[int]) -> tuple[float, int]:
     start = time.perf_counter()
     out = llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=1, temperature=0),
@@ -136,7 +149,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     vocab = sparse.config.vocab_size
     ids = torch.randint(100, vocab, (args.prefill,), generator=g).tolist()
-    results["prefill"] = {backend: ttft(llm, ids)[0] for backend, llm in llms.items()}
+    results["prefill"] = {backend: prefill(llm, ids) for backend, llm in llms.items()}
+    native = delta_rule.over_rows
+    delta_rule.over_rows = delta_rule.chunked
+    try:
+        results["prefill"]["sparse, delta rule in torch"] = prefill(llms["sparse"], ids)
+    finally:
+        delta_rule.over_rows = native
     print("prefill", results["prefill"], flush=True)
     del llms, sparse
     cached = LLM(path, kv_cache_memory=memory, state_snapshots=8, state_snapshot_interval=512, **common)

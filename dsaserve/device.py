@@ -71,11 +71,3 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: torch
         return torch.float16
     return wanted
 
-
-def memory_available(device: torch.device) -> int | None:
-    """Bytes free for new tensors on `device` now: the GPU's free memory, or MemAvailable for the CPU (None where
-    the platform does not say)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    from dsaserve.model.load_memory import available_memory
-    return available_memory()

@@ -61,7 +61,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 # Bottom to top. A module imports only from its own unit (a subpackage, or a module at the top of dsaserve) or from
 # units in lower layers; units in the same layer do not import each other.
 LAYERS = (
-    ("model_family", "hybrid_config"),
+    ("model_family", "hybrid_config", "byte_sizes"),
     ("config", "device", "outputs", "speculative_config", "chat_template", "tokenizer", "prepared_calls"),
     ("native", "deepseek_v32_chat"),
     ("quantization", "distributed", "structured_output", "chat_format"),

@@ -7,17 +7,21 @@
 
 with q and k L2-normalised (q also scaled by head_dim^-0.5). S is [heads, key dim, value dim].
 
-`recurrent_step` does one token for a batch of requests (decode). `chunked` does a request's many tokens a chunk at
-a time: inside a chunk the δ's solve one unit lower-triangular system, so the work is a few matrix products per
-chunk instead of a state update per token. The decays enter as exp(G_t − G_s) of cumulative sums G within the chunk,
-factored as exp(G_t − G_0) · exp(G_0 − G_s) around the chunk's start, which keeps both factors finite while the
-chunk's decay spans less than FACTOR_RANGE (16 tokens of a gate bounded below by -5 span at most 80); a chunk whose
-decay spans more (an unbounded gate) takes exp(G_t − G_s) per channel instead, a [heads, C, C, dk] tensor.
+`recurrent_step` does one token for a batch of requests (decode). `over_rows` does a request's many tokens: the
+native kda_delta where the operators are loaded (token by token with the state in cache, native/kda_delta.cpp), else
+`chunked`, a chunk at a time: inside a chunk the δ's solve one unit lower-triangular system, so the work is a few
+matrix products per chunk instead of a state update per token. The decays enter as exp(G_t − G_s) of cumulative
+sums G within the chunk, factored as exp(G_t − G_0) · exp(G_0 − G_s) around the chunk's start, which keeps both
+factors finite while the chunk's decay spans less than FACTOR_RANGE (16 tokens of a gate bounded below by -5 span at
+most 80); a chunk whose decay spans more (an unbounded gate) takes exp(G_t − G_s) per channel instead, a
+[heads, C, C, dk] tensor.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dsaserve.native import torch_ops
 
 CHUNK = 16  # tokens per chunk of the chunked form
 FACTOR_RANGE = 80.0  # exp(±80) is finite and normal in fp32
@@ -42,6 +46,15 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
     state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
     return torch.einsum("bhk,bhkv->bhv", q, state)
+
+
+def over_rows(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """One request's tokens in order, as `chunked` takes them (state contiguous, updated in place): the native
+    operator where loaded (no gradients: it has no backward), else `chunked`."""
+    if q.is_cpu and not torch.is_grad_enabled() and torch_ops.load():
+        return torch.ops.dsaserve.kda_delta(q.contiguous(), k.contiguous(), v.float().contiguous(),
+                                            g.float().contiguous(), beta.float().contiguous(), state)
+    return chunked(q, k, v, g, beta, state)
 
 
 def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:

@@ -12,7 +12,7 @@ import logging
 import time
 
 from dsaserve.config import ModelConfig
-from dsaserve.device import memory_available, resolve_device, resolve_dtype
+from dsaserve.device import resolve_device, resolve_dtype
 from dsaserve.engine.admission import AdmissionLimits, EngineRequest, compile_grammar
 from dsaserve.engine.output_processor import OutputProcessor
 from dsaserve.engine.scheduling.cache_plan import (
@@ -27,6 +27,7 @@ from dsaserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from dsaserve.engine.stats import EngineStats
 from dsaserve.engine.workers.executor import InProcessExecutor, make_executor
 from dsaserve.engine_args import EngineArgs
+from dsaserve.model.load_memory import memory_available
 from dsaserve.outputs import RequestOutput
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.structured_output.compiler import GrammarCompiler

@@ -142,8 +142,8 @@ class KimiDeltaAttention(PreparedCalls):
             done = start  # rows computed; split where snapshots are kept
             for cut, snapshot in [(start + p - context, s) for p, s in meta.state_snapshots[i]] + [(end, None)]:
                 if cut > done:
-                    out[done:cut] = delta_rule.chunked(q[done:cut], k[done:cut], v[done:cut], g[done:cut],
-                                                       beta[done:cut], carried)
+                    out[done:cut] = delta_rule.over_rows(q[done:cut], k[done:cut], v[done:cut], g[done:cut],
+                                                         beta[done:cut], carried)
                     done = cut
                 if snapshot is not None:
                     state.snapshot_recurrent[snapshot] = carried

@@ -29,6 +29,13 @@ def available_memory() -> int | None:
     return None
 
 
+def memory_available(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device` now: the GPU's free memory, or the CPU's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory()
+
+
 def default_scratch_budget(available: int | None = None) -> int:
     """A sixteenth of the memory available, between one thread's scratch and eight threads'."""
     available = available_memory() if available is None else available
