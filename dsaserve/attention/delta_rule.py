@@ -48,10 +48,15 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhk,bhkv->bhv", q, state)
 
 
+def runs_natively(q: torch.Tensor) -> bool:
+    """Whether over_rows takes the native operator for q: on CPU, loaded, and no gradients (it has no backward)."""
+    return q.is_cpu and not torch.is_grad_enabled() and torch_ops.load()
+
+
 def over_rows(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """One request's tokens in order, as `chunked` takes them (state contiguous, updated in place): the native
-    operator where loaded (no gradients: it has no backward), else `chunked`."""
-    if q.is_cpu and not torch.is_grad_enabled() and torch_ops.load():
+    operator where it runs, else `chunked`."""
+    if runs_natively(q):
         return torch.ops.dsaserve.kda_delta(q.contiguous(), k.contiguous(), v.float().contiguous(),
                                             g.float().contiguous(), beta.float().contiguous(), state)
     return chunked(q, k, v, g, beta, state)

@@ -120,25 +120,18 @@ class KimiDeltaAttention(PreparedCalls):
         return self.prepared("taps by channel", lambda: self.conv_weight.float().t().contiguous())
 
     def recur(self, q, k, v, g, beta, meta: BatchMetadata, state: LinearStateCache) -> torch.Tensor:
-        """The delta rule over every request's rows from its slot's state (written back): o [T, heads, dv] fp32.
-        Single-token requests go in one batched step; longer ones a chunk at a time."""
+        """The delta rule over every request's rows, each from its slot's state (updated in place): o [T, heads, dv]
+        fp32. Without the native operator, single-token requests go in one batched torch step."""
         out = torch.empty(q.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=q.device)
-        single = meta.decode_requests()
+        single = [] if delta_rule.runs_natively(q) else meta.decode_requests()
         if single:
-            rows = torch.tensor([meta.query_start_loc_host[i] for i in single], device=q.device)
-            slots = torch.tensor([meta.state_slots[i] for i in single], device=q.device)
-            fresh = torch.tensor([meta.context_len(i) == 0 for i in single], device=q.device)
-            carried = state.recurrent[slots].masked_fill(fresh.view(-1, 1, 1, 1), 0.0)
-            out[rows] = delta_rule.recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], carried)
-            state.recurrent[slots] = carried
-            for j, i in enumerate(single):
-                for _, snapshot in meta.state_snapshots[i]:  # (its one position: after this token)
-                    state.snapshot_recurrent[snapshot] = carried[j]
+            self.recur_batched(q, k, v, g, beta, meta, state, single, out)
         for i in sorted(set(range(meta.num_reqs)) - set(single)):
             start, end = meta.query_range(i)
-            slot = meta.state_slots[i]
             context = meta.context_len(i)
-            carried = state.recurrent[slot].clone() if context else torch.zeros_like(state.recurrent[slot])
+            carried = state.recurrent[meta.state_slots[i]]  # a view: the delta rule updates it in place
+            if not context:
+                carried.zero_()
             done = start  # rows computed; split where snapshots are kept
             for cut, snapshot in [(start + p - context, s) for p, s in meta.state_snapshots[i]] + [(end, None)]:
                 if cut > done:
@@ -147,9 +140,20 @@ class KimiDeltaAttention(PreparedCalls):
                     done = cut
                 if snapshot is not None:
                     state.snapshot_recurrent[snapshot] = carried
-            state.recurrent[slot] = carried
         return out
 
+    def recur_batched(self, q, k, v, g, beta, meta: BatchMetadata, state: LinearStateCache, single: list[int],
+                      out: torch.Tensor) -> None:
+        """One token for each request in `single`, in one torch step over their gathered states."""
+        rows = torch.tensor([meta.query_start_loc_host[i] for i in single], device=q.device)
+        slots = torch.tensor([meta.state_slots[i] for i in single], device=q.device)
+        fresh = torch.tensor([meta.context_len(i) == 0 for i in single], device=q.device)
+        carried = state.recurrent[slots].masked_fill(fresh.view(-1, 1, 1, 1), 0.0)
+        out[rows] = delta_rule.recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], carried)
+        state.recurrent[slots] = carried
+        for j, i in enumerate(single):
+            for _, snapshot in meta.state_snapshots[i]:  # (its one position: after this token)
+                state.snapshot_recurrent[snapshot] = carried[j]
 
 def inputs_before(tail: torch.Tensor, rows: torch.Tensor, offset: int) -> torch.Tensor:
     """The convolution's `width` inputs before row `offset` of a request's rows (fp32), reaching into the tail (the
