@@ -123,6 +123,15 @@ def test_an_unknown_previous_response_id_is_a_404(server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_an_input_image_part_is_a_400_that_says_it_is_not_served(server):
+    content = [{"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": "data:,"}]
+    r = httpx.post(server.url + "/v1/responses", timeout=30,
+                   json={"model": "tiny", "input": [{"role": "user", "content": content}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "input.0.content.1", error
+    assert "'input_image' content is not served yet" in error["message"]
+
+
 def test_a_failed_generation_is_an_error_answer_whole_and_in_band_streamed(engine512):
     import asyncio
 

@@ -19,7 +19,7 @@ from dsaserve.engine.admission import RequestRejected
 from dsaserve.sampling_params import SamplingParamsError
 from dsaserve.server.chat import admit_chat, chat_full, chat_stream, prepare_chat
 from dsaserve.server.completions import admit_prompts, completion_full, completion_stream, prepare_prompts
-from dsaserve.server.input_checks import check_encodable
+from dsaserve.server.input_checks import MEDIA_PARTS, check_encodable, media_refusal
 from dsaserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from dsaserve.server.response_pieces import new_id, now
 from dsaserve.server.responses_endpoint import ResponsesRequest, ResponseStore
@@ -195,18 +195,13 @@ def validation_message(loc: list[str], msg: str) -> str:
     return f"{'.'.join(loc)}: {msg}" if loc else msg
 
 
-MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "input_audio", "audio_url")
-
-
 def unserved_media(errors) -> APIError | None:
     """A content part carrying an image, video or audio (GLM-5.3-Flash has a vision tower; dsaserve serves its text
     model only): a 400 that says so, instead of pydantic's "Input should be 'text'"."""
     for error in errors:
         raw = tuple(error.get("loc", ()))
         if error.get("type") == "literal_error" and raw[-1:] == ("type",) and error.get("input") in MEDIA_PARTS:
-            path = ".".join(field_path(raw))
-            return APIError(400, f"{path}: {error['input']!r} content is not served yet (dsaserve serves text models "
-                                 "and the text part of multimodal ones); send 'text' parts", param=path)
+            return media_refusal(error["input"], ".".join(field_path(raw)))
     return None
 
 

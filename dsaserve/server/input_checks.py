@@ -5,6 +5,16 @@ from __future__ import annotations
 
 from dsaserve.server.protocol import APIError
 
+# Content parts carrying an image, video or audio: GLM-5.3-Flash ships a vision tower, dsaserve serves its text model.
+MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "input_audio", "audio_url", "input_file")
+
+
+def media_refusal(kind: str, path: str) -> APIError:
+    """The 400 for a media part at `path`, saying it is not served (instead of a schema error about 'text')."""
+    return APIError(400, f"{path}: {kind!r} content is not served yet (dsaserve serves text models and the text part "
+                         "of multimodal ones); send 'text' parts", param=path)
+
+
 # Variables the server itself passes to the chat template.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 

@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError
 
 from dsaserve.server.chat import PreparedChat, admit_chat, prepare_chat
+from dsaserve.server.input_checks import MEDIA_PARTS, media_refusal
 from dsaserve.server.parsers import OutputParser
 from dsaserve.server.protocol import MAX_ID_CHARS, APIError, ChatCompletionRequest, ReasoningEffort, Strict
 from dsaserve.server.response_pieces import stream_error
@@ -88,6 +89,9 @@ def _text(content, param: str) -> str:
     """A message's content: a string, or parts whose `text` fields are strings."""
     if content is None or isinstance(content, str):
         return content or ""
+    for k, part in enumerate(content if isinstance(content, list) else []):
+        if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+            raise media_refusal(part["type"], f"{param}.{k}")
     texts = [part.get("text") for part in content if isinstance(part, dict)] if isinstance(content, list) else [None]
     if not all(isinstance(t, str) for t in texts):
         raise APIError(400, f"{param} must be a string or a list of parts with a string 'text'", param=param)
