@@ -353,6 +353,27 @@ def test_mtp_speculation_keeps_reference_greedy_and_rolls_back_kda_state(mtp_pat
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+def test_mtp_speculation_at_tensor_parallel_2_drafts_what_one_rank_drafts(mtp_path):
+    """TP=2 with the MTP layer drafting (its MLA heads and MoE split like the other layers'): the reference's greedy
+    tokens, and the same drafts accepted as on one rank, so the split MTP layer predicts what the whole one does."""
+    ref_mtp = load_reference(mtp_path)
+    vocab = ref_mtp.config.text_config.vocab_size
+    prompts = [prompt(vocab, PROMPT_LEN, seed=1), prompt(vocab, 50, seed=3)]
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": None}
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        llm = make_llm(mtp_path, speculative_config=spec, max_num_batched_tokens=37, tensor_parallel_size=tp)
+        try:
+            out = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+            stats = llm.engine.stats().spec_decode
+        finally:
+            llm.shutdown()
+        runs.append(([o.outputs[0].token_ids for o in out], stats.num_draft_tokens, stats.num_accepted_tokens))
+    assert runs[1][0] == [reference_greedy(ref_mtp, ids, 20) for ids in prompts]
+    assert runs[1] == runs[0] and runs[1][1] > 0
+
+
 def test_doctor_on_a_flash_checkpoint_with_its_mtp_layer(mtp_path):
     """Weights present: the indexer weights checked against the schedule over the indexed layers (the layer number
     read after `model.language_model.layers.`), the MTP layer found under the same prefix."""
@@ -422,7 +443,7 @@ def test_native_delta_rule_equals_the_token_by_token_recurrence(body, tokens):
     bound's range; odd head sizes exercise the vector loops' tails."""
     from dsaserve.attention import delta_rule
     g = torch.Generator().manual_seed(tokens)
-    heads, dk, dv = 3, 20, 27
+    heads, dk, dv = 3, 22, 27  # 27 = 16 + 11 columns, 22 = 5 × 4 + 2 rows: both loops' tails
     q, k = delta_rule.prepare(*(torch.randn(tokens, heads, dk, generator=g) for _ in range(2)))
     v = torch.randn(tokens, heads, dv, generator=g)
     gate = -5 * torch.rand(tokens, heads, dk, generator=g)
