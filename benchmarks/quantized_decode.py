@@ -12,7 +12,8 @@ activations); fp8 twice where the CPU has AVX-512 VBMI: as served (its bytes dec
 `fp8-shifts` (native_kernels 'avx512': by shifts and masks). `int8-nobody`: int8 weights with no native body at all
 (native_kernels off: torch's products on a slab of rows dequantized at a time). `--cpu-isa avx2` runs every form on
 the AVX2 bodies (on an AVX-512 CPU too: what an AVX2-only server runs; dtype auto then computes in fp32, bf16
-weights kept in bf16; torch-bf16 is then the fp32-widened weights through torch).
+weights kept in bf16; torch-bf16 is then the fp32-widened weights through torch). Any form with `-eager` appended
+(e.g. `bf16-eager`) runs with enforce_eager: every decode step through the modules, no decode plan.
 For each: batch-1 decode (median step, 128-token prompts), batch-16 output tokens/s, a 2,048-token
 prefill, the weight bytes one decode token reads (every projection once, the shared expert, and 4 of
 the 8 routed experts per MoE layer), and the resident bytes. The bound is those bytes ÷ this machine's
@@ -89,6 +90,8 @@ def measure(form: str, cpu_isa: str) -> dict:
     from dsaserve.engine_args import EngineArgs
     from dsaserve.sampling_params import SamplingParams
 
+    eager = form.endswith("-eager")  # any form with "-eager": through the modules, no decode plan
+    form = form.removesuffix("-eager")
     if form == "torch-bf16":
         apply.kernels_here = lambda device: False
     # The AVX-512 bodies alone: int8 and int4 products in bf16, fp8 decoded by shifts and masks.
@@ -98,7 +101,7 @@ def measure(form: str, cpu_isa: str) -> dict:
                     "int4-bf16act": "int4", "int8-nobody": "int8"}.get(form)
     engine = LLMEngine(EngineArgs(model=checkpoint_dir(), kv_cache_memory="512MiB", max_model_len=4096,
                                   progress=False, quantization=quantization, native_kernels=native_kernels,
-                                  cpu_isa=cpu_isa))
+                                  cpu_isa=cpu_isa, enforce_eager=eager))
     decode_steps(engine, 1, steps=4)  # warm-up
     copy_before = copy_bandwidth()
     step_1, _ = decode_steps(engine, 1, steps=32)
@@ -114,7 +117,7 @@ def measure(form: str, cpu_isa: str) -> dict:
             engine.step()
         prefill.append(time.perf_counter() - start)
     read, resident, count = active_bytes(engine)
-    return {"form": form, "decode_ms_batch1": step_1, "tok_s_batch1": 1e3 / step_1,
+    return {"form": form + ("-eager" if eager else ""), "decode_ms_batch1": step_1, "tok_s_batch1": 1e3 / step_1,
             "copy_GBps_around_batch1": copy_around / 1e9,
             "fraction_of_same_minute_bound": 1e3 / step_1 * read / copy_around,
             "tok_s_batch16": 16e3 / step_16, "prefill_2048_s": min(prefill), "bytes_per_token": read,
