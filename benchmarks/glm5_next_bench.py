@@ -8,7 +8,9 @@ Measures, the backends' engines loaded side by side and taking turns:
 - decode: median ms per step and tokens/s at each context and batch, sparse and dense; decode contexts are written
   synthetically (random latents, pool keys and KDA states), as `dsaserve bench longctx` does;
 - where a decode step's time goes: the KDA layers' attention, the indexed layer's attention, and the rest (MLP/MoE,
-  mHC, norms, head), from module hooks on batch-1 steps; and one KDA layer against the indexed (MLA) layer;
+  mHC, norms, head), from module hooks on batch-1 steps; one KDA layer against the indexed (MLA) layer, and against
+  GLM-5.2's MLA layer (with RoPE and its indexer) at the same hidden size, in a glm_moe_dsa checkpoint of two
+  layers measured at each context before the Flash engines (through its modules, as glm5_next runs);
 - prefill of 8K tokens (time to first token), with the KDA layers' and the indexed layer's share of it: dense, and
   the sparse engine twice, each time also with the delta rule in torch's chunked form instead of the native
   kda_delta (taking turns);
@@ -41,11 +43,20 @@ GEOMETRY = dict(
     linear_attn_config={"head_dim": 128, "num_heads": 64, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
 )
 
+# GLM-5.2's MLA layer (q_lora 2048, 64 heads of 192 + 64 RoPE, values of 256, its indexer 32 × 128) at the same
+# hidden size, in a glm_moe_dsa checkpoint of two dense layers: what a KDA layer's decode step is compared with.
+GLM52_AT_4096 = dict(
+    hidden_size=4096, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+    qk_rope_head_dim=64, v_head_dim=256, intermediate_size=12288, num_hidden_layers=2, first_k_dense_replace=2,
+    n_routed_experts=8, num_experts_per_tok=4, moe_intermediate_size=2048, index_topk=2048, index_head_dim=128,
+    index_n_heads=32, indexer_types=["full", "full"], max_position_embeddings=65536,
+)
 
-def checkpoint(directory: str) -> str:
+
+def checkpoint(directory: str, model_type: str = "glm5_next", geometry: dict = GEOMETRY) -> str:
     if not os.path.isfile(os.path.join(directory, "config.json")):
         print(f"building the benchmark checkpoint in {directory} …", flush=True)
-        build_checkpoint(directory, seed=0, dtype=torch.bfloat16, model_type="glm5_next", **GEOMETRY)
+        build_checkpoint(directory, seed=0, dtype=torch.bfloat16, model_type=model_type, **geometry)
     return directory
 
 
@@ -56,7 +67,7 @@ class LayerClock:
         self.seconds = defaultdict(float)
         self.hooks = []
         for i, layer in enumerate(model.model.layers):
-            kind = "indexed" if layer.attends else "kda"
+            kind = "indexed" if getattr(layer, "attends", True) else "kda"  # (GLM-5.2's layers all attend)
             attn = layer.self_attn
             self.hooks.append(attn.register_forward_pre_hook(lambda m, a, i=i: setattr(m, "_t0", time.perf_counter())))
             self.hooks.append(attn.register_forward_hook(
@@ -93,8 +104,10 @@ def decode(llm: LLM, context: int, batch: int, steps: int, clock: bool = False) 
         kda = sum(s for (kind, _), s in layers.seconds.items() if kind == "kda")
         indexed = sum(s for (kind, _), s in layers.seconds.items() if kind == "indexed")
         n_kda = sum(1 for kind, _ in layers.seconds if kind == "kda")
+        n_indexed = sum(1 for kind, _ in layers.seconds if kind == "indexed")
         out.update(kda_share=kda / total, indexed_share=indexed / total,
-                   kda_layer_ms=kda / n_kda / steps * 1000, indexed_layer_ms=indexed / steps * 1000)
+                   kda_layer_ms=kda / max(n_kda, 1) / steps * 1000,
+                   indexed_layer_ms=indexed / n_indexed / steps * 1000)  # per layer
     return out
 
 
@@ -119,6 +132,7 @@ def ttft(llm: LLM, ids: list[int]) -> tuple[float, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="/tmp/dsaserve-bench/glm5-next-flash-geometry")
+    p.add_argument("--glm52-dir", default="/tmp/dsaserve-bench/glm52-mla-hidden-4096")
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--steps", type=int, default=8)
@@ -140,7 +154,15 @@ def main() -> None:
                "kv_bytes_per_token": sparse.kv_layout.bytes_per_token, "decode": []}
     print(f"KDA state per request: {results['state_bytes_per_request'] / 2**20:.1f} MiB; "
           f"KV per token: {results['kv_bytes_per_token']} B", flush=True)
+    # enforce_eager: through its modules, as glm5_next runs (a decode plan would run the layers without their hooks)
+    glm52 = LLM(checkpoint(args.glm52_dir, "glm_moe_dsa", GLM52_AT_4096), kv_cache_memory=memory, **common,
+                enable_prefix_caching=False, enforce_eager=True)
     for context in args.contexts:
+        # one KDA layer against GLM-5.2's MLA layer at the same hidden size, at batch 1, taking turns
+        results.setdefault("glm52_mla_layer_ms", {})[context] = decode(glm52, context, 1, args.steps,
+                                                                      clock=True)["indexed_layer_ms"]
+        print(f"GLM-5.2 MLA layer at hidden 4096, context {context}: "
+              f"{results['glm52_mla_layer_ms'][context]:.2f} ms", flush=True)
         for batch in args.batches:
             for backend, llm in llms.items():  # the backends take turns at each point
                 row = {"backend": backend, "context": context, "batch": batch,
@@ -162,7 +184,7 @@ def main() -> None:
         finally:
             delta_rule.over_rows = native
     print("prefill", results["prefill"], flush=True)
-    del llms, sparse
+    del llms, sparse, glm52
     cached = LLM(path, kv_cache_memory=memory, state_snapshots=8, state_snapshot_interval=512, **common)
     shared = torch.randint(100, vocab, (args.shared_prefix,), generator=g).tolist()
     miss = ttft(cached, shared + torch.randint(100, vocab, (64,), generator=g).tolist())

@@ -70,4 +70,3 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str, device: torch
         logger.info("dtype=auto: this GPU has no bf16 support, computing in float16")
         return torch.float16
     return wanted
-
