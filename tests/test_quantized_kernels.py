@@ -377,8 +377,9 @@ def test_one_call_gated_mlp_gives_the_three_calls_bits(kind, dtype, swiglu_limit
                                                    "compiler)")
 @pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_router_operator_chooses_the_torch_operators_experts(groups, dtype, monkeypatch):
-    """The one-call router against Router's torch operators: the same experts in the same order and weights
+def test_router_operator_chooses_the_torch_operators_experts(groups, dtype, monkeypatch, body):
+    """Per body family (its dot products: AVX-512 or the portable loop under AVX2), the one-call router against
+    Router's torch operators: the same experts in the same order and weights
     within fp32 rounding (the dot products sum in another order), normalized and not, with group-limited
     routing (4 groups of 8, 2 kept), and a hidden size that is not a multiple of the vector width. Scores are
     spread apart so that no two candidates tie."""

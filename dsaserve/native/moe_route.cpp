@@ -54,10 +54,11 @@ __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float*
 }
 #endif
 
+// The AVX-512 dot product only where the process runs the AVX-512 family (cpu_isa avx2 on an AVX-512 CPU runs what
+// an AVX2 server runs: the portable loop here).
 float dot(const float* a, const float* b, int64_t n) {
 #if DSASERVE_X86
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (avx512) return dot_avx512(a, b, n);
+  if (dsaserve::use_avx512_bf16()) return dot_avx512(a, b, n);
 #endif
   return dot_portable(a, b, n);
 }
