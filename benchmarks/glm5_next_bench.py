@@ -78,6 +78,11 @@ class LayerClock:
         for h in self.hooks:
             h.remove()
 
+    def total(self, kind: str) -> tuple[float, int]:
+        """(seconds, layers) of one kind of layer."""
+        picked = [s for (k, _), s in self.seconds.items() if k == kind]
+        return sum(picked), len(picked)
+
 
 def decode(llm: LLM, context: int, batch: int, steps: int, clock: bool = False) -> dict:
     engine = llm.engine
@@ -101,10 +106,7 @@ def decode(llm: LLM, context: int, batch: int, steps: int, clock: bool = False) 
     if layers is not None:
         layers.close()
         total = sum(times)
-        kda = sum(s for (kind, _), s in layers.seconds.items() if kind == "kda")
-        indexed = sum(s for (kind, _), s in layers.seconds.items() if kind == "indexed")
-        n_kda = sum(1 for kind, _ in layers.seconds if kind == "kda")
-        n_indexed = sum(1 for kind, _ in layers.seconds if kind == "indexed")
+        (kda, n_kda), (indexed, n_indexed) = layers.total("kda"), layers.total("indexed")
         out.update(kda_share=kda / total, indexed_share=indexed / total,
                    kda_layer_ms=kda / max(n_kda, 1) / steps * 1000,
                    indexed_layer_ms=indexed / n_indexed / steps * 1000)  # per layer
@@ -116,10 +118,8 @@ def prefill(llm: LLM, ids: list[int]) -> dict:
     layers = LayerClock(llm.engine.model)
     seconds = ttft(llm, ids)[0]
     layers.close()
-    kda = sum(s for (kind, _), s in layers.seconds.items() if kind == "kda")
-    indexed = sum(s for (kind, _), s in layers.seconds.items() if kind == "indexed")
-    return {"seconds": seconds, "tokens_per_s": len(ids) / seconds, "kda_share": kda / seconds,
-            "indexed_share": indexed / seconds}
+    return {"seconds": seconds, "tokens_per_s": len(ids) / seconds, "kda_share": layers.total("kda")[0] / seconds,
+            "indexed_share": layers.total("indexed")[0] / seconds}
 
 
 def ttft(llm: LLM, ids: list[int]) -> tuple[float, int]:

@@ -7,8 +7,8 @@
     out = o_proj(RMSNorm(o) · sigmoid(g_b(g_a x)))                   (gated norm per head, fp32)
 
 The state a request carries between steps (the recurrent state and the convolution's last inputs) lives in its
-slot of the layer's LinearStateCache: read at the start of its rows, written back after them, so a chunked prompt
-continues where its previous chunk stopped. Under tensor parallelism a rank holds its share of the heads (and their
+slot of the layer's LinearStateCache, which its rows update in place, so a chunked prompt continues where its
+previous chunk stopped. Under tensor parallelism a rank holds its share of the heads (and their
 state); o_proj sums the ranks' parts. A request with an empty context starts from zeros; one admitted on a
 prefix-cache hit starts from the snapshot kept after that prefix, and the snapshots a step is asked for (the state
 after given positions) are copied out as its rows pass them.
