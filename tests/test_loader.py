@@ -304,3 +304,44 @@ def test_the_native_fp8_dequantization_is_torchs(monkeypatch, rows, cols, full):
     reference = dequantize_fp8(part, scale, (128, 128), "w", full, (rows[0], cols[0]))
     assert torch.equal(native.isnan(), reference.isnan())
     assert torch.equal(native.nan_to_num(), reference.nan_to_num())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_native_chunk_quantization_is_torchs(body, monkeypatch, kind):
+    """The loader's native int8/int4 quantization of a chunk gives torch's (q, scales) bit for bit, from an FP8 part
+    that starts and ends inside its tiles (subnormal bytes included), from bf16 and from fp32 rows; per body."""
+    from dsaserve.native import torch_ops
+    from dsaserve.quantization import formats
+    from dsaserve.quantization.fp8_blocks import Fp8Slice
+
+    full = (576, 301)
+    w, scale = quantize_fp8(torch.randn(full) * 100)
+    subnormals = torch.tensor([0x00, 0x80, 0x01, 0x81, 0x02, 0x83, 0x07, 0x86], dtype=torch.uint8)
+    w.view(torch.uint8)[130] = subnormals[torch.randint(0, 8, (301,))]  # a row of them alone: its scale is theirs
+    sources = [Fp8Slice(w[128:430, 64:250].contiguous(), scale, full, (128, 64), (128, 128), "w"),
+               torch.randn(37, 259).to(torch.bfloat16), torch.randn(37, 259) * 3]
+    native = [formats.quantize(kind, s) for s in sources]
+    monkeypatch.setattr(torch_ops, "load", lambda: False)
+    for (q, s), source in zip(native, sources):
+        reference_q, reference_s = formats.quantize(kind, source)
+        assert torch.equal(q, reference_q) and torch.equal(s, reference_s)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "int8", "int4"])
+def test_the_native_packing_writes_what_pack_makes(body, kind):
+    """pack_into writes pack's blocks and scales in place (rows past the last and the column past an odd width
+    padded as pack pads them) and leaves the blocks beside them alone."""
+    from dsaserve.quantization import formats
+
+    n, k = 37, 259
+    q = {"bf16": torch.randn(n, k).to(torch.bfloat16), "fp8": torch.randint(0, 256, (n, k), dtype=torch.uint8),
+         "int8": torch.randint(-127, 128, (n, k), dtype=torch.int8),
+         "int4": torch.randint(-8, 8, (n, k), dtype=torch.int8)}[kind]
+    scale = torch.rand(n, formats.scale_columns(kind, k)) + 0.5
+    packed_q, packed_s = formats.pack(kind, q, scale)
+    qshape, qdtype, sshape = formats.packed_shapes(kind, n + 16, k)  # one more block after these rows
+    qweight, scales = torch.full(qshape, 3, dtype=qdtype), torch.full(sshape, 3.0)
+    formats.pack_into(kind, q, scale, qweight[:3], scales[:3])
+    assert torch.equal(qweight[:3].view(torch.uint8), packed_q.view(torch.uint8))
+    assert torch.equal(scales[:3], packed_s)
+    assert (qweight[3] == 3).all() and (scales[3] == 3).all()

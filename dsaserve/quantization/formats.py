@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.quantization.fp8_blocks import quantize_fp8
+from dsaserve.native import torch_ops
+from dsaserve.quantization.fp8_blocks import Fp8Slice, as_float, quantize_fp8
 
 KINDS = {"bf16": 0, "fp8": 1, "int8": 2, "int4": 3}
 QUANTIZATION_MODES = ("fp8", "int8", "int4")
@@ -63,6 +64,19 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     return q, scale
 
 
+def quantize(kind: str, source) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float tensor [N, K] or an Fp8Slice in the int8 or int4 form: quantize_int8/int4 of it as fp32, natively where
+    the operators are loaded (the same bits, one row of fp32 at a time instead of several copies of the whole)."""
+    weight = source.weight if isinstance(source, Fp8Slice) else source
+    if weight.is_cpu and torch_ops.load():
+        if isinstance(source, Fp8Slice):
+            return torch.ops.dsaserve.quantize_rows(*source.native_args(), KINDS[kind])
+        if source.dtype in (torch.bfloat16, torch.float32):
+            return torch.ops.dsaserve.quantize_rows(source.contiguous(), None, 1, 1, 0, 0, KINDS[kind])
+    w = as_float(source).float()
+    return quantize_int8(w) if kind == "int8" else quantize_int4(w)
+
+
 def quantize_fp8_rows(w: torch.Tensor, col_offset: int = 0,
                       block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] → (float8 e4m3 bytes [N, K], fp32 scales per row [N, G]) in 128 × 128 blocks, as FP8
@@ -88,6 +102,17 @@ def pack(kind: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     scales = torch.zeros(blocks * 16, scale.shape[1])
     scales[:n] = scale.float()
     return packed.contiguous(), scales.view(blocks, 16, -1).permute(0, 2, 1).contiguous()
+
+
+def pack_into(kind: str, q: torch.Tensor, scale: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+    """pack(kind, q, scale) written into qweight and scales (the packed blocks of those rows, contiguous): natively
+    where the operators are loaded, without pack's padded and permuted copies."""
+    if qweight.is_cpu and torch_ops.load():
+        torch.ops.dsaserve.pack_rows(q.contiguous(), scale.float().contiguous(), KINDS[kind], qweight, scales)
+        return
+    packed_q, packed_s = pack(kind, q, scale)
+    qweight.copy_(packed_q)
+    scales.copy_(packed_s)
 
 
 def unpack(kind: str, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,16 +34,22 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
                    full_shape: tuple[int, int] | None = None, offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """weight (float8_e4m3fn) × its per-block scale, fp32. The tile is derived from the tensor's own scale grid.
     weight may be the part of a [full_shape] tensor starting at row, column `offset` (a chunk, a rank's slice)."""
-    tile_r, tile_c = fp8_tiles(full_shape or weight.shape, scale_inv, block, name)
-    grid_r, grid_c = scale_inv.shape if scale_inv.dim() == 2 else (1, 1)
+    grid, tile_r, tile_c = scale_grid(scale_inv, full_shape or weight.shape, block, name)
     if weight.device.type == "cpu" and torch_ops.load():  # a table per byte: torch's float8 → float is slow
-        return torch.ops.dsaserve.fp8_block_dequantize(weight.contiguous().view(torch.uint8),
-                                                      scale_inv.float().reshape(grid_r, grid_c).contiguous(),
-                                                      tile_r, tile_c, offset[0], offset[1])
+        return torch.ops.dsaserve.fp8_block_dequantize(weight.contiguous().view(torch.uint8), grid, tile_r, tile_c,
+                                                      offset[0], offset[1])
     row_block = (torch.arange(weight.shape[0]) + offset[0]) // tile_r
     col_block = (torch.arange(weight.shape[1]) + offset[1]) // tile_c
-    scale = scale_inv.float().reshape(grid_r, grid_c)[row_block][:, col_block]
-    return weight.float() * scale
+    return weight.float() * grid[row_block][:, col_block]
+
+
+def scale_grid(scale_inv: torch.Tensor, shape: tuple[int, int], block: tuple[int, int], name: str = "weight"
+               ) -> tuple[torch.Tensor, int, int]:
+    """(the scales as a contiguous fp32 grid [grid_r, grid_c], rows per scale, columns per scale) of an FP8 tensor
+    of `shape`: what the native operators take."""
+    tile_r, tile_c = fp8_tiles(shape, scale_inv, block, name)
+    grid_r, grid_c = scale_inv.shape if scale_inv.dim() == 2 else (1, 1)
+    return scale_inv.float().reshape(grid_r, grid_c).contiguous(), tile_r, tile_c
 
 
 def fp8_tiles(shape: tuple[int, int], scale_inv: torch.Tensor, block: tuple[int, int], name: str = "weight"
@@ -99,6 +105,11 @@ class Fp8Slice:
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.scale_inv, self.block, self.name, self.full_shape, self.offset)
+
+    def native_args(self) -> tuple:
+        """(bytes, scale grid, tile_r, tile_c, first row, first column): the slice as the native operators take it."""
+        grid, tile_r, tile_c = scale_grid(self.scale_inv, self.full_shape, self.block, self.name)
+        return self.weight.contiguous().view(torch.uint8), grid, tile_r, tile_c, self.offset[0], self.offset[1]
 
 
 def as_float(source) -> torch.Tensor:

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from dsaserve.quantization import formats
-from dsaserve.quantization.fp8_blocks import as_float
 
 
 class Int8Rows(nn.Module):
@@ -37,6 +36,6 @@ class Int8Rows(nn.Module):
         if k != self.in_features or first + n > self.out_features:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, which does not fit rows "
                              f"{first}… of a [{self.out_features}, {self.in_features}] table")
-        q, scale = formats.quantize_int8(as_float(source))
+        q, scale = formats.quantize("int8", source)
         self.qweight[first:first + n] = q
         self.scale[first:first + n] = scale

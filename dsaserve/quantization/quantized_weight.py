@@ -160,9 +160,7 @@ class QuantizedWeight(PreparedCalls):
             cur_q[first - b0 * 16: first - b0 * 16 + n] = q
             cur_s[first - b0 * 16: first - b0 * 16 + n] = scale
             q, scale = cur_q, cur_s
-        packed_q, packed_s = formats.pack(self.kind, q, scale)
-        qweight[b0:b1].copy_(packed_q)
-        scales[b0:b1].copy_(packed_s)
+        formats.pack_into(self.kind, q, scale, qweight[b0:b1], scales[b0:b1])
 
     def _stored_form(self, source) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(source, Fp8Slice) and self.kind == "fp8":
@@ -170,11 +168,9 @@ class QuantizedWeight(PreparedCalls):
                 raise ValueError(f"{source.name}: its slice starts {source.col_offset} columns into an FP8 block, the "
                                  f"model's weight {self.col_offset}")
             return source.weight.view(torch.uint8), source.row_scales()  # the checkpoint's own bytes and scales
+        if self.kind in ("int8", "int4"):
+            return formats.quantize(self.kind, source)
         w = as_float(source).float()
-        if self.kind == "int8":
-            return formats.quantize_int8(w)
-        if self.kind == "int4":
-            return formats.quantize_int4(w)
         if self.kind == "fp8":
             return formats.quantize_fp8_rows(w, self.col_offset)
         return w.to(torch.bfloat16), torch.ones(w.shape[0], 1)
