@@ -186,6 +186,54 @@ def test_load_turns_tiles_on_only_where_available_and_in_agreement():
         amx.set_mode(previous)
 
 
+@pytest.fixture
+def own_verdicts(monkeypatch, tmp_path):
+    """The load check's kept verdicts in a file of this test's own (faked checks must not reach the real one)."""
+    path = tmp_path / amx.VERDICTS_FILE
+    monkeypatch.setattr(amx, "verdicts_path", lambda library: path)
+    return path
+
+
+def test_the_load_check_verdict_is_kept_for_the_same_library_cpu_and_linux(monkeypatch, own_verdicts, tmp_path):
+    """A finished check's verdict is reused by the next start on the same CPU and library, with the state saying
+    so; another CPU identity checks again, and so does a start after a check that did not finish or an unreadable
+    file."""
+    runs, verdict = tmp_path / "runs", tmp_path / "verdict"
+    verdict.write_text("null")
+    code = (f"import sys; open({str(runs)!r}, 'a').write('x'); v = open({str(verdict)!r}).read(); "
+            "print('{\"disagreement\": ' + v + '}') if v != 'fail' else sys.exit(3)")
+    monkeypatch.setattr(amx, "_check_command", lambda library, tiles: [sys.executable, "-c", code])
+
+    monkeypatch.setattr(torch.ops.dsaserve, "amx_available", lambda: True)
+    monkeypatch.setattr(amx, "set_mode", lambda name: "off")
+    library = str(torch_ops.library_path())
+
+    def start() -> int:
+        amx.choose_at_load(library)
+        return len(runs.read_text()) if runs.exists() else 0
+
+    try:
+        assert start() == 1 and amx.state() == "on (AMX tiles, checked against the AVX-512 kernels at load)"
+        assert start() == 1 and amx.state() == ("on (AMX tiles, checked against the AVX-512 kernels by an earlier "
+                                                "start on this CPU and library)")
+        monkeypatch.setattr(amx, "cpu_identity", lambda: "another microcode")
+        verdict.write_text('"index_scores off by 0.5 of its largest value"')
+        assert start() == 2 and "failed their check against the AVX-512 ones at load: index_scores" in amx.state()
+        assert start() == 2 and "ones by an earlier start on this CPU and library: index_scores" in amx.state()
+        monkeypatch.setattr(amx, "cpu_identity", lambda: "a third CPU")
+        verdict.write_text("fail")
+        assert start() == 3 and "exit status 3" in amx.state()
+        assert start() == 4  # a check that failed is not kept
+        own_verdicts.write_text("{not json")
+        monkeypatch.setattr(amx, "cpu_identity", lambda: "another microcode")
+        assert start() == 5 and "exit status 3" in amx.state()
+    finally:
+        monkeypatch.undo()
+        amx.choose_at_load(library)  # this CPU's own verdict again
+        torch_ops.configure("auto")
+
+
+@pytest.mark.usefixtures("own_verdicts")
 def test_native_kernels_avx512_keeps_tiles_that_passed_their_check_off(monkeypatch):
     """On an AMX CPU (faked, its mode recorded) whose check agrees the tiles go on; the engine option native_kernels
     'avx512' turns them off, saying why, and 'auto' back on."""
@@ -225,6 +273,7 @@ CHILDREN = {
 }
 
 
+@pytest.mark.usefixtures("own_verdicts")
 @pytest.mark.parametrize("child", sorted(CHILDREN))
 def test_tiles_that_fail_the_load_check_stay_off(monkeypatch, caplog, child):
     """On an AMX CPU (faked) whose check disagrees, raises, kills its process, hangs or says nothing, the

@@ -4,19 +4,24 @@ Where the CPU has AMX-BF16 and AMX-INT8 (and Linux grants the tile registers), t
 the indexer's scores (bf16 keys, and int8 keys kept in the int8 kernel's layout) take their tile bodies, but only
 after those have been compared, once, with their AVX-512 bodies on small problems in a child process: a CPU or
 kernel that disagrees, faults or hangs keeps the AVX-512 bodies, with a warning, and the process that loads the
-operators never runs a tile instruction before that check has passed. native_kernels 'avx512' keeps them off.
+operators never runs a tile instruction before that check has passed. The check's verdict is kept beside the library
+(VERDICTS_FILE), keyed by the library, this CPU's identity (its microcode included) and the Linux release, so a later
+start on the same machine reuses it instead of paying the child's second or two; a check that did not finish with a
+verdict (a fault, a hang) is not kept. native_kernels 'avx512' keeps them off.
 torch_ops.load() calls choose_at_load, so this module calls the operators directly and imports nothing of
 dsaserve; the child runs this file as a script.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -26,6 +31,7 @@ logger = logging.getLogger(__name__)
 CHECK_TOLERANCE = 2e-2
 # The check takes about a second plus torch's import; a child still running after this is taken as hung.
 CHECK_TIMEOUT_S = 120
+VERDICTS_FILE = "amx_check_verdicts.json"  # beside the library
 _state: str | None = None
 _checked: tuple[str, str] | None = None  # what the load check chose: (mode, the reason doctor prints)
 
@@ -57,12 +63,13 @@ def _choose(library: str) -> str:
     """The tiles' mode set here, and why (what doctor prints)."""
     if not torch.ops.dsaserve.amx_available():
         return "off (no AMX-BF16 and AMX-INT8 on this CPU, or Linux did not grant the tile registers)"
-    disagreement = check_in_child(library, "hardware")
+    disagreement, kept = kept_or_checked(library, "hardware")
+    when = "by an earlier start on this CPU and library" if kept else "at load"
     if disagreement is None:
         set_mode("hardware")
         logger.info("sparse kernels: using AMX tiles")
-        return "on (AMX tiles, checked against the AVX-512 kernels at load)"
-    state = f"off (the AMX tile kernels failed their check against the AVX-512 ones at load: {disagreement})"
+        return f"on (AMX tiles, checked against the AVX-512 kernels {when})"
+    state = f"off (the AMX tile kernels failed their check against the AVX-512 ones {when}: {disagreement})"
     logger.warning("sparse kernels: %s", state)
     return state
 
@@ -78,24 +85,76 @@ def allow(allowed: bool, why_not: str = "native_kernels 'avx512'") -> None:
     _state = reason if allowed else f"off ({why_not})"
 
 
+def kept_or_checked(library: str, tiles: str) -> tuple[str | None, bool]:
+    """check_in_child's answer, and whether it is the one kept from an earlier start (the same check command, CPU
+    identity and Linux release); a fresh verdict is kept for the next start."""
+    command = _check_command(library, tiles)
+    key = hashlib.sha256(json.dumps([command, cpu_identity(), os.uname().release]).encode()).hexdigest()
+    path = verdicts_path(library)
+    verdicts = _read_verdicts(path)
+    if key in verdicts:
+        return verdicts[key], True
+    disagreement, finished = _run_check(command)
+    if finished:
+        _write_verdicts(path, {**verdicts, key: disagreement})
+    return disagreement, False
+
+
+def verdicts_path(library: str) -> Path:
+    return Path(library).parent / VERDICTS_FILE
+
+
+def cpu_identity() -> str:
+    """The first CPU's vendor, family, model, stepping, microcode and flags (/proc/cpuinfo)."""
+    fields = ("vendor_id", "cpu family", "model", "stepping", "microcode", "flags")
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+    except OSError:
+        return "unknown"
+    return "\n".join(line for line in first.splitlines() if line.split(":")[0].strip() in fields)
+
+
+def _read_verdicts(path: Path) -> dict:
+    try:
+        verdicts = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: the check runs again
+        return {}
+    return verdicts if isinstance(verdicts, dict) else {}
+
+
+def _write_verdicts(path: Path, verdicts: dict) -> None:
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        partial.write_text(json.dumps(verdicts))
+        os.replace(partial, path)  # whole or not at all, should two engines start at once
+    except OSError as e:  # a read-only cache: the next start checks again
+        logger.info("could not keep the AMX check's verdict in %s: %s", path, e)
+
+
 def check_in_child(library: str, tiles: str) -> str | None:
     """tile_disagreement(tiles) run by a child process that loads `library`: None when the tiles agree, else
     what went wrong. The hardware form has run on no CPU before the one it meets here, so a fault in it (a
     tile configuration or stride the CPU refuses) must cost the tiles, not the process."""
+    return _run_check(_check_command(library, tiles))[0]
+
+
+def _run_check(command: list[str]) -> tuple[str | None, bool]:
+    """The child's answer, and whether it finished with a verdict (agreement or a measured disagreement) rather
+    than failing, faulting or hanging."""
     try:
-        done = subprocess.run(_check_command(library, tiles), capture_output=True, text=True,
-                              timeout=CHECK_TIMEOUT_S)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return f"the check did not finish in {CHECK_TIMEOUT_S} s"
+        return f"the check did not finish in {CHECK_TIMEOUT_S} s", False
     if done.returncode < 0:
-        return f"the check was killed by {_signal_name(-done.returncode)}"
+        return f"the check was killed by {_signal_name(-done.returncode)}", False
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        return f"the check failed with exit status {done.returncode}: {last[:300]}"
+        return f"the check failed with exit status {done.returncode}: {last[:300]}", False
     try:
-        return json.loads(done.stdout.strip().splitlines()[-1])["disagreement"]
+        return json.loads(done.stdout.strip().splitlines()[-1])["disagreement"], True
     except (IndexError, ValueError, KeyError, TypeError):
-        return f"the check printed no verdict: {done.stdout.strip()[-300:]!r}"
+        return f"the check printed no verdict: {done.stdout.strip()[-300:]!r}", False
 
 
 def _check_command(library: str, tiles: str) -> list[str]:
