@@ -173,8 +173,8 @@ def _amx_line(cfg: ModelConfig) -> str:
 
 
 def _native_line() -> str:
-    return (f"{torch_ops.summary()} (--cpu-isa auto | amx | avx512_bf16 | avx2; --native-kernels auto | avx512: the "
-            "AVX-512 bodies alone | off: torch's operators)")
+    return (f"{torch_ops.summary()} (--cpu-isa auto | amx | avx512_bf16 | avx2 | none; --native-kernels auto | "
+            "avx512: the AVX-512 bodies alone | off: torch's operators)")
 
 
 def _weight_pages() -> str:

@@ -100,8 +100,8 @@ class EngineArgs:
         "VBMI weight-product paths, for comparing) or off (torch's operators only)", choices=NATIVE_KERNELS))
     cpu_isa: str = field(default="auto", metadata=_help(
         "which body family the CPU kernels run, chosen once at load: auto (the best this CPU has), amx, avx512_bf16, "
-        "avx2 (also on AVX-512 CPUs: what an AVX2-only server gets, dtype auto then computing in fp32); a family "
-        "the CPU lacks is an error", choices=CPU_ISAS))
+        "avx2 (also on AVX-512 CPUs: what an AVX2-only server gets, dtype auto then computing in fp32), none (no "
+        "native body: what a CPU without AVX2 gets); a family the CPU lacks is an error", choices=CPU_ISAS))
     load_scratch_memory: int | str | None = field(default=None, metadata=_help(
         "memory the weight-loading threads may use to convert tensors, e.g. 256MiB: 64 MiB per thread, so it also "
         "caps their number (default: a sixteenth of the memory available, between 64 and 512 MiB)"))

@@ -34,7 +34,7 @@ def default_isa():
 
 
 @pytest.mark.parametrize("value, message", [
-    ("avx1024", "cpu_isa='avx1024' is not one of auto, amx, avx512_bf16, avx512, avx2"),
+    ("avx1024", "cpu_isa='avx1024' is not one of auto, amx, avx512_bf16, avx512, avx2, none"),
     ("avx512", "no AVX-512F body without BF16 yet; use 'avx2'"),
 ])
 def test_a_cpu_isa_without_bodies_is_refused_naming_the_choices(tiny_checkpoint, value, message):
@@ -64,6 +64,29 @@ def test_the_choice_is_what_runs_and_what_the_summary_says(default_isa):
     assert torch_ops.summary().startswith("AVX2 (chosen by cpu_isa)")
     torch_ops.configure("auto", "auto")
     assert torch_ops.cpu_kernels() == native_bodies()[0]
+
+
+@pytest.mark.skipif(not torch_ops.load(), reason="the native operators cannot be built here")
+def test_cpu_isa_none_runs_no_body_as_a_cpu_without_avx2_would(tiny_checkpoint, default_isa, monkeypatch):
+    """cpu_isa 'none' stands for a CPU no body fits: no operator runs natively, the AMX tiles are off, the summary
+    says it was chosen, and int8 weights then go through torch's products (the native ones would raise)."""
+    llm = LLM(tiny_checkpoint, cpu_isa="none", quantization="int8", **BASE)
+    assert torch_ops.cpu_kernels() == "none" and torch.ops.dsaserve.cpu_kernels() == "none"
+    assert not any(torch_ops.runs(name) for bodies in torch_ops.BODIES.values() for name in bodies)
+    assert torch_ops.summary().startswith("none (chosen by cpu_isa)")
+    assert torch.ops.dsaserve.amx_mode() == "off"
+
+    class NotHere:
+        def __call__(self, *args):
+            raise AssertionError("a native weight product ran under cpu_isa 'none'")
+
+        def __getattr__(self, name):
+            return self
+
+    for product in ("quant_linear", "dequantize_t", "moe_experts", "gated_mlp"):
+        monkeypatch.setattr(torch.ops.dsaserve, product, NotHere(), raising=False)
+    tokens, _ = generate(llm)
+    assert all(len(t) == GREEDY.max_tokens for t in tokens)
 
 
 @needs_avx2

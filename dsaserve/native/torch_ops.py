@@ -16,8 +16,9 @@ bodies without the AMX tiles and the VNNI/VBMI product paths (avx512), or none (
 compiler `load()` is False, `unavailable()` says why, and callers keep their torch path.
 
 Which body family runs is the engine's `cpu_isa` option, chosen once at load: auto (the best this CPU has), amx,
-avx512_bf16, avx2 (runs on any AVX-512 CPU too: how its bodies are tested there). Operators without a body in the
-chosen family run torch's operators (`runs(operator)` says which have one: BODIES).
+avx512_bf16, avx2 (runs on any AVX-512 CPU too: how its bodies are tested there), none (no body: what a CPU without
+AVX2 gets, torch's operators, the library's portable code converting weights while loading). Operators without a
+body in the chosen family run torch's operators (`runs(operator)` says which have one: BODIES).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dsaserve.native import amx, build
 logger = logging.getLogger(__name__)
 
 NATIVE_KERNELS = ("auto", "avx512", "off")
-CPU_ISAS = ("auto", "amx", "avx512_bf16", "avx512", "avx2")
+CPU_ISAS = ("auto", "amx", "avx512_bf16", "avx512", "avx2", "none")
 # The operators each body family has; the others run torch's operators under that family.
 BODIES = {
     "avx512_bf16": frozenset({"packed_products", "selected_rows", "index_scores", "index_scores_int8",
@@ -161,6 +162,9 @@ def summary() -> str:
         why = "chosen by cpu_isa" if _isa == "avx2" else "this CPU has no AVX-512 BF16"
         return (f"AVX2 ({why}): the packed-weight products (bf16 and fp8 widened in registers, int8 and int4 by "
                 "int16 products); attention and indexer in torch")
+    if cpu_kernels() == "none" and _isa == "none":
+        return ("none (chosen by cpu_isa): no native body runs, as on a CPU without AVX2; packed weights are "
+                "dequantized a slab at a time for torch's products")
     if cpu_kernels() != "avx512_bf16":
         return ("portable bodies of the small operators only (this CPU has no AVX2 or AVX-512 BF16): packed weights "
                 "are dequantized a slab at a time for torch's products")
