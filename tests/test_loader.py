@@ -15,7 +15,7 @@ from dsaserve.demo.checkpoint_builder import quantize_fp8, random_weights
 from dsaserve.device import resolve_dtype
 from dsaserve.model import load_model
 from dsaserve.model.checkpoint_layout import checkpoint_shapes
-from dsaserve.model.loader import CheckpointError, dequantize_fp8
+from dsaserve.model.loader import CheckpointError, dequantize_fp8, fp8_params
 
 CPU = torch.device("cpu")
 
@@ -268,6 +268,34 @@ def test_loading_streams_rows_and_never_widens_a_whole_tensor(make_checkpoint, m
                            weight_forms=quantization)
     assert 0 < LargestFloat.numel <= cap, f"a float32 tensor of {LargestFloat.numel} elements was made while loading"
     assert llm_model is not None
+
+
+def test_fp8_kept_as_shipped_is_packed_straight_from_the_mapped_file(make_checkpoint, monkeypatch):
+    """Zero copy where the form is the file's: every chunk of an FP8 projection kept as fp8 reaches its packed place
+    as a view of the memory-mapped file (its bytes read once, by the packing), not as a copy read beforehand.
+    (kv_b_proj is cut per head and W_UK transposed: those pieces are copies by nature.)"""
+    from dsaserve.quantization.fp8_blocks import Fp8Slice
+    from dsaserve.quantization.quantized_weight import QuantizedWeight
+
+    path = make_checkpoint("fp8_vocab4096", seed=7, dtype=torch.bfloat16, fp8=True, hidden_size=192,
+                           intermediate_size=320, moe_intermediate_size=136, vocab_size=4096)
+    files = {os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")}
+    chunks = []
+    load_rows = QuantizedWeight.load_rows
+
+    def watched(self, first, source, expert=None, name="weight"):
+        if isinstance(source, Fp8Slice) and ".kv_b_proj." not in name:
+            chunks.append((name, source.weight.untyped_storage().nbytes()))
+        return load_rows(self, first, source, expert, name)
+
+    monkeypatch.setattr(QuantizedWeight, "load_rows", watched)
+    cfg = ModelConfig.from_pretrained(path)
+    shipped = fp8_params(cfg, path)
+    load_model(cfg, path, torch.bfloat16, CPU, progress=False,
+               weight_forms=lambda name: "fp8" if name in shipped else None)
+    assert len(chunks) > 20
+    copied = [chunk for chunk in chunks if chunk[1] not in files]
+    assert not copied, f"{len(copied)} of {len(chunks)} FP8 chunks were copies, not the mapped file: {copied[:3]}"
 
 
 def test_a_load_the_machine_cannot_hold_is_refused_with_the_forms_that_fit(tiny_checkpoint, monkeypatch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import struct
 import time
@@ -46,6 +47,8 @@ SCRATCH_COPIES = 8  # fp32 copies of a chunk the conversions make at most (dequa
 CHUNK_ALIGN = 128  # rows: an FP8 block row, and a whole number of the packed layout's 16-row blocks
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` holds the block scales of an FP8 `X.weight`
 FP8_DTYPES = ("F8_E4M3",)
+TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
+                "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -94,11 +97,40 @@ def read_tensor_infos(files: list[str]) -> dict[str, TensorInfo]:
 
 
 def _data_offsets(path: str) -> dict[str, tuple[int, int]]:
-    """Each tensor's byte range in a safetensors file, from its header (safe_open has checked the header)."""
+    """Each tensor's byte range in a safetensors file (from the file's start), from its header (safe_open has
+    checked the header)."""
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
-    return {name: tuple(entry["data_offsets"]) for name, entry in header.items() if name != "__metadata__"}
+    data = 8 + length  # the data section follows the header; its offsets count from there
+    return {name: (data + entry["data_offsets"][0], data + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def map_file(path: str) -> torch.Tensor:
+    """The whole file as uint8, memory-mapped (private: nothing is copied unless written, and nothing is written
+    back), advised for sequential reading: row chunks are views of it (mapped_rows)."""
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    if hasattr(mmap, "MADV_SEQUENTIAL"):
+        mapping.madvise(mmap.MADV_SEQUENTIAL)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def mappable(info: TensorInfo, part: TensorSlice) -> bool:
+    """Whether row chunks of this part can be views of the mapped file: whole rows (all columns), of a dtype torch
+    has, starting where its elements may (safetensors does not align a tensor to its element size)."""
+    dtype = TORCH_DTYPES.get(info.dtype)
+    return (len(info.shape) >= 2 and part.dim in (None, 0) and dtype is not None
+            and info.offset % dtype.itemsize == 0)
+
+
+def mapped_rows(mapped: torch.Tensor, info: TensorInfo, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a 2-D or higher tensor as a view of its mapped file: its bytes are read where the
+    conversion reads them, once, with no copy in between."""
+    row_bytes = info.nbytes // info.shape[0]
+    start = info.offset + r0 * row_bytes
+    return mapped[start: start + (r1 - r0) * row_bytes].view(TORCH_DTYPES[info.dtype]).view(r1 - r0, *info.shape[1:])
 
 
 def check_tensors(cfg: ModelConfig, infos: dict[str, TensorInfo], with_mtp: bool = False) -> None:
@@ -252,12 +284,13 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
     def load_file(path: str) -> None:
         try:
             with safe_open(path, "pt") as f:
+                mapped = map_file(path)
                 for name in by_file[path]:
-                    load_one(f, name, head_rows if _KV_B_NAME in name else CHUNK_ALIGN)
+                    load_one(f, mapped, name, head_rows if _KV_B_NAME in name else CHUNK_ALIGN)
         except SafetensorError as e:
             raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-download this file") from e
 
-    def load_one(f, name: str, align: int) -> None:
+    def load_one(f, mapped: torch.Tensor, name: str, align: int) -> None:
         info, part = infos[name], parts[name]
         shape = part_shape(info, part)
         scales = None
@@ -268,7 +301,11 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
         step = chunk_rows(shape[-1], align) if len(shape) >= 2 else 1
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            tensor = read_part(f, name, info, part, (r0, r1) if len(shape) >= 2 else None)
+            if mappable(info, part):
+                first = part.start if part.dim == 0 else 0
+                tensor = mapped_rows(mapped, info, first + r0, first + r1)
+            else:
+                tensor = read_part(f, name, info, part, (r0, r1) if len(shape) >= 2 else None)
             if scales is not None:
                 offset = (r0 + (part.start if part.dim == 0 else 0), part.start if part.dim == 1 else 0)
                 tensor = Fp8Slice(tensor, scales, info.shape, offset, block, name)
