@@ -298,6 +298,37 @@ def test_fp8_kept_as_shipped_is_packed_straight_from_the_mapped_file(make_checkp
     assert not copied, f"{len(copied)} of {len(chunks)} FP8 chunks were copies, not the mapped file: {copied[:3]}"
 
 
+@pytest.mark.parametrize("form", ["fp8", "int8", "int4", "bf16"])
+def test_loading_writes_every_byte_of_the_packed_weights(make_checkpoint, monkeypatch, form):
+    """Packed weights are not zeroed before loading, so the load must write all of their bytes, the padding rows
+    and columns and the blocks two tensors share included: loads into buffers filled with 0x00 and with 0xFF first
+    end equal."""
+    import dsaserve.model as model_package
+    from dsaserve.quantization.packed import is_packed
+
+    path = make_checkpoint("fp8_vocab4096", seed=7, dtype=torch.bfloat16, fp8=True, hidden_size=192,
+                           intermediate_size=320, moe_intermediate_size=136, vocab_size=4096)
+    cfg = ModelConfig.from_pretrained(path)
+    original = model_package.load_checkpoint
+
+    def load(fill: int):
+        def filled_first(model, *args, **kwargs):
+            for module in model.modules():
+                if is_packed(module):
+                    module.qweight.view(torch.uint8).fill_(fill)
+                    module.scale.view(torch.uint8).fill_(fill)
+            return original(model, *args, **kwargs)
+
+        monkeypatch.setattr(model_package, "load_checkpoint", filled_first)
+        model = load_model(cfg, path, torch.bfloat16, CPU, progress=False, weight_forms=form)
+        return {name: t for name, t in model.state_dict().items() if name.endswith((".qweight", ".scale"))}
+
+    zeros, ones = load(0x00), load(0xFF)
+    assert len(zeros) > 20 and zeros.keys() == ones.keys()
+    unwritten = [name for name in zeros if not torch.equal(zeros[name].view(torch.uint8), ones[name].view(torch.uint8))]
+    assert not unwritten, f"bytes of {unwritten[:3]} were never written by the load"
+
+
 def test_a_load_the_machine_cannot_hold_is_refused_with_the_forms_that_fit(tiny_checkpoint, monkeypatch):
     import dsaserve.model as model_package
     from dsaserve.model.load_memory import LoadMemoryError
@@ -337,7 +368,8 @@ def test_the_native_fp8_dequantization_is_torchs(monkeypatch, rows, cols, full):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_the_native_chunk_quantization_is_torchs(body, monkeypatch, kind):
     """The loader's native int8/int4 quantization of a chunk gives torch's (q, scales) bit for bit, from an FP8 part
-    that starts and ends inside its tiles (subnormal bytes included), from bf16 and from fp32 rows; per body."""
+    that starts and ends inside its tiles (subnormal bytes, and every byte but NaN, included), from bf16 and from fp32
+    rows; per body."""
     from dsaserve.native import torch_ops
     from dsaserve.quantization import formats
     from dsaserve.quantization.fp8_blocks import Fp8Slice
@@ -346,6 +378,8 @@ def test_the_native_chunk_quantization_is_torchs(body, monkeypatch, kind):
     w, scale = quantize_fp8(torch.randn(full) * 100)
     subnormals = torch.tensor([0x00, 0x80, 0x01, 0x81, 0x02, 0x83, 0x07, 0x86], dtype=torch.uint8)
     w.view(torch.uint8)[130] = subnormals[torch.randint(0, 8, (301,))]  # a row of them alone: its scale is theirs
+    every = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # each byte but NaN
+    w.view(torch.uint8)[131] = every[torch.arange(301) % len(every)]
     sources = [Fp8Slice(w[128:430, 64:250].contiguous(), scale, full, (128, 64), (128, 128), "w"),
                torch.randn(37, 259).to(torch.bfloat16), torch.randn(37, 259) * 3]
     native = [formats.quantize(kind, s) for s in sources]

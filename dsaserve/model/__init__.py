@@ -12,7 +12,6 @@ from dsaserve.model.huge_pages import place_weights as place_in_huge_pages
 from dsaserve.model.load_memory import available_memory, check_fits, default_scratch_budget, model_bytes, scratch_bytes
 from dsaserve.model.loader import checkpoint_files, load_checkpoint, mtp_extras
 from dsaserve.quantization.apply import pack_weights
-from dsaserve.quantization.packed import is_packed
 
 
 def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
@@ -47,11 +46,7 @@ def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: tor
     model.to_empty(device=device)
     if huge_pages:
         place_in_huge_pages(model)
-    for module in model.modules():
-        if is_packed(module):  # padding rows and columns must read as zeros
-            module.qweight.zero_()
-            module.scale.zero_()
-    model.tie_weights()
+    model.tie_weights()  # (packed weights are not zeroed first: loading writes each of their bytes, padding included)
     load_checkpoint(model, cfg, model_dir, progress=progress, with_mtp=with_mtp, plan=parallel.plan,
                     scratch_budget=budget)
     return model.eval()
