@@ -6,12 +6,14 @@ Builds once (streaming, shard by shard) a 4-layer checkpoint with GLM-5.2's real
 vocabulary 154,880, three dense layers (intermediate 12,288), then one MoE layer with `--experts` routed experts of
 2,048 (GLM-5.2 has 256; 96 makes the 8.2 GiB checkpoint of the issue), FP8 with 128 × 128 block scales for every
 projection, bf16 embeddings and head, 2 GB shards. Then, per form, a child process loads it with `LLM` while this
-process samples the child's anonymous memory (RssAnon) every 0.1 s, and runs a few decode steps:
+process samples the child's anonymous memory (RssAnon) every 0.1 s, and runs a few decode steps. Load time is given
+twice: the whole `LLM(...)` (engine start-up included) and the loader's own (reading and converting the files, from
+its closing log line):
 
     fp8   the checkpoint's FP8 kept as shipped (the native kernels' form)
     int8  --quantization int8
     int4  --quantization int4
-    bf16  dequantized to bf16 Parameters (--native-kernels off: torch's products)
+    bf16  dequantized to bf16 Parameters (--cpu-isa none: no native body, as on a CPU without AVX2; torch's products)
 
 Before each load (and before timing `cat` of the files) the files are dropped from the page cache with
 posix_fadvise(DONTNEED), so reads come from the disk; the table says whether that worked.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -30,7 +33,7 @@ import time
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "glm-5.2-config.json")
 SHARD_BYTES = 2 * 10**9
 FORMS = {"fp8": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
-         "bf16": {"native_kernels": "off"}}
+         "bf16": {"cpu_isa": "none"}}
 
 
 def bench_config(experts: int) -> dict:
@@ -140,11 +143,25 @@ def rss_anon(pid: int) -> int:
     return 0
 
 
+class LoaderClock(logging.Handler):
+    """The seconds load_checkpoint reports for reading and converting the files (its closing log line): the load
+    without the engine's start-up around it."""
+
+    seconds = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("loaded %.2f GiB of checkpoint in %.1f s"):
+            self.seconds = record.args[1]
+
+
 def child(path: str, form: str, steps: int) -> None:
     import torch
 
     from dsaserve import LLM, SamplingParams
 
+    loader = LoaderClock()
+    logging.getLogger("dsaserve.model.loader").addHandler(loader)
+    logging.getLogger("dsaserve.model.loader").setLevel(logging.INFO)
     print("READY", flush=True)
     start = time.perf_counter()
     llm = LLM(path, dtype="bfloat16", max_model_len=256, kv_cache_memory="64MiB", progress=False,
@@ -152,7 +169,7 @@ def child(path: str, form: str, steps: int) -> None:
     load_s = time.perf_counter() - start
     model = llm.engine.model
     resident = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    print("LOADED " + json.dumps({"load_s": load_s, "resident": resident}), flush=True)
+    print("LOADED " + json.dumps({"load_s": load_s, "loader_s": loader.seconds, "resident": resident}), flush=True)
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     start = time.perf_counter()
     llm.generate(prompt_token_ids=[list(range(100, 132))], sampling_params=params, use_tqdm=False)
@@ -216,8 +233,8 @@ def main() -> None:
     print(f"checkpoint: {path}: {len(files)} files, {size / 2**30:.2f} GiB; reading it once: {speed:.0f} MB/s "
           f"({'page cache dropped first' if cold else 'warm page cache'})")
     gib = 2**30
-    print(f"{'form':6}{'load s':>8}{'MB/s':>7}{'of read':>9}{'resident GiB':>14}{'peak load GiB':>15}"
-          f"{'peak / (res + 1)':>18}{'decode peak GiB':>17}{'decode s':>10}")
+    print(f"{'form':6}{'load s':>8}{'MB/s':>7}{'of read':>9}{'loader s':>10}{'MB/s':>7}{'of read':>9}"
+          f"{'resident GiB':>14}{'peak load GiB':>15}{'peak / (res + 1)':>18}{'decode peak GiB':>17}{'decode s':>10}")
     results = {}
     for form in args.forms.split(","):
         drop_from_cache(files)
@@ -225,7 +242,9 @@ def main() -> None:
         results[form] = r
         mbs = size / 1e6 / r["load_s"]
         load_peak = r["peak_load"] - r.get("peak_baseline", 0)
-        print(f"{form:6}{r['load_s']:>8.1f}{mbs:>7.0f}{mbs / speed:>9.0%}{r['resident'] / gib:>14.2f}"
+        loader_mbs = size / 1e6 / r["loader_s"]
+        print(f"{form:6}{r['load_s']:>8.1f}{mbs:>7.0f}{mbs / speed:>9.0%}{r['loader_s']:>10.1f}{loader_mbs:>7.0f}"
+              f"{loader_mbs / speed:>9.0%}{r['resident'] / gib:>14.2f}"
               f"{r['peak_load'] / gib:>15.2f}{r['peak_load'] / (r['resident'] + gib):>18.2f}"
               f"{r['peak_decode'] / gib:>17.2f}{r['decode_s']:>10.1f}   (before loading "
               f"{r.get('peak_baseline', 0) / gib:.2f} GiB, growth while loading {load_peak / gib:.2f} GiB)")
