@@ -282,6 +282,28 @@ def test_the_torch_fallback_dequantizes_a_slab_of_rows_at_a_time(monkeypatch, ki
     assert seen == [16, 16, 5]
 
 
+def test_without_a_body_int8_weights_are_kept_in_torchs_row_layout_and_multiplied_there(monkeypatch):
+    """With no native body an int8 weight is [N, K] int8 and a scale per row, loaded a chunk of rows at a time. Up
+    to 16 activation rows multiply by torch's int8 matmul, with activations and scales rounded to bf16 (its result
+    is that rounding's, within bf16's precision); more rows by dequantized slabs (the exact product)."""
+    monkeypatch.setattr(torch_ops, "cpu_kernels", lambda: "none")
+    weight = torch.randn(37, 320)
+    quantized = QuantizedWeight("int8", 37, 320)
+    assert quantized.layout == "rows" and quantized.shape == (37, 320)
+    assert quantized.qweight.shape == (37, 320) and quantized.scale.shape == (37, 1)
+    assert QuantizedWeight("int8", 37, 301).layout == "blocks"  # a width torch's int8 matmul cannot take
+    quantized.load_rows(0, weight[:20])
+    quantized.load_rows(20, weight[20:])
+    q, s = formats.quantize_int8(weight)
+    assert torch.equal(quantized.qweight, q) and torch.equal(quantized.scale, s)
+    x = torch.randn(3, 320)
+    rounded = x.bfloat16().float() @ (q.float() * s.bfloat16().float()).T
+    assert (quantized.matrix().matmul(x) - rounded).abs().max() <= 2**-8 * rounded.abs().max()
+    rows = torch.randn(40, 320)
+    assert torch.allclose(quantized.matrix().matmul(rows), rows @ (q.float() * s).T, atol=1e-4, rtol=1e-4)
+    assert torch.equal(quantized.matrix().dequantize(), q.float() * s)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", ["float", "packed", "packed, twice as wide"])

@@ -45,10 +45,13 @@ def weight_forms(quantization: str | None, fp8_params: set[str], dtype: torch.dt
             raise ValueError(f"quantization={quantization!r}: quantized weights run on CPU so far; drop the flag on "
                              f"{device.type}")
         if not kernels_here(device):
-            logger.warning("quantization=%s without a native body here (%s): each product dequantizes its weight a "
-                           "slab of rows at a time in torch, so decode runs several times slower than with float "
-                           "weights; the memory saved is what this buys", quantization,
-                           torch_ops.unavailable() or "no AVX2 or AVX-512 BF16")
+            how = ("int8 weights are kept in torch's row layout and multiplied by torch's int8 matmul up to 16 rows "
+                   "at a time, with activations and scales rounded to bf16 for it (an error of the order of the "
+                   "int8 weights' own); more rows, and other forms, dequantize" if quantization == "int8"
+                   else "each product dequantizes")
+            logger.warning("quantization=%s without a native body here (%s): %s a slab of rows at a time in torch, "
+                           "so decode is slower than with the native kernels; the memory saved is what this buys",
+                           quantization, torch_ops.unavailable() or "no AVX2 or AVX-512 BF16", how)
         return lambda name: quantization
     if not kernels_here(device):
         return None

@@ -2,7 +2,9 @@
 
 For a few activation rows (decode, draft verification) the native kernel reads the packed weight once
 and converts it in registers; for many rows (prefill) the weight is dequantized, transposed, and the
-torch GEMM does the work. Stacked experts share one QuantizedWeight with a leading expert dimension;
+torch GEMM does the work. Where no native body multiplies packed weights, int8 weights are kept in torch's row
+layout instead (ROWS: [N, K] and a scale per row), which torch's int8 matmul reads: the blocks serve only the
+kernels. Stacked experts share one QuantizedWeight with a leading expert dimension;
 `expert(e)` views one of them in place. Loading writes rows from float tensors (quantizing them) or,
 for FP8 checkpoints read as shipped, from the checkpoint's own bytes and block scales.
 """
@@ -18,6 +20,17 @@ from dsaserve.quantization.fp8_blocks import Fp8Slice, as_float
 
 KERNEL_ROWS = 16  # activation rows the native kernel takes; more go to the GEMM
 FALLBACK_SCRATCH = 32 << 20  # bytes of one weight's rows dequantized at a time where no kernel runs
+BLOCKS, ROWS = "blocks", "rows"  # the native kernels' packed layout; torch's [N, K] int8 and a scale per row
+
+
+def layout_for(kind: str, k: int, col_offset: int) -> str:
+    """ROWS for int8 weights (not starting inside a scale group) where no native body runs the packed products
+    and torch has its int8 matmul; BLOCKS otherwise. Chosen when the weight is made, from the process's bodies.
+    Torch's int8 matmul reads past rows whose length is not a multiple of 16 (a segfault with torch 2.13 on
+    AVX-512): those widths, rare in real models, keep the blocks and the dequantized slabs."""
+    if kind == "int8" and not col_offset and k % 64 == 0 and hasattr(torch, "_weight_int8pack_mm"):
+        return BLOCKS if torch_ops.runs("packed_products") else ROWS
+    return BLOCKS
 
 
 def operator_args(kind: str, n: int, k: int, col_offset: int) -> tuple[int, int, int, int, int]:
@@ -27,14 +40,19 @@ def operator_args(kind: str, n: int, k: int, col_offset: int) -> tuple[int, int,
 
 def packed_args(weight) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(packed bytes, scales, operator_args) of a QuantizedWeight or PackedMatrix: what a native call takes for it."""
+    if weight.layout != BLOCKS:
+        raise RuntimeError("a weight kept in torch's row layout (made while no native body ran) reached a native "
+                           "kernel: build the model under the cpu_isa it runs with")
     return weight.qweight, weight.scale, list(weight.args)
 
 
 class PackedMatrix:
     """The packed form of one [N, K] weight and its product with activations (views, no copies)."""
 
-    def __init__(self, kind: str, qweight: torch.Tensor, scale: torch.Tensor, n: int, k: int, col_offset: int):
+    def __init__(self, kind: str, qweight: torch.Tensor, scale: torch.Tensor, n: int, k: int, col_offset: int,
+                 layout: str = BLOCKS):
         self.kind, self.qweight, self.scale, self.n, self.k, self.col_offset = kind, qweight, scale, n, k, col_offset
+        self.layout = layout
         self.args = operator_args(kind, n, k, col_offset)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +60,9 @@ class PackedMatrix:
         rows = x if x.dim() == 2 else x.reshape(-1, self.k)  # (a reshape is one more operator call per product)
         if rows.shape[0] == 0:  # e.g. lm_head in a step of prompt chunks only
             return x.new_empty(*x.shape[:-1], self.n)
-        if x.is_cpu and torch_ops.runs("packed_products"):
+        if self.layout == ROWS:
+            y = self._int8_rows(rows) if rows.shape[0] <= KERNEL_ROWS else self._by_slabs(rows, self._rows_slab)
+        elif x.is_cpu and torch_ops.runs("packed_products"):
             if rows.shape[0] <= KERNEL_ROWS:
                 y = torch.ops.dsaserve.quant_linear.default(rows, self.qweight, self.scale, *self.args)
             else:
@@ -75,6 +95,18 @@ class PackedMatrix:
         w = t.reshape(blocks, 16, groups, kp // groups) * scale.permute(0, 2, 1).unsqueeze(-1)
         return w.view(blocks * 16, kp)[r0 - b0 * 16:r1 - b0 * 16, :k].to(dtype).T
 
+    def _int8_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """A few rows by torch's int8 matmul over the row layout. It takes bf16 activations and scales (its fp32
+        form is several times slower), so both are rounded to bf16 here: an error of the order of the int8
+        weights' own, which is what a model without a native body gives up for its speed."""
+        y = torch._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), self.qweight,
+                                      self.scale.view(-1).to(torch.bfloat16))
+        return y.to(rows.dtype)
+
+    def _rows_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of a row-layout weight, dequantized and transposed: [K, r1 - r0]."""
+        return (self.qweight[r0:r1].float() * self.scale[r0:r1]).to(dtype).T
+
     def _native_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
         """Rows [r0, r1) of the weight, transposed and dequantized by the native kernel: [K, r1 - r0]."""
         b0, b1 = r0 // 16, -(-r1 // 16)
@@ -103,6 +135,8 @@ class PackedMatrix:
         """The weight [N, K] as floats (in torch: the kernels' reference, and their fallback); only rows [r0, r1)
         when given (r0 a multiple of 16, the packed layout's blocks)."""
         r0, r1 = rows or (0, self.n)
+        if self.layout == ROWS:
+            return self._rows_slab(dtype, r0, r1).T
         b0, b1 = r0 // 16, -(-r1 // 16)
         q, scale = formats.unpack(self.kind, self.qweight[b0:b1].cpu(), self.scale[b0:b1].cpu(), r1 - r0, self.k)
         w = formats.dequantize_reference(self.kind, q, scale, self.col_offset)
@@ -114,29 +148,35 @@ class QuantizedWeight(PreparedCalls):
         super().__init__()
         self.kind, self.out_features, self.in_features, self.col_offset = kind, out_features, in_features, col_offset
         self.args = operator_args(kind, out_features, in_features, col_offset)
-        qshape, qdtype, sshape = formats.packed_shapes(kind, out_features, in_features, col_offset)
+        self.layout = layout_for(kind, in_features, col_offset)
+        if self.layout == ROWS:
+            qshape, qdtype, sshape = (out_features, in_features), torch.int8, (out_features, 1)
+        else:
+            qshape, qdtype, sshape = formats.packed_shapes(kind, out_features, in_features, col_offset)
         lead = () if experts is None else (experts,)
         self.register_buffer("qweight", torch.empty(*lead, *qshape, dtype=qdtype))
         self.register_buffer("scale", torch.empty(*lead, *sshape))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.qweight.shape[:-3]) + (self.out_features, self.in_features)
+        lead = self.qweight.shape[:-2] if self.layout == ROWS else self.qweight.shape[:-3]
+        return tuple(lead) + (self.out_features, self.in_features)
 
     def matrix(self, expert: int | None = None) -> PackedMatrix:
         if expert is None:  # made once (after loading, on the weight's device), then reused by every product
             return self.prepared("matrix", self._whole_matrix)
         return PackedMatrix(self.kind, self.qweight[expert], self.scale[expert], self.out_features, self.in_features,
-                            self.col_offset)
+                            self.col_offset, self.layout)
 
     def _whole_matrix(self) -> PackedMatrix:
-        return PackedMatrix(self.kind, self.qweight, self.scale, self.out_features, self.in_features, self.col_offset)
+        return PackedMatrix(self.kind, self.qweight, self.scale, self.out_features, self.in_features, self.col_offset,
+                            self.layout)
 
     def batched_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, M, K] by each of the B stacked weights: [B, M, N] (one attention head each)."""
         if x.shape[1] == 0:
             return x.new_empty(x.shape[0], 0, self.out_features)
-        if x.is_cpu and torch_ops.runs("packed_products") and x.shape[1] <= KERNEL_ROWS:
+        if x.is_cpu and self.layout == BLOCKS and torch_ops.runs("packed_products") and x.shape[1] <= KERNEL_ROWS:
             return torch.ops.dsaserve.quant_linear.default(x, self.qweight, self.scale, *self.args)  # strided x too
         return torch.stack([self.matrix(b).matmul(x[b]) for b in range(x.shape[0])])
 
@@ -152,6 +192,10 @@ class QuantizedWeight(PreparedCalls):
                              f"{first}… of a [{self.out_features}, {self.in_features}] weight")
         q, scale = self._stored_form(source)
         qweight, scales = (self.qweight, self.scale) if expert is None else (self.qweight[expert], self.scale[expert])
+        if self.layout == ROWS:
+            qweight[first:first + n] = q
+            scales[first:first + n] = scale
+            return
         b0, b1 = first // 16, -(-(first + n) // 16)
         rows = min(self.out_features, b1 * 16) - b0 * 16
         if first % 16 or (n % 16 and first + n != self.out_features):  # rows share a block with others: merge
