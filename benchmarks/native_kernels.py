@@ -1,6 +1,6 @@
 """The native CPU kernels against the torch paths they replace, on the same random data.
 
-    python benchmarks/native_kernels.py
+    python benchmarks/native_kernels.py [--cpu-isa avx2]
 
 - selected rows: 64 queries × 16 heads, each over its own 2,048 rows of 576 (bf16) picked from a
   16K-row cache; torch gathers two queries' rows at a time and runs two bmm (the sparse backend's
@@ -19,13 +19,14 @@ Medians of repeated calls; it prints ms per call (µs per query for selected row
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 import torch
 
 from dsaserve.attention.dense import attend_own_keys
-from dsaserve.native import index_scores, selected_rows
+from dsaserve.native import index_scores, selected_rows, torch_ops
 from dsaserve.native.topk import topk_rows
 
 
@@ -166,15 +167,23 @@ def bench_amx_tiles(g: torch.Generator) -> None:
 
 
 def main() -> None:
-    if not (selected_rows.has_bf16_kernel() and index_scores.fits(32, 128)):
-        raise SystemExit("the native kernels are not built here (they need a C compiler and AVX-512 BF16)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-isa", default="auto", choices=torch_ops.CPU_ISAS,
+                        help="the body family (avx2: the kernels that have an AVX2 body, the others left out)")
+    args = parser.parse_args()
+    torch_ops.configure("auto", args.cpu_isa)
+    if not index_scores.fits(32, 128):
+        raise SystemExit(f"no native index-scores kernel here under cpu_isa {args.cpu_isa!r} (the kernels need a C "
+                         "compiler and AVX2 or AVX-512 BF16)")
     g = torch.Generator().manual_seed(0)
-    print(f"{torch.get_num_threads()} threads")
-    bench_selected_rows(g)
+    print(f"{torch.get_num_threads()} threads, {torch_ops.cpu_kernels()} bodies")
+    if selected_rows.has_bf16_kernel():
+        bench_selected_rows(g)
     bench_index_scores(g)
     bench_index_scores_int8(g)
     bench_topk(g)
-    bench_amx_tiles(g)
+    if torch_ops.cpu_kernels() == "avx512_bf16":
+        bench_amx_tiles(g)
 
 
 if __name__ == "__main__":

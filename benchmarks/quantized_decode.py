@@ -10,7 +10,8 @@ twice where the CPU has AVX-512 VNNI: as served (activations rounded to int8 per
 dot products) and `int8-bf16act`, `int4-bf16act` (native_kernels 'avx512': the products in bf16, exact in the
 activations); fp8 twice where the CPU has AVX-512 VBMI: as served (its bytes decoded by table lookups) and
 `fp8-shifts` (native_kernels 'avx512': by shifts and masks). `int8-nobody`: int8 weights with no native body at all
-(native_kernels off: torch's products on a slab of rows dequantized at a time). `--cpu-isa avx2` runs every form on
+(native_kernels off: torch's row layout and its int8 matmul up to 16 rows, a slab of rows dequantized at a time
+beyond). `--cpu-isa avx2` runs every form on
 the AVX2 bodies (on an AVX-512 CPU too: what an AVX2-only server runs; dtype auto then computes in fp32, bf16
 weights kept in bf16; torch-bf16 is then the fp32-widened weights through torch). Any form with `-eager` appended
 (e.g. `bf16-eager`) runs with enforce_eager: every decode step through the modules, no decode plan.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -65,8 +67,7 @@ def active_bytes(engine) -> tuple[int, int, int]:
     for name, module in model.named_modules():
         tensors = []
         if is_packed(module):
-            stacked = module.qweight.shape[0] if module.qweight.dim() == 4 else 1  # experts or heads
-            tensors.append((name, module.nbytes(), module.out_features * module.in_features * stacked))
+            tensors.append((name, module.nbytes(), math.prod(module.shape)))  # stacked experts or heads included
         else:
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) not in seen:

@@ -161,10 +161,10 @@ def test_a_decode_selection_refuses_a_block_table_shorter_than_its_context():
         not native_scores.fits(8, DIM), reason="no native index-scores kernel here (needs AVX-512 BF16)")),
     pytest.param(False, id="torch"),
 ])
-def test_bf16_scoring_selects_within_rounding_of_fp32_scores(native_kernel, monkeypatch):
+def test_bf16_scoring_selects_within_rounding_of_fp32_scores(native_kernel, monkeypatch, body):
     """bf16 models score q·k from bf16 inputs with fp32 accumulation (the torch path also rounds each
     head's score to bf16). A key that beats the k-th fp32 score by more than twice the rounding bound
-    must be selected, and none that trails it by more may be."""
+    must be selected, and none that trails it by more may be. The native kernel under each body family."""
     if not native_kernel:
         monkeypatch.setattr(indexer.native_scores, "fits", lambda heads, dim: False)
     kernel_calls = []
@@ -453,10 +453,12 @@ def test_a_bf16_engine_scores_int8_indexer_keys_in_place_and_generates_what_plai
 
 @pytest.mark.skipif(not native_scores.fits(8, 32), reason="no native index-score kernel here (needs the operators "
                     "built and AVX-512 BF16): indexer key caches stay unpacked")
-def test_a_bf16_engine_keeps_indexer_keys_packed_and_generates_what_unpacked_keys_give(make_checkpoint, monkeypatch):
+def test_a_bf16_engine_keeps_indexer_keys_packed_and_generates_what_unpacked_keys_give(make_checkpoint, monkeypatch,
+                                                                                       body):
     """bf16 on a CPU with the scoring kernel: the key caches are in its layout and scored in place. Prompts
     past index_topk (16) make every full layer score and select in prefill and decode; tokens and logprobs
-    are those of the same engine with plain key rows, gathered and packed per chunk."""
+    are those of the same engine with plain key rows, gathered and packed per chunk. Under each body family
+    (cpu_isa): the AVX2 one's kernel too."""
     import dsaserve.engine.workers.kv_cache as kv_cache
 
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
@@ -464,7 +466,7 @@ def test_a_bf16_engine_keeps_indexer_keys_packed_and_generates_what_unpacked_key
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 
     def run():
-        llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, progress=False)
+        llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, progress=False, cpu_isa=body)
         packed = {cache.packed for cache in llm.engine.kv_cache.indexer.values()}
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         return packed, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]

@@ -211,8 +211,7 @@ def test_without_a_compiler_the_operators_are_off_and_attention_falls_back(monke
     assert attend_selected_rows(query, rows, slots, 0.2, out) is False
 
 
-@needs_bf16_kernel
-def test_index_scores_equal_relu_weighted_head_sum_in_fp32():
+def test_index_scores_equal_relu_weighted_head_sum_in_fp32(body):
     # 150 keys: two whole groups of 64 and a ragged one ending inside a 16-key register.
     g = torch.Generator().manual_seed(4)
     for heads, dim, keys in ((8, 128, 150), (32, 128, 64), (4, 16, 3)):
@@ -228,9 +227,8 @@ def test_index_scores_equal_relu_weighted_head_sum_in_fp32():
         assert (out[:, keys:] == 7.0).all()  # nothing written past the keys
 
 
-@needs_bf16_kernel
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
-def test_index_scores_read_in_place_from_a_packed_key_cache_equal_the_gathered_keys_scores(block_size):
+def test_index_scores_read_in_place_from_a_packed_key_cache_equal_the_gathered_keys_scores(block_size, body):
     """A packed key cache scored in place along a block list gives the bits of the same keys gathered,
     packed per chunk and scored: any block order, a block count whose 16-key groups do not fill the
     kernel's 64-key items, and keys ending inside a block."""

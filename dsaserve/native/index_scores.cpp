@@ -18,14 +18,17 @@
  * packed layout, whose 16 keys × pairs of columns is already a tile's layout. Shapes with heads not in 16s or
  * dims not in 32s keep the AVX-512 body.
  *
- * Registered as torch.ops.dsaserve.index_scores(_blocks); the AVX-512 BF16 body is compiled for that ISA
- * alone (a target pragma) and runs only where the CPU has it (the caller checks index_scores_fits).
+ * Registered as torch.ops.dsaserve.index_scores(_blocks); the AVX-512 BF16 body and the AVX2 one (the same
+ * layout, keys widened in registers) are each compiled for their ISA alone (target pragmas) and run only under
+ * the family chosen for the process (cpu_features.h; the caller checks index_scores_fits).
  */
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -51,6 +54,7 @@ typedef struct {
     float *out;             /* [n, out_stride], columns < keys written */
     int64_t n, heads, dim, keys, out_stride;
     int64_t next; /* next work item, shared by the workers */
+    const float *q32; /* the AVX2 body's q widened to fp32 [n, heads, dim] (run() makes it) */
 } Job;
 
 const uint32_t *group_of(const Job *job, int64_t j) {
@@ -111,6 +115,59 @@ void worker(Job *job) {
 
 #pragma GCC pop_options
 #pragma GCC push_options
+#pragma GCC target("avx2,fma")
+/* The AVX2 body (no bf16 products): a 16-key group's column pairs are widened to fp32 in registers (the low bf16
+ * of a pair is column 2p: shifted up; the high one 2p + 1: masked) and multiplied by the query's two columns
+ * broadcast, by FMAs. One group at a time, 4 heads at a time: 8 accumulators of 8 keys. */
+void score_item_avx2(const Job *job, int64_t item) {
+    const int64_t pairs = job->dim / 2, k0 = item * KEYS_PER_ITEM;
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t i = 0; i < job->n; i++) {
+        for (int g = 0; g < 4 && k0 + 16 * g < job->keys; g++) {
+            const uint32_t *group = group_of(job, item * 4 + g);
+            __m256 score[2] = {zero, zero};
+            for (int64_t h0 = 0; h0 < job->heads; h0 += 4) {
+                const float *q = job->q32 + (i * job->heads + h0) * job->dim;
+                __m256 a[4][2];
+                for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = zero;
+                for (int64_t p = 0; p < pairs; p++) {
+                    const __m256i raw[2] = {_mm256_loadu_si256((const __m256i *)(group + p * 16)),
+                                            _mm256_loadu_si256((const __m256i *)(group + p * 16 + 8))};
+                    __m256 even[2], odd[2];
+                    for (int half = 0; half < 2; half++) {
+                        even[half] = _mm256_castsi256_ps(_mm256_slli_epi32(raw[half], 16));
+                        odd[half] = _mm256_castsi256_ps(_mm256_and_si256(raw[half], high));
+                    }
+                    for (int j = 0; j < 4; j++) {  // (broadcasts from memory: the load ports, not the shuffle one)
+                        const __m256 qe = _mm256_broadcast_ss(q + j * job->dim + 2 * p);
+                        const __m256 qo = _mm256_broadcast_ss(q + j * job->dim + 2 * p + 1);
+                        for (int half = 0; half < 2; half++)
+                            a[j][half] = _mm256_fmadd_ps(odd[half], qo, _mm256_fmadd_ps(even[half], qe, a[j][half]));
+                    }
+                }
+                for (int j = 0; j < 4; j++) {
+                    const __m256 w = _mm256_set1_ps(job->weights[i * job->heads + h0 + j]);
+                    for (int half = 0; half < 2; half++)
+                        score[half] = _mm256_fmadd_ps(_mm256_max_ps(a[j][half], zero), w, score[half]);
+                }
+            }
+            alignas(32) float lanes[16];
+            _mm256_store_ps(lanes, score[0]);
+            _mm256_store_ps(lanes + 8, score[1]);
+            const int64_t left = std::min<int64_t>(16, job->keys - (k0 + 16 * g));
+            std::copy(lanes, lanes + left, job->out + i * job->out_stride + k0 + 16 * g);
+        }
+    }
+}
+
+void worker_avx2(Job *job) {
+    int64_t items = (job->keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
+    for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
+        score_item_avx2(job, item);
+}
+#pragma GCC pop_options
+#pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16,amx-int8")
 /* The item's scores with tiles: accumulators 0-3 hold 16 heads × the 4 groups of 16 keys, tile 4 the query's
  * 16 heads × 32 columns, tiles 5-7 the key groups' 16 column pairs in turn. */
@@ -150,7 +207,9 @@ void worker_tiles(Job *job) {
 // Shapes the tile body takes: whole tiles of heads (16) and of columns (32).
 bool tiles_fit(int64_t heads, int64_t dim) { return heads % 16 == 0 && dim % 32 == 0; }
 
-bool fits(int64_t heads, int64_t dim) { return dsaserve::use_avx512_bf16() && heads % 4 == 0 && dim % 2 == 0; }
+bool fits(int64_t heads, int64_t dim) {
+    return (dsaserve::use_avx512_bf16() || dsaserve::use_avx2()) && heads % 4 == 0 && dim % 2 == 0;
+}
 
 void check_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& out, int64_t keys) {
     TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "index_scores: q must be "
@@ -167,6 +226,18 @@ void run(Job& job) {
 #if DSASERVE_X86
     const int64_t items = (job.keys + KEYS_PER_ITEM - 1) / KEYS_PER_ITEM;
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+    if (!dsaserve::use_avx512_bf16()) {  // the AVX2 body (fits() checked one of the two), q widened once
+        std::vector<float> q32(job.n * job.heads * job.dim);
+        for (size_t e = 0; e < q32.size(); ++e) {
+            const uint32_t bits = static_cast<uint32_t>(job.q[e]) << 16;
+            std::memcpy(&q32[e], &bits, 4);
+        }
+        job.q32 = q32.data();
+        at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
+            for (int64_t w = a; w < b; ++w) worker_avx2(&job);
+        });
+        return;
+    }
     const auto form = dsaserve::tile_form(tiles_fit(job.heads, job.dim));
     at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
         for (int64_t w = a; w < b; ++w)
