@@ -298,16 +298,20 @@ def test_fp8_kept_as_shipped_is_packed_straight_from_the_mapped_file(make_checkp
     assert not copied, f"{len(copied)} of {len(chunks)} FP8 chunks were copies, not the mapped file: {copied[:3]}"
 
 
+@pytest.mark.parametrize("model", ["glm_moe_dsa, FP8", "glm5_next, bf16"])
 @pytest.mark.parametrize("form", ["fp8", "int8", "int4", "bf16"])
-def test_loading_writes_every_byte_of_the_packed_weights(make_checkpoint, monkeypatch, form):
+def test_loading_writes_every_byte_of_the_packed_weights(make_checkpoint, monkeypatch, form, model):
     """Packed weights are not zeroed before loading, so the load must write all of their bytes, the padding rows
     and columns and the blocks two tensors share included: loads into buffers filled with 0x00 and with 0xFF first
-    end equal."""
+    end equal. A GLM-5.2-layout FP8 checkpoint, and a GLM-5.3-Flash one (KDA's projections)."""
     import dsaserve.model as model_package
     from dsaserve.quantization.packed import is_packed
 
-    path = make_checkpoint("fp8_vocab4096", seed=7, dtype=torch.bfloat16, fp8=True, hidden_size=192,
-                           intermediate_size=320, moe_intermediate_size=136, vocab_size=4096)
+    if model.startswith("glm5_next"):
+        path = make_checkpoint("glm5_next", seed=0, model_type="glm5_next")
+    else:
+        path = make_checkpoint("fp8_vocab4096", seed=7, dtype=torch.bfloat16, fp8=True, hidden_size=192,
+                               intermediate_size=320, moe_intermediate_size=136, vocab_size=4096)
     cfg = ModelConfig.from_pretrained(path)
     original = model_package.load_checkpoint
 
