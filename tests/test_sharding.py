@@ -28,7 +28,8 @@ def rank_of(rank: int, size: int, expert_parallel: bool = False) -> ParallelCont
 
 
 class ReadLog:
-    """safe_open that records what is read: whole tensors, or the index of a slice."""
+    """safe_open and the mapped file's row views that record what is read: whole tensors, or the index of a slice
+    (a tensor's row chunks read as views of its mapped file count as one slice of their rows)."""
 
     def __init__(self, monkeypatch):
         self.whole, self.sliced = set(), {}
@@ -67,6 +68,17 @@ class ReadLog:
                 return Slice()
 
         monkeypatch.setattr(loader, "safe_open", Handle)
+        real_rows, names = loader.mapped_rows, {}
+
+        def mapped_rows(mapped, info, r0, r1):
+            if (info.file, info.offset) not in names:  # the tensors' names by their place in the file
+                names.update({(i.file, i.offset): n for n, i in loader.read_tensor_infos([info.file]).items()})
+            name = names[(info.file, info.offset)]
+            seen = log.sliced.get(name, (slice(r0, r1), slice(None)))[0]
+            log.sliced[name] = (slice(min(seen.start, r0), max(seen.stop, r1)), slice(None))
+            return real_rows(mapped, info, r0, r1)
+
+        monkeypatch.setattr(loader, "mapped_rows", mapped_rows)
 
 
 def test_each_rank_reads_only_its_slices(tiny_checkpoint, monkeypatch):
