@@ -12,8 +12,10 @@ from collections import defaultdict
 
 import torch
 
+from dsaserve import triton_ops
 from dsaserve.byte_sizes import human
 from dsaserve.config import ModelConfig
+from dsaserve.device import resolve_device
 from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.engine.workers.kv_cache import KVCacheLayout
 from dsaserve.model import huge_pages
@@ -69,6 +71,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     if cfg.family.index_share:
         lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
     lines.append(f"native kernels: {_native_line()}")
+    lines.append(f"triton kernels: {_triton_line()}")
     lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
     lines.append(f"indexer kernels: {_index_scores_path(cfg)}")
     lines.append(f"AMX tiles for those kernels: {_amx_line(cfg)}")
@@ -175,6 +178,17 @@ def _amx_line(cfg: ModelConfig) -> str:
 def _native_line() -> str:
     return (f"{torch_ops.summary()} (--cpu-isa auto | amx | avx512_bf16 | avx2 | none; --native-kernels auto | "
             "avx512: the AVX-512 bodies alone | off: torch's operators)")
+
+
+def _triton_line() -> str:
+    """What the engine's default (--triton-kernels auto) runs on this machine's default device."""
+    device = resolve_device("auto")
+    triton_ops.configure("auto", device)
+    if device.type == "cuda":
+        return f"{triton_ops.summary()}; --triton-kernels off: torch's operators"
+    return ("off here (no CUDA device; on CUDA they run the sparse attention and the indexer's scores); "
+            "--triton-kernels on runs them on CPU tensors under TRITON_INTERPRET=1"
+            + ("" if triton_ops.triton_imports() is None else f" ({triton_ops.triton_imports()})"))
 
 
 def _weight_pages() -> str:

@@ -18,6 +18,7 @@ from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.native.torch_ops import CPU_ISAS, NATIVE_KERNELS, check_cpu_isa
 from dsaserve.quantization.formats import QUANTIZATION_MODES
 from dsaserve.speculative_config import SpeculativeConfig
+from dsaserve.triton_ops import TRITON_KERNELS
 
 
 def parse_bytes(value: int | str | None, field: str = "kv_cache_memory") -> int | None:
@@ -102,6 +103,11 @@ class EngineArgs:
         "which body family the CPU kernels run, chosen once at load: auto (the best this CPU has), amx, avx512_bf16, "
         "avx2 (also on AVX-512 CPUs: what an AVX2-only server gets, dtype auto then computing in fp32), none (no "
         "native body: what a CPU without AVX2 gets); a family the CPU lacks is an error", choices=CPU_ISAS))
+    triton_kernels: str = field(default="auto", metadata=_help(
+        "Triton kernels for the sparse attention and the indexer's scores: auto (where the device is CUDA and Triton "
+        "imports), off (torch's operators there) or on (also on CPU tensors, under Triton's interpreter: "
+        "TRITON_INTERPRET=1, slow; for checking the CUDA path without a GPU, with the native CPU kernels off)",
+        choices=TRITON_KERNELS))
     load_scratch_memory: int | str | None = field(default=None, metadata=_help(
         "memory the weight-loading threads may use to convert tensors, e.g. 256MiB: 64 MiB per thread, so it also "
         "caps their number (default: a sixteenth of the memory available, between 64 and 512 MiB)"))
@@ -129,6 +135,9 @@ class EngineArgs:
             raise ValueError(f"native_kernels={self.native_kernels!r} is not supported; use one of "
                              f"{', '.join(NATIVE_KERNELS)}")
         check_cpu_isa(self.cpu_isa)
+        if self.triton_kernels not in TRITON_KERNELS:
+            raise ValueError(f"triton_kernels={self.triton_kernels!r} is not supported; use one of "
+                             f"{', '.join(TRITON_KERNELS)}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
                              f"{', '.join(QUANTIZATION_MODES)} (or leave it unset)")

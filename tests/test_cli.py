@@ -32,6 +32,7 @@ def test_doctor_on_config_only_glm52(tmp_path):
     assert "latent: 78 layers × 576 × 2 B = 87.8 KiB" in out
     assert "indexer keys: 21 full layers × 128 × 2 B = 5.2 KiB" in out
     assert "KV cache per token (bfloat16): 93.0 KiB" in out
+    assert "triton kernels: off here (no CUDA device" in out  # which kernels the default runs, and how to change it
 
 
 def test_doctor_on_config_only_deepseek_v32(tmp_path):

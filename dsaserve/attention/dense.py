@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.attention.selected_rows import attend_selected_rows
 from dsaserve.native import torch_ops
-from dsaserve.native.selected_rows import attend_selected_rows
 
 # Upper bound on score elements materialized at once ([query tile, heads, keys]).
 SCORE_BUDGET = 1 << 24

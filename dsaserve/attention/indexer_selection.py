@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from dsaserve import triton_ops
 from dsaserve.attention.context_shard import ContextShard
 from dsaserve.attention.indexer_cache import IndexerKeyCache
 from dsaserve.attention.metadata import BatchMetadata
@@ -95,6 +96,10 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
            selection: Selection) -> torch.Tensor:
     """Per query, the positions its attention reads. q [T, H, D], weights [T, H] fp32."""
     width = selection.width(meta.block_size)
+    if triton_ops.runs_on(q):  # one Triton kernel scores every row where the keys are (the CUDA path)
+        from dsaserve.attention.scored_selection import select_scored
+
+        return select_scored(q, weights, key_cache, meta, selection.pages, width)
     if decodes_natively(q, key_cache, meta, selection):
         chunk_blocks, window_blocks = chunk_and_window(min(QUERY_TILE, q.shape[0]), q.shape[1], meta.block_size)
         int8 = key_cache.int8_groups is not None
@@ -337,7 +342,7 @@ def score_chunk(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCac
     """Unmasked scores [t, c] of a query tile (q flattened to [t * heads, D]) against whole blocks."""
     b0, b1 = blocks
     t, heads = weights.shape
-    if key_cache.int8_groups is not None and q.dtype == torch.bfloat16:  # int8 keys, scored where they are
+    if key_cache.int8_groups is not None and q.dtype == torch.bfloat16 and q.is_cpu:  # int8 keys, scored in place
         c = (b1 - b0) * block_size
         scores = scratch.scores[: t * c].view(t, c)
         native_scores.index_scores_int8_blocks(q.view(t, heads, -1), weights, key_cache.int8_groups, key_cache.scale,

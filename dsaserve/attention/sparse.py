@@ -26,8 +26,8 @@ from dsaserve.attention.dense import (
     every_row_slots,
 )
 from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.attention.selected_rows import attend_selected_rows
 from dsaserve.native import torch_ops
-from dsaserve.native.selected_rows import attend_selected_rows
 
 QUERY_TILE = 64  # queries sharing one load of their selected rows
 UNION_LIMIT = 2  # above this many × the selection width, a tile's union is not worth scoring

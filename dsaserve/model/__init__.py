@@ -27,6 +27,9 @@ def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: tor
     in memory advised for 2 MiB pages where Linux allows (model/huge_pages.py). scratch_budget: bytes the loading
     threads may use for conversions (default: model/load_memory.py's); loading refuses to start where the weights
     and that scratch exceed the memory available."""
+    if weight_forms is not None and device.type != "cpu":
+        raise ValueError(f"weights packed for the CPU kernels (weight_forms) on device {device.type!r}: packed forms "
+                         "exist only on the CPU; load without quantization there")
     mtp = mtp_extras(cfg, model_dir) if with_mtp else None
     parallel = parallel or ParallelContext.single()
     model_class = Glm5NextForCausalLM if cfg.hybrid is not None else GlmMoeDsaForCausalLM

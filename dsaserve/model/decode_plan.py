@@ -86,8 +86,8 @@ class DecodePlan:
 
     @classmethod
     def build(cls, layers) -> DecodePlan | None:
-        """The plan of these layers, or None where a piece of one has no native form here."""
-        if not torch_ops.load() or not torch_ops.runs("decode_plan"):
+        """The plan of these layers, or None where a piece of one has no native form here (any device but the CPU)."""
+        if not layers[0].input_layernorm.weight.is_cpu or not torch_ops.load() or not torch_ops.runs("decode_plan"):
             return None
         pieces = []
         for i, layer in enumerate(layers):

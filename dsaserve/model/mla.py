@@ -200,7 +200,7 @@ class MLAAttention(PreparedCalls):
     def attention_output(self, out_latent: torch.Tensor) -> torch.Tensor:
         """o_proj of each head's attended latent [T, H, rank] times W_UVᵀ: [T, hidden]."""
         output = self.prepared("output", self.output_binding)
-        if (output is not None and 0 < out_latent.shape[0] <= KERNEL_ROWS
+        if (output is not None and 0 < out_latent.shape[0] <= KERNEL_ROWS and out_latent.is_cpu
                 and torch_ops.runs("mla_projections")):
             # A few tokens, packed weights: one native call, the same bits as the two products.
             y = torch.ops.dsaserve.mla_output.default(out_latent, *output.native_args)

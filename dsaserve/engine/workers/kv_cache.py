@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsaserve import triton_ops
 from dsaserve.attention.context_shard import ContextShard
 from dsaserve.attention.indexer_cache import IndexerKeyCache, can_pack
 from dsaserve.attention.linear_state import LinearStateCache
@@ -113,7 +114,8 @@ def packs_indexer_keys(cfg: ModelConfig, block_size: int, dtype: torch.dtype, de
     this model's indexer (bf16 models on a CPU with AVX-512 BF16; int8 keys also need AVX-512 VNNI) and the
     cache holds plain bf16 keys or int8 ones."""
     fits = index_scores.fits_int8 if indexer_dtype == "int8" else index_scores.fits
-    return (device.type == "cpu" and can_pack(indexer_dtype, dtype, block_size, cfg.index_head_dim)
+    return (device.type == "cpu" and triton_ops.active_device() is None
+            and can_pack(indexer_dtype, dtype, block_size, cfg.index_head_dim)
             and fits(cfg.index_n_heads, cfg.index_head_dim))
 
 

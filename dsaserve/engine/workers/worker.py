@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from dsaserve import triton_ops
 from dsaserve.attention.context_shard import ContextShard
 from dsaserve.config import ModelConfig
 from dsaserve.device import widened_for_cpu
@@ -37,9 +38,14 @@ class Worker:
         self.parallel = parallel or ParallelContext.single()
         self.with_mtp = args.speculative is not None
         page_budget = args.page_budget or max(1, cfg.index_topk // args.block_size)  # the same token budget as top-k
-        torch_ops.configure(args.native_kernels, args.cpu_isa)  # before anything asks which kernels run
-        if device.type == "cpu" and self.parallel.tp.rank == 0:
-            logger.info("native kernels: %s", torch_ops.summary())  # (builds them the first time on this machine)
+        triton_ops.configure(args.triton_kernels, device)  # before anything asks which kernels run
+        # Triton on CPU tensors stands in for the CUDA path: CPU operators off, as on a GPU.
+        native = "off" if triton_ops.active_device() is not None else args.native_kernels
+        torch_ops.configure(native, args.cpu_isa)
+        if self.parallel.tp.rank == 0:
+            if device.type == "cpu":
+                logger.info("native kernels: %s", torch_ops.summary())  # (builds them the first time on this machine)
+            logger.info("triton kernels: %s", triton_ops.summary())
         forms = weight_forms(args.quantization, fp8_params(cfg, args.model), dtype, device,
                              keep_bf16=widened_for_cpu(args.dtype, cfg.checkpoint_dtype, dtype))
         self.model = load_model(cfg, args.model, dtype, device, args.attention_backend, progress=progress,

@@ -1,0 +1,68 @@
+"""The indexer's selection where a Triton kernel scores (the CUDA path): whole score rows, then one top-k.
+
+A tile of queries is scored against every position of the batch's longest context in one kernel call
+(triton_ops/index_scores.py: keys read from the paged cache in place, invisible positions -inf), and torch's top-k
+ranks each row. The rows stay bounded: tiles hold at most SCORE_ELEMENTS scores, whatever the context length.
+Queries that see at most `width` tokens get all of them (their finite scores rank first), so no host loop over
+requests is needed; the positions come out in score order, a set equal to the streaming selection's
+(attention/indexer_selection.py) where scores do not tie.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaserve.attention.indexer_cache import IndexerKeyCache
+from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.triton_ops.index_scores import index_scores
+
+SCORE_ELEMENTS = 1 << 24  # fp32 scores per tile: 64 MiB, e.g. 256 queries at 64K
+
+
+def row_requests(meta: BatchMetadata) -> torch.Tensor:
+    """int64 [T]: the request each row of the batch belongs to (made once per step, from host lengths)."""
+    def make():
+        starts = meta.query_start_loc_host
+        lengths = torch.tensor([starts[i + 1] - starts[i] for i in range(meta.num_reqs)])
+        return torch.repeat_interleave(torch.arange(meta.num_reqs), lengths).to(meta.positions.device)
+    return meta.once(("row requests",), make)
+
+
+def select_scored(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
+                  pages: int | None, width: int) -> torch.Tensor:
+    """int32 [T, width] positions (-1 empty): each query's top `width` tokens, or with `pages` the tokens of its
+    best `pages` pages (a page scores as its best visible token) that it may see."""
+    t = q.shape[0]
+    bs = meta.block_size
+    columns = max(meta.seq_lens_host)
+    if pages:
+        columns = -(-columns // bs) * bs  # whole pages
+    out = torch.full((t, width), -1, dtype=torch.int32, device=q.device)
+    tile = max(1, min(t, SCORE_ELEMENTS // columns))
+    scores = torch.empty(tile, columns, dtype=torch.float32, device=q.device)
+    requests = row_requests(meta)
+    for t0 in range(0, t, tile):
+        t1 = min(t0 + tile, t)
+        rows = scores[: t1 - t0]
+        index_scores(q[t0:t1], weights[t0:t1].float(), key_cache.data, key_cache.scale, meta.block_tables,
+                     requests[t0:t1], meta.positions[t0:t1], rows)
+        if pages:
+            out[t0:t1] = page_tokens(rows.view(t1 - t0, -1, bs).amax(dim=-1), pages, bs, meta.positions[t0:t1], width)
+            continue
+        keep = min(width, columns)
+        best, ids = rows.topk(keep, dim=1, sorted=False)
+        out[t0:t1, :keep] = torch.where(best == float("-inf"), -1, ids).to(torch.int32)
+    return out
+
+
+def page_tokens(page_scores: torch.Tensor, pages: int, block_size: int, positions: torch.Tensor,
+                width: int) -> torch.Tensor:
+    """The visible tokens of each row's best `pages` pages, [t, width] (-1 empty)."""
+    keep = min(pages, page_scores.shape[1])
+    best, chosen = page_scores.topk(keep, dim=1, sorted=False)
+    chosen = torch.where(best == float("-inf"), -1, chosen)
+    tokens = chosen[:, :, None] * block_size + torch.arange(block_size, device=chosen.device)
+    tokens = torch.where((chosen[:, :, None] >= 0) & (tokens <= positions[:, None, None]), tokens, -1)
+    out = torch.full((positions.shape[0], width), -1, dtype=torch.int32, device=chosen.device)
+    out[:, : keep * block_size] = tokens.view(positions.shape[0], -1)
+    return out

@@ -1,0 +1,110 @@
+"""Sparse MLA decode in Triton: each query's heads attend over the cache rows it selected, with an online softmax.
+
+The contract of native/selected_rows.py: query [n, H, D] (absorbed: latent columns then rope columns), rows [N, D]
+(the flattened latent cache), slots int64 [n, K] with -1 for empty entries, out [n, H, V] = softmax(scale · q·rowᵀ)
+· row[:, :V]. One program takes one query and a block of its heads, so each selected row is read once for all of
+them; the row is split into its value columns and the rest (for GLM-5.2: 512 latent + 64 rope), each a power-of-two
+tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.triton_ops import interpreting
+
+ROWS_PER_STEP = 32  # selected rows scored per step of the online softmax
+
+
+@triton.jit
+def _operand(x, LOW_PRECISION_DOT: tl.constexpr):
+    # bf16/fp16 tiles go to the tensor cores as they are; fp32 ones in full fp32 (see dot_inputs).
+    if LOW_PRECISION_DOT:
+        return x
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _selected_rows_kernel(
+    query, rows, slots, out, scale, heads, width,
+    q_stride_n, q_stride_h, row_stride, slot_stride, out_stride_n, out_stride_h,
+    VALUE: tl.constexpr, REST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    v = tl.arange(0, BLOCK_V)
+    r = tl.arange(0, BLOCK_R)
+    head_ok = h < heads
+    q_row = query + i * q_stride_n + h[:, None] * q_stride_h
+    q_value = _operand(tl.load(q_row + v[None, :], mask=head_ok[:, None] & (v[None, :] < VALUE), other=0.0),
+                       LOW_PRECISION_DOT)
+    q_rest = _operand(tl.load(q_row + VALUE + r[None, :], mask=head_ok[:, None] & (r[None, :] < REST), other=0.0),
+                      LOW_PRECISION_DOT)
+    best = tl.full((BLOCK_H,), -1.0e30, tl.float32)
+    total = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        slot = tl.load(slots + i * slot_stride + k, mask=k < width, other=-1)
+        valid = slot >= 0
+        base = rows + tl.where(valid, slot, 0).to(tl.int64)[:, None] * row_stride
+        key_value = _operand(tl.load(base + v[None, :], mask=valid[:, None] & (v[None, :] < VALUE), other=0.0),
+                             LOW_PRECISION_DOT)
+        key_rest = _operand(tl.load(base + VALUE + r[None, :], mask=valid[:, None] & (r[None, :] < REST), other=0.0),
+                            LOW_PRECISION_DOT)
+        score = tl.dot(q_value, tl.trans(key_value), input_precision=PRECISION)
+        score += tl.dot(q_rest, tl.trans(key_rest), input_precision=PRECISION)
+        score = tl.where(valid[None, :], score * scale, -1.0e30)
+        new_best = tl.maximum(best, tl.max(score, axis=1))
+        weight = tl.exp(score - new_best[:, None])  # masked rows: exp(-1e30 - best) = 0
+        rescale = tl.exp(best - new_best)
+        total = total * rescale + tl.sum(weight, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(_operand(weight.to(key_value.dtype), LOW_PRECISION_DOT), key_value,
+                                              input_precision=PRECISION)
+        best = new_best
+    result = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out_ptr = out + i * out_stride_n + h[:, None] * out_stride_h + v[None, :]
+    tl.store(out_ptr, result.to(out.dtype.element_ty), mask=head_ok[:, None] & (v[None, :] < VALUE))
+
+
+def dot_inputs(dtype: torch.dtype) -> tuple[bool, str]:
+    """(pass bf16/fp16 tiles to tl.dot as they are, tl.dot's input precision). fp32 models multiply in full fp32
+    ('ieee', not tf32: the CUDA path must agree with the CPU's fp32 within 1e-3). The interpreter widens bf16 tiles
+    first: its bf16 products are wrong (measured with Triton 3.9: loaded bf16 values added or multiplied as raw
+    bits), while its fp32 ones are exact."""
+    low = dtype in (torch.bfloat16, torch.float16) and not interpreting()
+    return low, "tf32" if low else "ieee"
+
+
+def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
+                         out: torch.Tensor) -> None:
+    """out[i, h] = softmax(scale · query[i, h] · rows[slots[i]]ᵀ) · rows[slots[i], :V], V = out.shape[-1]; empty
+    entries (-1) take no weight and a query without any selected row gets zeros."""
+    n, heads, dim = query.shape
+    value = out.shape[-1]
+    if rows.shape[1] != dim or slots.shape[0] != n or out.shape[:2] != (n, heads) or value > dim:
+        raise ValueError(f"selected rows: shapes query {tuple(query.shape)}, rows {tuple(rows.shape)}, "
+                         f"slots {tuple(slots.shape)}, out {tuple(out.shape)} do not fit together")
+    if n == 0:
+        return
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    slots = slots.to(torch.int64)
+    slots = slots if slots.stride(-1) == 1 else slots.contiguous()
+    target = out if out.stride(-1) == 1 else torch.empty_like(out)
+    rest = dim - value
+    low, precision = dot_inputs(rows.dtype)
+    block_h = max(16, min(64, triton.next_power_of_2(heads)))  # tl.dot takes tiles of at least 16
+    grid = (n, triton.cdiv(heads, block_h))
+    _selected_rows_kernel[grid](
+        query, rows, slots, target, float(scale), heads, slots.shape[1],
+        query.stride(0), query.stride(1), rows.stride(0), slots.stride(0), target.stride(0), target.stride(1),
+        VALUE=value, REST=rest, BLOCK_H=block_h, BLOCK_V=max(16, triton.next_power_of_2(value)),
+        BLOCK_R=max(16, triton.next_power_of_2(max(rest, 1))), BLOCK_K=ROWS_PER_STEP, LOW_PRECISION_DOT=low,
+        PRECISION=precision,
+    )
+    if target is not out:
+        out.copy_(target)

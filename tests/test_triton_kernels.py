@@ -1,0 +1,159 @@
+"""The Triton kernels (the CUDA path) against their torch references, run on CPU tensors under Triton's
+interpreter, and the engine driven through them: the same greedy tokens as the CPU path."""
+
+import pytest
+import torch
+
+from dsaserve import LLM, SamplingParams, triton_ops
+from dsaserve.attention.indexer_cache import IndexerKeyCache
+from dsaserve.attention.indexer_selection import Selection, select
+from dsaserve.attention.metadata import BatchMetadata
+
+pytestmark = pytest.mark.skipif(triton_ops.triton_imports() is not None, reason="Triton does not import here")
+BS = 16
+
+
+@pytest.fixture
+def interpreter():
+    """The process's Triton kernels on for CPU tensors (conftest.py chose Triton's interpreter); off after."""
+    triton_ops.configure("on", torch.device("cpu"))
+    yield
+    triton_ops.configure("auto", torch.device("cpu"))
+
+
+def softmax_over_rows(query, rows, slots, scale, value):
+    keys = rows[slots.clamp(min=0)].float()  # [n, K, D]
+    scores = torch.einsum("nhd,nkd->nhk", query.float(), keys) * scale
+    weights = scores.masked_fill((slots < 0)[:, None, :], float("-inf")).softmax(-1).nan_to_num()
+    return torch.einsum("nhk,nkv->nhv", weights, keys[..., :value])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [5, 70])  # one block of heads, padded; two blocks, the second partial
+def test_sparse_decode_kernel_is_the_softmax_over_each_querys_selected_rows(interpreter, dtype, heads):
+    """Value columns and the rest of the row (rope) both scored, the value columns averaged; -1 entries take no
+    weight, a query with nothing selected gets zeros, widths past one step of rows."""
+    from dsaserve.triton_ops.selected_rows import attend_selected_rows
+
+    g = torch.Generator().manual_seed(heads)
+    n, dim, value, count, width = 4, 48, 32, 300, 70
+    query = torch.randn(n, heads, dim, generator=g).to(dtype)
+    rows = torch.randn(count, dim, generator=g).to(dtype)
+    slots = torch.randint(0, count, (n, width), generator=g)
+    slots[0, 3:40] = -1
+    slots[2, 33:] = -1
+    slots[3] = -1
+    out = torch.full((n, heads, value), 7.0, dtype=dtype)
+    attend_selected_rows(query, rows, slots, 0.2, out)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), softmax_over_rows(query, rows, slots, 0.2, value), rtol=tolerance,
+                               atol=tolerance)
+    assert (out[3] == 0).all()
+
+
+def paged_keys(kind: str, lengths: list[int], dim: int, seed: int):
+    """Two requests' keys in one scrambled paged cache: (cache, block tables, keys per request)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // BS) for n in lengths]
+    order = torch.randperm(sum(blocks) + 3, generator=g).tolist()
+    tables = [order[:blocks[0]], order[blocks[0]:blocks[0] + blocks[1]]]
+    cache = IndexerKeyCache(sum(blocks) + 3, BS, dim, kind, torch.float32, torch.device("cpu"))
+    keys = []
+    for n, table in zip(lengths, tables):
+        k = torch.randn(n, dim, generator=g)
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(n)])
+        cache.write(slots, k)
+        keys.append(cache.read_blocks(torch.tensor(table), torch.float32)[:n])  # the stored (dequantized) values
+    return cache, tables, keys
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_index_scores_kernel_reads_each_key_where_the_paged_cache_keeps_it(interpreter, kind, qdtype):
+    """Scores of queries of two requests against their own blocks (scrambled, the last one partial): the weighted
+    head sum of relu(q·k) with each token's scale, -inf in each query's future."""
+    from dsaserve.triton_ops.index_scores import index_scores
+
+    heads, dim = 6, 32
+    lengths = [75, 40]
+    cache, tables, keys = paged_keys(kind, lengths, dim, seed=3)
+    g = torch.Generator().manual_seed(4)
+    positions = torch.tensor([74, 50, 10, 39, 0])
+    request = torch.tensor([0, 0, 0, 1, 1])
+    q = torch.randn(5, heads, dim, generator=g).to(qdtype)
+    weights = torch.rand(5, heads, generator=g) + 0.1
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    out = torch.full((5, 75), 7.0)
+    index_scores(q, weights, cache.data, cache.scale, table, request, positions, out)
+    for row in range(5):
+        k = keys[int(request[row])]
+        expected = (torch.relu(q[row].float() @ k.T) * weights[row][:, None]).sum(0)
+        visible = int(positions[row]) + 1
+        tolerance = 1e-4 if qdtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out[row, :visible], expected[:visible], rtol=tolerance, atol=tolerance)
+        assert (out[row, visible:] == float("-inf")).all()
+
+
+def batch_of(lengths: list[int], new: list[int], tables: list[list[int]]) -> BatchMetadata:
+    return BatchMetadata.build([[1] * k for k in new], [n - k for n, k in zip(lengths, new)], tables, BS, [])
+
+
+@pytest.mark.parametrize("width", [24, 96])  # fewer than the contexts; more than either (every position selected)
+def test_scored_selection_selects_what_the_streaming_selection_does(interpreter, width):
+    """A prefill chunk of one request and a decode of another in one batch: each query's set of positions equals
+    the streaming torch selection's, for token top-k and for pages (Triton off for the reference)."""
+    heads, dim = 4, 16
+    lengths, new = [75, 40], [6, 1]
+    cache, tables, _ = paged_keys("auto", lengths, dim, seed=7)
+    meta = batch_of(lengths, new, tables)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(7, heads, dim, generator=g)
+    weights = torch.rand(7, heads, generator=g) + 0.1
+    for selection in (Selection(width), Selection(width, pages=2)):
+        got = select(q, weights, cache, meta, selection)
+        triton_ops.configure("off", torch.device("cpu"))
+        expected = select(q, weights, cache, meta, selection)
+        triton_ops.configure("on", torch.device("cpu"))
+        assert got.shape == expected.shape
+        assert [set(r.tolist()) for r in got] == [set(r.tolist()) for r in expected]
+
+
+def test_triton_kernels_on_a_cpu_need_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        triton_ops.configure("on", torch.device("cpu"))
+    triton_ops.configure("auto", torch.device("cpu"))
+    assert triton_ops.active_device() is None  # auto on a CPU: the native kernels
+
+
+def test_the_engine_through_the_triton_kernels_generates_what_the_cpu_path_does(interpreter, make_checkpoint,
+                                                                               monkeypatch):
+    """fp32 tiny checkpoint, prompts past index_topk (16), chunked prefill and a decode batch: the indexer's scores
+    and the sparse attention over selected rows both run in Triton (counted), and the greedy tokens and their
+    logprobs are the CPU path's."""
+    import dsaserve.attention.scored_selection as scored
+    import dsaserve.triton_ops.selected_rows as triton_rows
+
+    calls = {"scores": 0, "rows": 0}
+    real_scores, real_rows = scored.index_scores, triton_rows.attend_selected_rows
+    monkeypatch.setattr(scored, "index_scores", lambda *a: calls.__setitem__("scores", calls["scores"] + 1)
+                        or real_scores(*a))
+    monkeypatch.setattr(triton_rows, "attend_selected_rows", lambda *a: calls.__setitem__("rows", calls["rows"] + 1)
+                        or real_rows(*a))
+    path = make_checkpoint("parity_mixed_FFSS", seed=0)
+    prompts = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (90, 41)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = {}
+    for mode in ("on", "off"):
+        llm = LLM(path, dtype="float32", block_size=16, max_model_len=256, max_num_batched_tokens=64,
+                  triton_kernels=mode, progress=False)
+        outs[mode] = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                         use_tqdm=False)]
+        if mode == "on":
+            assert calls["scores"] > 0 and calls["rows"] > 0
+            counted = dict(calls)
+    assert calls == counted  # the CPU path called neither
+    for a, b in zip(outs["on"], outs["off"]):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-4
