@@ -157,3 +157,14 @@ def test_the_engine_through_the_triton_kernels_generates_what_the_cpu_path_does(
     for a, b in zip(outs["on"], outs["off"]):
         assert a.token_ids == b.token_ids
         assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-4
+
+
+def test_weights_packed_for_the_cpu_kernels_are_refused_on_another_device(tiny_checkpoint):
+    """Packed forms are read only by CPU operators: on any other device (here `meta`) loading them is an error
+    that says so, before anything is read."""
+    from dsaserve.config import ModelConfig
+    from dsaserve.model import load_model
+
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    with pytest.raises(ValueError, match="packed forms exist only on the CPU"):
+        load_model(cfg, tiny_checkpoint, torch.float32, torch.device("meta"), weight_forms="int8", progress=False)

@@ -161,14 +161,13 @@ class BatchMetadata:
             write_rows = shard.owns(pos).nonzero().squeeze(1)
             slot_mapping = shard.local_slots(tables[req_of_token[write_rows]], pos[write_rows, None]).squeeze(1)
             write_rows = write_rows.to(device)
+        fields = on_device(device, input_ids=torch.tensor(flat_ids, dtype=torch.int64), positions=pos,
+                           query_start_loc=torch.tensor(starts, dtype=torch.int64),
+                           seq_lens=torch.tensor(seq_lens, dtype=torch.int64), block_tables=tables,
+                           slot_mapping=slot_mapping,
+                           logits_indices=torch.tensor(logits_indices, dtype=torch.int64))
         return cls(
-            input_ids=torch.tensor(flat_ids, dtype=torch.int64, device=device),
-            positions=pos.to(device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            block_tables=tables.to(device),
-            slot_mapping=slot_mapping.to(device),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            **fields,
             block_size=block_size,
             query_start_loc_host=tuple(starts),
             seq_lens_host=tuple(seq_lens),
@@ -178,3 +177,17 @@ class BatchMetadata:
             state_restore=tuple(state_restore or [-1] * len(token_ids)),
             state_snapshots=tuple(state_snapshots or [()] * len(token_ids)),
         )
+
+
+def on_device(device: torch.device | str, **host: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The step's int64 host tensors on `device`. On a GPU they travel as one pinned buffer in one asynchronous
+    copy (the step's kernels queue behind it; seven blocking copies would each wait for the GPU to drain)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    flat = torch.cat([t.reshape(-1) for t in host.values()]).pin_memory().to(device, non_blocking=True)
+    out, start = {}, 0
+    for name, t in host.items():
+        out[name] = flat[start:start + t.numel()].view(t.shape)
+        start += t.numel()
+    return out

@@ -72,23 +72,25 @@ def fill_synthetic_prefix(kv_cache, block_table: list[int], length: int, g: torc
     """Write synthetic latents and indexer keys into the first `length` positions of these blocks (and, for a hybrid
     model, pool keys and small random KDA states in every state slot)."""
     block_size = kv_cache.block_size
-    blocks = torch.tensor(block_table[: -(-length // block_size)])
+    device = kv_cache.device
+    blocks = torch.tensor(block_table[: -(-length // block_size)], device=device)
     for latent in kv_cache.latent:  # normalized latent (RMS ~1) and a rotated rope key
         if isinstance(latent, LinearStateCache):
             latent.recurrent.copy_(0.1 * torch.randn(latent.recurrent.shape, generator=g))
             latent.conv.copy_(torch.randn(latent.conv.shape, generator=g))
             continue
-        latent[blocks] = torch.randn(latent[blocks].shape, generator=g).to(latent.dtype)
-    positions = torch.arange(length)
+        latent[blocks] = torch.randn(latent[blocks].shape, generator=g).to(latent.dtype).to(device)
+    positions = torch.arange(length, device=device)
     slots = blocks[positions // block_size] * block_size + positions % block_size
     for keys in kv_cache.indexer.values():
         if isinstance(keys, PooledKeyCache):
             keys.tokens.view(-1, keys.tokens.shape[-1])[slots] = torch.randn(
-                length, keys.tokens.shape[-1], generator=g).to(keys.tokens.dtype)
+                length, keys.tokens.shape[-1], generator=g).to(keys.tokens.dtype).to(device)
             pools = slots[keys.kpool - 1 :: keys.kpool] // keys.kpool  # complete pools only
-            keys.pools.view(-1, keys.dim)[pools] = torch.randn(len(pools), keys.dim, generator=g).to(keys.pools.dtype)
+            keys.pools.view(-1, keys.dim)[pools] = torch.randn(len(pools), keys.dim, generator=g).to(
+                keys.pools.dtype).to(device)
             continue
-        keys.write(slots, torch.randn(length, keys.dim, generator=g))
+        keys.write(slots, torch.randn(length, keys.dim, generator=g).to(device))
 
 
 def synthetic_decode_ms(engine, context: int, steps: int, seed: int = 0) -> float:

@@ -15,11 +15,14 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
 from tqdm import tqdm
 
 from dsaserve.bench.common import percentile, print_table, write_json
+
+if TYPE_CHECKING:  # imported where a load runs: the offline benches (and a GPU machine without it) do not need it
+    import httpx
 
 WORDS = ("the of and to in is that for it as with was on be by at this are from or have an they which one "
          "you were all we when there can been has more if no would what their about out up into them time").split()
@@ -36,6 +39,8 @@ class RequestResult:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, payload: dict, headers: dict) -> RequestResult:
+    import httpx
+
     start = time.perf_counter()
     first = last = None
     itls, tokens = [], 0
@@ -82,6 +87,8 @@ async def run_load(base_url: str, model: str, num_prompts: int, input_len: int, 
                 for _ in range(num_prompts)]
     limit = asyncio.Semaphore(max_concurrency or num_prompts)
     bar = tqdm(total=num_prompts, desc="Requests", unit="req")
+
+    import httpx
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         async def issue(payload, delay):
@@ -135,6 +142,8 @@ def add_serve_bench_args(kinds: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import httpx
+
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model = args.model
     if model is None:

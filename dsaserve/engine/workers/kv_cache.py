@@ -67,7 +67,7 @@ class KVCache:
         """state_slots: requests a hybrid model's KDA layers hold state for (the running ones, max_num_seqs);
         state_snapshots: copies of it kept at prefix positions for prefix caching; draft_states: per state slot,
         copies kept after each draft's row while speculating (after the prefix snapshots in the same tensors)."""
-        self.num_blocks = num_blocks
+        self.num_blocks, self.device = num_blocks, device
         self.state_snapshots, self.draft_states = state_snapshots, draft_states
         self.shard = shard
         self.block_size = block_size if shard is None else shard.tokens_per_block

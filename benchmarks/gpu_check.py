@@ -1,0 +1,379 @@
+"""The CUDA path's one prepared check: parity, kernels, speed and memory, in sections that each run in a child
+process with their own time limit, so one failure or hang still leaves the others' numbers.
+
+    bash benchmarks/gpu_check.sh OUT_DIR [--device cuda|cpu] [--budget SECONDS]
+
+Writes OUT_DIR/results.json (every section's numbers, or its error and the log's tail) and OUT_DIR/summary.md (the
+table docs/benchmarks.md records). `--device cpu` runs the same sections at small sizes, the Triton kernels under
+Triton's interpreter: what CI runs so the script does not rot (its numbers say nothing about GPUs).
+
+Sections: env (versions, device); parity (a generated fp32 checkpoint, 32 greedy tokens and their logprobs on the
+device, Triton kernels on and off, against the CPU path); kernels (Triton against the torch path at GLM-5.2's
+shapes: sparse MLA decode over 2,048 selected rows, indexer scores at 64K); syncs (host synchronisations inside a
+decode step, counted by torch.cuda.set_sync_debug_mode); latency and throughput (the `small` checkpoint, GLM-5.2
+per-head geometry, batch 1, 16, 64); transformers (its `generate` on the same checkpoint and batch); longctx
+(sparse against dense decode at 8K, 32K, 64K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+WORK = os.environ.get("DSASERVE_BENCH_DIR", "/tmp/dsaserve-gpu-check")
+SECTIONS = ("env", "parity", "kernels", "syncs", "latency", "transformers", "longctx")
+# Share of the whole budget each section may take at most (the rest of the budget carries over).
+SHARES = {"env": 0.05, "parity": 0.15, "kernels": 0.1, "syncs": 0.1, "latency": 0.25, "transformers": 0.15,
+          "longctx": 0.35}
+
+
+def sizes(device: str) -> dict:
+    """What each section runs at: the issue's sizes on a GPU, small ones on a CPU."""
+    if device == "cuda":
+        return dict(batches=[1, 16, 64], input_len=128, output_len=128, contexts=[8192, 32768, 65536],
+                    rows_batch=64, rows_cache=65536, score_context=65536, heads=64, index_heads=32)
+    return dict(batches=[1, 4], input_len=32, output_len=8, contexts=[256, 512], rows_batch=2, rows_cache=512,
+                score_context=256, heads=4, index_heads=4)
+
+
+def small_checkpoint(device: str) -> str:
+    """The `small` checkpoint (benchmarks/model_core.py: GLM-5.2 per-head geometry, 215M, bf16) on a GPU; the
+    tests' tiny generated checkpoint (fp32) on a CPU."""
+    if device == "cuda":
+        os.environ.setdefault("DSASERVE_BENCH_DIR", WORK)
+        from model_core import checkpoint_dir
+
+        return checkpoint_dir()
+    return tiny_checkpoint()
+
+
+def tiny_checkpoint() -> str:
+    from dsaserve.demo.checkpoint_builder import build_checkpoint
+
+    path = os.path.join(WORK, "tiny-fp32")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        build_checkpoint(path, seed=0)
+    return path
+
+
+def peak_memory(device: str) -> dict:
+    import torch
+
+    if device != "cuda":
+        return {}
+    return {"peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def section_env(device: str) -> dict:
+    import torch
+
+    import dsaserve.triton_ops as triton_ops
+
+    info = {"torch": torch.__version__, "device": device, "triton": triton_ops.triton_imports() or "imports"}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        info["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return info
+
+
+def greedy(path: str, device: str, triton: str, prompts, steps: int) -> tuple[list, list]:
+    from dsaserve import LLM, SamplingParams
+
+    llm = LLM(path, dtype="float32", device=device, block_size=16, max_model_len=256, triton_kernels=triton,
+              progress=False)
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
+    outs = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    tokens = [o.token_ids for o in outs]
+    logprobs = [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
+    return tokens, logprobs
+
+
+def section_parity(device: str) -> dict:
+    """Greedy tokens and logprobs of the device path (Triton kernels on and off) against the CPU path, fp32."""
+    import torch
+
+    path = tiny_checkpoint()
+    prompts = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (90, 41)]
+    cpu_tokens, cpu_logprobs = greedy(path, "cpu", "off", prompts, 32)
+    result = {}
+    for triton in ("on", "off"):
+        tokens, logprobs = greedy(path, device, triton, prompts, 32)
+        diff = max(abs(a - b) for x, y in zip(logprobs, cpu_logprobs) for a, b in zip(x, y))
+        result[f"triton_{triton}"] = {"tokens_identical": tokens == cpu_tokens, "max_logprob_diff": diff}
+    return result
+
+
+def timed(fn, device: str, repeat: int) -> float:
+    """Median ms of fn() (after one warm-up call)."""
+    import statistics
+
+    import torch
+
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def section_kernels(device: str) -> dict:
+    """Each Triton kernel against the torch path it replaces, same inputs: ms and the largest difference."""
+    import torch
+
+    from dsaserve.attention.dense import attend_latent
+    from dsaserve.triton_ops.index_scores import index_scores
+    from dsaserve.triton_ops.selected_rows import attend_selected_rows
+
+    s = sizes(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16
+    n, heads, width = s["rows_batch"], s["heads"], min(2048, s["rows_cache"])
+    rows = torch.randn(s["rows_cache"], 576, device=device, dtype=dtype, generator=g)
+    query = torch.randn(n, heads, 576, device=device, dtype=dtype, generator=g)
+    slots = torch.randint(0, s["rows_cache"], (n, width), device=device, generator=g)
+    out = torch.empty(n, heads, 512, device=device, dtype=dtype)
+    scale = 576 ** -0.5
+
+    def torch_rows():
+        return attend_latent(query, rows[slots], None, scale, 512)
+
+    triton_ms = timed(lambda: attend_selected_rows(query, rows, slots, scale, out), device, 5)
+    torch_ms = timed(torch_rows, device, 5)
+    difference = float((out.float() - torch_rows().float()).abs().max())
+    result = {"sparse_decode": {"queries": n, "heads": heads, "selected": width, "triton_ms": triton_ms,
+                                "torch_ms": torch_ms, "max_diff": difference}}
+    context, iheads, bs = s["score_context"], s["index_heads"], 64
+    blocks = context // bs
+    for kind, key_dtype in (("bf16", dtype), ("fp8", torch.float8_e4m3fn)):
+        keys = torch.randn(blocks, bs, 128, device=device, generator=g).to(key_dtype)
+        key_scales = torch.rand(blocks, bs, device=device, generator=g) if kind == "fp8" else None
+        q = torch.randn(n, iheads, 128, device=device, dtype=dtype, generator=g)
+        w = torch.rand(n, iheads, device=device, generator=g)
+        tables = torch.randperm(blocks, device=device, generator=g)[None, :]
+        requests = torch.zeros(n, dtype=torch.int64, device=device)
+        positions = torch.full((n,), context - 1, dtype=torch.int64, device=device)
+        scores = torch.empty(n, context, device=device)
+
+        def torch_scores():
+            k = keys[tables[0]].reshape(-1, 128).float()
+            if key_scales is not None:
+                k = k * key_scales[tables[0]].reshape(-1, 1)
+            per_head = torch.relu(torch.einsum("thd,sd->ths", q, k.to(dtype)).float())
+            return (per_head * w[:, :, None]).sum(1)
+
+        t_ms = timed(lambda: index_scores(q, w, keys, key_scales, tables, requests, positions, scores), device, 5)
+        r_ms = timed(torch_scores, device, 5)
+        top_ms = timed(lambda: scores.topk(min(2048, context), dim=1), device, 5)
+        result[f"index_scores_{kind}"] = {
+            "queries": n, "context": context, "heads": iheads, "triton_ms": t_ms, "torch_ms": r_ms, "topk_ms": top_ms,
+            "max_rel_diff": float(((scores - torch_scores()).abs().max() / torch_scores().abs().max()))}
+    return result
+
+
+def section_syncs(device: str) -> dict:
+    """Host synchronisations in decode steps of 16 requests, counted by torch's sync debug mode."""
+    import warnings
+
+    import torch
+
+    if device != "cuda":
+        return {"skipped": "host synchronisation is a CUDA notion"}
+    from dsaserve import LLM, SamplingParams
+    from dsaserve.bench.common import random_prompts
+
+    llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, kv_cache_memory="2GiB", progress=False)
+    engine = llm.engine
+    for i, p in enumerate(random_prompts(16, 128, engine.config.vocab_size, 0)):
+        engine.add_request(f"sync-{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.step()  # the prefills
+    engine.step()
+    counts = []
+    for _ in range(4):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            engine.step()
+            torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        where = sorted({f"{w.filename.split('dsaserve/')[-1]}:{w.lineno}" for w in caught})
+    return {"syncs_per_decode_step": counts, "where": where[:30]}
+
+
+def section_latency(device: str) -> dict:
+    from dsaserve import LLM
+    from dsaserve.bench.offline import run_latency, run_throughput
+
+    s = sizes(device)
+    result = {"graphs": "not captured (CUDA graphs are not implemented yet): eager"}
+    llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, progress=False,
+              max_num_seqs=max(s["batches"]), kv_cache_memory="4GiB" if device == "cuda" else "256MiB")
+    result["latency_batch_1"] = run_latency(llm, 1, s["input_len"], s["output_len"], 3, 1, 0)
+    for batch in s["batches"][1:]:
+        result[f"throughput_batch_{batch}"] = run_throughput(llm, batch, s["input_len"], s["output_len"], 0)
+    result.update(peak_memory(device))
+    return result
+
+
+def section_transformers(device: str) -> dict:
+    import torch
+    import transformers
+
+    from dsaserve.bench.common import random_prompts
+
+    s = sizes(device)
+    path = small_checkpoint(device)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device).eval()
+    batch = max(s["batches"])
+    ids = torch.tensor(random_prompts(batch, s["input_len"], model.config.vocab_size, 0), device=device)
+    kwargs = dict(max_new_tokens=s["output_len"], min_new_tokens=s["output_len"], do_sample=False)
+    with torch.no_grad():
+        model.generate(ids[:1], max_new_tokens=2, do_sample=False)  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    return {"batch": batch, "output_tokens_per_s": batch * s["output_len"] / elapsed, **peak_memory(device)}
+
+
+def section_longctx(device: str) -> dict:
+    from dsaserve.bench import longctx
+    from dsaserve.engine_args import EngineArgs
+
+    s = sizes(device)
+    longest = max(s["contexts"])
+    args = EngineArgs(model=small_checkpoint(device), device=device, max_model_len=longest + 64,
+                      kv_cache_memory="8GiB" if device == "cuda" else "256MiB", max_num_seqs=2)
+    result = longctx.run(args, ["dense", "sparse"], s["contexts"], [], 8)
+    ms = result["decode_ms_per_token"]
+    result["sparse_over_dense"] = {n: ms["dense"][n] / ms["sparse"][n] for n in s["contexts"]}
+    result.update(peak_memory(device))
+    return result
+
+
+def run_section(name: str, device: str, out: str) -> None:
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: its kernels run on CPU tensors so
+    try:
+        result = {"ok": True, **globals()[f"section_{name}"](device)}
+    except Exception:
+        result = {"ok": False, "error": traceback.format_exc()[-3000:]}
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+def summary(results: dict, device: str) -> str:
+    """The markdown table of the figures the issue's goals name."""
+    def get(*keys, fmt="{:.2f}"):
+        value = results
+        for key in keys:
+            if not isinstance(value, dict) or key not in value:
+                return "—"
+            value = value[key]
+        return fmt.format(value) if isinstance(value, float) else str(value)
+
+    env = results.get("env", {})
+    lines = [f"gpu_check on {env.get('gpu', device)} (torch {env.get('torch')}, triton {env.get('triton')}), "
+             f"{time.strftime('%Y-%m-%d')}", "", "| check | result |", "|---|---|"]
+    lines.append(f"| parity, Triton on: tokens identical / max Δlogprob | "
+                 f"{get('parity', 'triton_on', 'tokens_identical')} / "
+                 f"{get('parity', 'triton_on', 'max_logprob_diff', fmt='{:.2e}')} |")
+    lines.append(f"| parity, Triton off: tokens identical / max Δlogprob | "
+                 f"{get('parity', 'triton_off', 'tokens_identical')} / "
+                 f"{get('parity', 'triton_off', 'max_logprob_diff', fmt='{:.2e}')} |")
+    for kernel in ("sparse_decode", "index_scores_bf16", "index_scores_fp8"):
+        lines.append(f"| {kernel}: Triton ms / torch ms | {get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "
+                     f"{get('kernels', kernel, 'torch_ms', fmt='{:.3f}')} |")
+    lines.append(f"| host syncs per decode step | {get('syncs', 'syncs_per_decode_step')} |")
+    lines.append(f"| batch-1 decode ms/token (TPOT) | {get('latency', 'latency_batch_1', 'tpot_ms_p50')} |")
+    for batch in sizes(device)["batches"][1:]:
+        lines.append(f"| throughput batch {batch}, output tok/s | "
+                     f"{get('latency', f'throughput_batch_{batch}', 'output_tokens_per_s', fmt='{:.0f}')} |")
+    lines.append(f"| transformers generate batch {get('transformers', 'batch')}, output tok/s | "
+                 f"{get('transformers', 'output_tokens_per_s', fmt='{:.0f}')} |")
+    for n in sizes(device)["contexts"]:
+        lines.append(f"| longctx {n}: dense / sparse ms per step (ratio) | "
+                     f"{get('longctx', 'decode_ms_per_token', 'dense', str(n))} / "
+                     f"{get('longctx', 'decode_ms_per_token', 'sparse', str(n))} "
+                     f"({get('longctx', 'sparse_over_dense', str(n))}×) |")
+    failed = [name for name, r in results.items() if not r.get("ok", False)]
+    lines += ["", f"sections failed: {', '.join(failed) or 'none'} (errors in results.json)"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--device", default=None, help="cuda (default where present) or cpu")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all sections together")
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child process's one section
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(WORK, exist_ok=True)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.section:
+        run_section(args.section, args.device, args.out)
+        return 0
+    deadline = time.monotonic() + args.budget
+    results = {}
+    for name in args.sections.split(","):
+        left = deadline - time.monotonic()
+        limit = max(5.0, min(left, SHARES[name] * args.budget + max(0.0, left - args.budget * sum(
+            SHARES[s] for s in SECTIONS[SECTIONS.index(name):]))))
+        log_path = os.path.join(args.out, f"{name}.log")
+        start = time.monotonic()
+        with open(log_path, "w") as log:
+            try:
+                subprocess.run([sys.executable, __file__, args.out, "--device", args.device, "--section", name],
+                               stdout=log, stderr=subprocess.STDOUT, timeout=limit, check=False)
+                with open(os.path.join(args.out, f"{name}.json")) as f:
+                    results[name] = json.load(f)
+            except subprocess.TimeoutExpired:
+                results[name] = {"ok": False, "error": f"timed out after {limit:.0f} s"}
+            except (OSError, json.JSONDecodeError) as error:
+                results[name] = {"ok": False, "error": f"no result ({error}); the log's tail is below"}
+        results[name]["seconds"] = time.monotonic() - start
+        if not results[name]["ok"]:
+            with open(log_path) as f:
+                results[name]["log_tail"] = f.read()[-2000:]
+        print(f"{name}: {'ok' if results[name]['ok'] else 'FAILED'} in {results[name]['seconds']:.0f} s", flush=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(summary(results, args.device))
+    print(summary(results, args.device))
+    return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
