@@ -103,6 +103,14 @@ class BatchMetadata:
             seq_lens_host=tuple(lens),
         )
 
+    def row_requests(self) -> torch.Tensor:
+        """int64 [T]: the request each row of the batch belongs to (made once per step, from host lengths)."""
+        def make():
+            starts = self.query_start_loc_host
+            lengths = torch.tensor([starts[i + 1] - starts[i] for i in range(self.num_reqs)])
+            return torch.repeat_interleave(torch.arange(self.num_reqs), lengths).to(self.positions.device)
+        return self.once(("row requests",), make)
+
     def slots_of(self, reqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Physical slots of positions [R, W] (all valid) of the requests reqs [R]."""
         tables = self.block_tables[reqs]

@@ -19,15 +19,6 @@ from dsaserve.triton_ops.index_scores import index_scores
 SCORE_ELEMENTS = 1 << 24  # fp32 scores per tile: 64 MiB, e.g. 256 queries at 64K
 
 
-def row_requests(meta: BatchMetadata) -> torch.Tensor:
-    """int64 [T]: the request each row of the batch belongs to (made once per step, from host lengths)."""
-    def make():
-        starts = meta.query_start_loc_host
-        lengths = torch.tensor([starts[i + 1] - starts[i] for i in range(meta.num_reqs)])
-        return torch.repeat_interleave(torch.arange(meta.num_reqs), lengths).to(meta.positions.device)
-    return meta.once(("row requests",), make)
-
-
 def select_scored(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
                   pages: int | None, width: int) -> torch.Tensor:
     """int32 [T, width] positions (-1 empty): each query's top `width` tokens, or with `pages` the tokens of its
@@ -40,7 +31,7 @@ def select_scored(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyC
     out = torch.full((t, width), -1, dtype=torch.int32, device=q.device)
     tile = max(1, min(t, SCORE_ELEMENTS // columns))
     scores = torch.empty(tile, columns, dtype=torch.float32, device=q.device)
-    requests = row_requests(meta)
+    requests = meta.row_requests()
     for t0 in range(0, t, tile):
         t1 = min(t0 + tile, t)
         rows = scores[: t1 - t0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dsaserve import triton_ops
 from dsaserve.attention.dense import (
     FEW_ROWS,
     SCORE_BUDGET,
@@ -54,6 +55,10 @@ class SparseAttention:
         # place; the value columns are the view returned.
         wide = query.new_empty(query.shape[0], query.shape[1], rows.shape[1])
         out = wide[..., :value_dim]
+        if meta.shard is None and triton_ops.runs_on(query):
+            # Every row over its own selection in one Triton call (prefill rows too): no host loop, no sync.
+            attend_selected_rows(query, rows, selection_slots(meta, topk), scale, out)
+            return out
         heads = query.shape[1]
         width = topk.shape[1]
         decode = meta.decode_requests()
@@ -111,6 +116,12 @@ class SparseAttention:
             return None if any(short) else selected_rows(meta, reqs, topk)
 
         return every_row_slots(meta, rows_of)
+
+
+def selection_slots(meta: BatchMetadata, topk: torch.Tensor) -> torch.Tensor:
+    """int64 [T, width]: the cache slot of each row's selected positions, -1 where the selection is empty."""
+    selected = topk.long()
+    return meta.slots_of(meta.row_requests(), selected.clamp(min=0)).masked_fill_(selected < 0, -1)
 
 
 def selected_rows(meta: BatchMetadata, reqs: list[int], topk: torch.Tensor) -> DecodeRows:
