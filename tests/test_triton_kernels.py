@@ -95,6 +95,32 @@ def test_index_scores_kernel_reads_each_key_where_the_paged_cache_keeps_it(inter
         assert (out[row, visible:] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_kernel_stores_the_bytes_and_scales_the_torch_path_stores(kind, dtype):
+    """Keys written at scattered slots, quantized per token: the same bytes and scales as IndexerKeyCache's torch
+    path, with values on rounding ties (int8 halves; fp8's midpoints between neighbours) and every fp8 value."""
+    from dsaserve.triton_ops.cache_write import write_rows
+
+    g = torch.Generator().manual_seed(5)
+    dim = 40
+    keys = torch.randn(30, dim, generator=g) * 3
+    keys[0, :5] = torch.tensor([0.5, -1.5, 2.5, -3.5, 127.0])  # int8 ties (the row's scale is 127 / 127)
+    fp8_values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    fp8_values = fp8_values[torch.isfinite(fp8_values)].unique().sort().values
+    special = torch.cat([fp8_values, (fp8_values[1:] + fp8_values[:-1]) / 2])  # every value, every midpoint
+    rows = -(-special.numel() // (dim - 1))
+    keys[1:1 + rows, 1:] = torch.cat([special, torch.zeros(rows * (dim - 1) - special.numel())]).view(rows, dim - 1)
+    keys[1:1 + rows, 0] = 448.0  # fp8 scale 1: those values themselves are rounded
+    keys = keys.to(dtype)
+    slots = torch.randperm(96, generator=g)[:30]
+    caches = [IndexerKeyCache(6, BS, dim, kind, dtype, torch.device("cpu")) for _ in range(2)]
+    caches[0].write(slots, keys)
+    write_rows(caches[1].data.view(-1, dim), None if kind == "auto" else caches[1].scale.view(-1), slots, keys)
+    assert torch.equal(caches[0].data.view(torch.uint8), caches[1].data.view(torch.uint8))
+    assert kind == "auto" or torch.equal(caches[0].scale, caches[1].scale)
+
+
 def batch_of(lengths: list[int], new: list[int], tables: list[list[int]]) -> BatchMetadata:
     return BatchMetadata.build([[1] * k for k in new], [n - k for n, k in zip(lengths, new)], tables, BS, [])
 
@@ -127,18 +153,23 @@ def test_triton_kernels_on_a_cpu_need_the_interpreter(monkeypatch):
     assert triton_ops.active_device() is None  # auto on a CPU: the native kernels
 
 
+@pytest.mark.parametrize("indexer_cache_dtype", ["auto", "fp8"])
 def test_the_engine_through_the_triton_kernels_generates_what_the_cpu_path_does(interpreter, make_checkpoint,
-                                                                               monkeypatch):
+                                                                               monkeypatch, indexer_cache_dtype):
     """fp32 tiny checkpoint, prompts past index_topk (16) whose indexer scores have no near-ties (checked on the
     reference), chunked prefill and a decode batch: the indexer's scores and the sparse attention run in Triton
-    (counted); every full layer selects the CPU path's sets, then greedy tokens and logprobs are the CPU path's."""
+    (counted); every full layer selects the CPU path's sets, then greedy tokens and logprobs are the CPU path's.
+    With fp8 indexer keys both paths score the same stored bytes (the Triton path also wrote them)."""
     from reference import indexer_margin, load_reference
 
     import dsaserve.attention.scored_selection as scored
+    import dsaserve.triton_ops.cache_write as cache_write
     import dsaserve.triton_ops.selected_rows as triton_rows
 
-    calls = {"scores": 0, "rows": 0}
-    real_scores, real_rows = scored.index_scores, triton_rows.attend_selected_rows
+    calls = {"scores": 0, "rows": 0, "writes": 0}
+    real_scores, real_rows, real_writes = scored.index_scores, triton_rows.attend_selected_rows, cache_write.write_rows
+    monkeypatch.setattr(cache_write, "write_rows", lambda *a: calls.__setitem__("writes", calls["writes"] + 1)
+                        or real_writes(*a))
     monkeypatch.setattr(scored, "index_scores", lambda *a: calls.__setitem__("scores", calls["scores"] + 1)
                         or real_scores(*a))
     monkeypatch.setattr(triton_rows, "attend_selected_rows", lambda *a: calls.__setitem__("rows", calls["rows"] + 1)
@@ -150,7 +181,7 @@ def test_the_engine_through_the_triton_kernels_generates_what_the_cpu_path_does(
     outs, chosen = {}, {}
     for mode in ("on", "off"):
         llm = LLM(path, dtype="float32", block_size=16, max_model_len=256, max_num_batched_tokens=64,
-                  triton_kernels=mode, progress=False)
+                  triton_kernels=mode, indexer_cache_dtype=indexer_cache_dtype, progress=False)
         chosen[mode] = []  # every full layer's selections, in call order
         for layer in llm.engine.model.model.layers:
             if layer.self_attn.indexer is not None:
@@ -159,7 +190,7 @@ def test_the_engine_through_the_triton_kernels_generates_what_the_cpu_path_does(
         outs[mode] = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                          use_tqdm=False)]
         if mode == "on":
-            assert calls["scores"] > 0 and calls["rows"] > 0
+            assert calls["scores"] > 0 and calls["rows"] > 0 and calls["writes"] > 0
             counted = dict(calls)
     assert calls == counted  # the CPU path called neither
     ref = load_reference(path)

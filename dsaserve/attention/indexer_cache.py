@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from dsaserve import triton_ops
 from dsaserve.native import torch_ops
 
 INDEXER_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -65,6 +66,11 @@ class IndexerKeyCache:
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """keys [n, dim] at physical slots [n]: only those rows are touched."""
+        if not self.packed and triton_ops.runs_on(keys):  # one kernel, quantizing on the way (the CUDA path)
+            from dsaserve.triton_ops.cache_write import write_rows
+
+            write_rows(self.data.view(-1, self.dim), None if self.scale is None else self.scale.view(-1), slots, keys)
+            return
         if self.packed:
             keys = keys.to(self.data.dtype).contiguous()
             if keys.is_cpu and torch_ops.load():  # one call (the indexing below is a handful of operators)
