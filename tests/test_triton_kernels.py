@@ -121,6 +121,43 @@ def test_cache_write_kernel_stores_the_bytes_and_scales_the_torch_path_stores(ki
     assert kind == "auto" or torch.equal(caches[0].scale, caches[1].scale)
 
 
+def routed_reference(x, ids, weights, gate_up, down, first, limit):
+    """Token by token, choice by choice: the experts' definition."""
+    import torch.nn.functional as F
+
+    out = torch.zeros(x.shape[0], x.shape[1])
+    inter = down.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - first
+            if 0 <= e < gate_up.shape[0]:
+                gate, up = (x[t].float() @ gate_up[e].float().T).split(inter)
+                if limit is not None:
+                    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                out[t] += weights[t, j] * ((F.silu(gate) * up) @ down[e].float().T)
+    return out
+
+
+@pytest.mark.parametrize("tokens, first, limit", [(5, 0, None), (37, 2, 0.7)])
+def test_routed_experts_kernels_sum_each_tokens_chosen_experts(tokens, first, limit, monkeypatch):
+    """Grouped GEMMs over pairs sorted by expert on the device: each token's choices weighted and summed; choices
+    of experts held elsewhere (expert parallelism: experts [first, first + 6) here) add nothing; swiglu's limit;
+    tiles that straddle an expert's count, and token chunks (a small pair budget forces three)."""
+    import dsaserve.triton_ops.moe as moe
+
+    monkeypatch.setattr(moe, "PAIR_BUFFER_ELEMENTS", 3 * 40 * 16)  # 16 tokens per chunk
+    g = torch.Generator().manual_seed(tokens)
+    experts, top_k, hidden, inter = 6, 3, 40, 24
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2
+    down = torch.randn(experts, hidden, inter, generator=g) * 0.2
+    ids = torch.stack([torch.randperm(experts + 2, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    got = moe.routed_experts(x, ids, weights, gate_up, down, first, limit)
+    torch.testing.assert_close(got, routed_reference(x, ids, weights, gate_up, down, first, limit), rtol=1e-5,
+                               atol=1e-5)
+
+
 def batch_of(lengths: list[int], new: list[int], tables: list[list[int]]) -> BatchMetadata:
     return BatchMetadata.build([[1] * k for k in new], [n - k for n, k in zip(lengths, new)], tables, BS, [])
 
@@ -157,17 +194,21 @@ def test_triton_kernels_on_a_cpu_need_the_interpreter(monkeypatch):
 def test_the_engine_through_the_triton_kernels_generates_what_the_cpu_path_does(interpreter, make_checkpoint,
                                                                                monkeypatch, indexer_cache_dtype):
     """fp32 tiny checkpoint, prompts past index_topk (16) whose indexer scores have no near-ties (checked on the
-    reference), chunked prefill and a decode batch: the indexer's scores and the sparse attention run in Triton
-    (counted); every full layer selects the CPU path's sets, then greedy tokens and logprobs are the CPU path's.
-    With fp8 indexer keys both paths score the same stored bytes (the Triton path also wrote them)."""
+    reference), chunked prefill and a decode batch: the indexer's scores, key writes, sparse attention and routed
+    experts run in Triton (counted); every full layer selects the CPU path's sets, then greedy tokens and logprobs
+    are the CPU path's. With fp8 indexer keys both paths score the same stored bytes (the Triton path wrote them)."""
     from reference import indexer_margin, load_reference
 
     import dsaserve.attention.scored_selection as scored
     import dsaserve.triton_ops.cache_write as cache_write
+    import dsaserve.triton_ops.moe as moe
     import dsaserve.triton_ops.selected_rows as triton_rows
 
-    calls = {"scores": 0, "rows": 0, "writes": 0}
+    calls = {"scores": 0, "rows": 0, "writes": 0, "experts": 0}
     real_scores, real_rows, real_writes = scored.index_scores, triton_rows.attend_selected_rows, cache_write.write_rows
+    real_experts = moe.routed_experts
+    monkeypatch.setattr(moe, "routed_experts", lambda *a: calls.__setitem__("experts", calls["experts"] + 1)
+                        or real_experts(*a))
     monkeypatch.setattr(cache_write, "write_rows", lambda *a: calls.__setitem__("writes", calls["writes"] + 1)
                         or real_writes(*a))
     monkeypatch.setattr(scored, "index_scores", lambda *a: calls.__setitem__("scores", calls["scores"] + 1)
@@ -190,7 +231,7 @@ def test_the_engine_through_the_triton_kernels_generates_what_the_cpu_path_does(
         outs[mode] = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                          use_tqdm=False)]
         if mode == "on":
-            assert calls["scores"] > 0 and calls["rows"] > 0 and calls["writes"] > 0
+            assert all(calls.values())
             counted = dict(calls)
     assert calls == counted  # the CPU path called neither
     ref = load_reference(path)

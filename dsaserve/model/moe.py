@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsaserve import triton_ops
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.model.decode_plan import NewRegister, Piece
@@ -134,6 +135,11 @@ class MoE(PreparedCalls):
             add_routed_experts(x, gate_up, down, ids, weights, out, shared if in_call else None, self.swiglu_limit)
             return self.comm.all_reduce(out)
         out = self._shared_output(x)
+        if triton_ops.runs_on(x) and isinstance(gate_up, torch.Tensor):  # grouped GEMMs, no host sync (CUDA path)
+            from dsaserve.triton_ops.moe import routed_experts
+
+            routed = routed_experts(x, ids, weights, gate_up, down, self.first_expert, self.swiglu_limit)
+            return self.comm.all_reduce(out + routed.to(out.dtype))
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
         counts = torch.bincount(flat_ids, minlength=self.gate.weight.shape[0]).tolist()

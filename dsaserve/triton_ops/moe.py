@@ -1,0 +1,138 @@
+"""The routed experts in Triton, with no host synchronisation: the (token, choice) pairs sorted by expert on the
+device, then two grouped GEMMs that read each expert's counts and offsets there.
+
+Pairs are ordered by expert (torch's argsort and bincount, on the device). The first kernel takes a tile of one
+expert's pairs and a block of the intermediate columns: gate and up from the tokens' rows, swiglu, into a [pairs,
+intermediate] buffer. The second multiplies that by the expert's down projection, scales by the pair's routing
+weight and writes the pair's own output row, so the k choices of a token are summed afterwards in a fixed order
+(no atomics: the same bits every run). The grid covers every expert × the most tiles one expert could need;
+programs past an expert's count return at once. Tokens are taken in chunks so the pair buffers stay bounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.triton_ops.selected_rows import _operand, dot_inputs
+
+PAIR_BUFFER_ELEMENTS = 1 << 24  # fp32 elements of a chunk's per-pair outputs: 64 MiB
+BLOCK_M = 16  # pairs per tile (tl.dot's smallest)
+
+
+@triton.jit
+def _gate_up_kernel(x, weights, token_of, starts, counts, hidden_out, hidden, inter, x_stride, w_stride_e,
+                    w_stride_n, h_stride, limit,
+                    HAS_LIMIT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    expert = tl.program_id(0)
+    tile = tl.program_id(1)
+    count = tl.load(counts + expert)
+    if tile * BLOCK_M >= count:
+        return
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < count
+    pair = tl.load(starts + expert) + m
+    token = tl.load(token_of + pair, mask=row_ok, other=0).to(tl.int64)
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = n < inter
+    gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    w = weights + expert.to(tl.int64) * w_stride_e
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < hidden
+        a = _operand(tl.load(x + token[:, None] * x_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                             other=0.0), LOW_PRECISION_DOT)
+        wg = _operand(tl.load(w + n[None, :] * w_stride_n + k[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                              other=0.0), LOW_PRECISION_DOT)
+        wu = _operand(tl.load(w + (inter + n[None, :]) * w_stride_n + k[:, None],
+                              mask=col_ok[None, :] & k_ok[:, None], other=0.0), LOW_PRECISION_DOT)
+        gate += tl.dot(a, wg, input_precision=PRECISION)
+        up += tl.dot(a, wu, input_precision=PRECISION)
+    if ROUND:  # a bf16/fp16 model rounds the projection's output, as torch's path does
+        gate = gate.to(hidden_out.dtype.element_ty).to(tl.float32)
+        up = up.to(hidden_out.dtype.element_ty).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(hidden_out + pair[:, None].to(tl.int64) * h_stride + n[None, :], h.to(hidden_out.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(hidden_in, weights, pair_index, pair_weight, starts, counts, out, hidden, inter, h_stride,
+                 w_stride_e, w_stride_n, out_stride,
+                 ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    expert = tl.program_id(0)
+    tile = tl.program_id(1)
+    count = tl.load(counts + expert)
+    if tile * BLOCK_M >= count:
+        return
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < count
+    pair = tl.load(starts + expert) + m
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = n < hidden
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    w = weights + expert.to(tl.int64) * w_stride_e
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < inter
+        a = _operand(tl.load(hidden_in + pair[:, None].to(tl.int64) * h_stride + k[None, :],
+                             mask=row_ok[:, None] & k_ok[None, :], other=0.0), LOW_PRECISION_DOT)
+        wd = _operand(tl.load(w + n[None, :] * w_stride_n + k[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                              other=0.0), LOW_PRECISION_DOT)
+        acc += tl.dot(a, wd, input_precision=PRECISION)
+    if ROUND:
+        acc = acc.to(hidden_in.dtype.element_ty).to(tl.float32)
+    scale = tl.load(pair_weight + pair, mask=row_ok, other=0.0)
+    target = tl.load(pair_index + pair, mask=row_ok, other=0).to(tl.int64)
+    tl.store(out + target[:, None] * out_stride + n[None, :], acc * scale[:, None],
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, first_expert: int, limit: float | None = None) -> torch.Tensor:
+    """Σ_j weights[t, j] · down_e(swiglu(gate_up_e(x[t]))) over token t's choices e = ids[t, j] held here
+    (experts [first_expert, first_expert + E)); fp32 [T, H]. gate_up [E, 2I, H] (gate rows, then up), down [E, H, I]."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    experts, inter = down.shape[0], down.shape[2]
+    total = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
+    chunk = max(1, PAIR_BUFFER_ELEMENTS // (top_k * max(hidden, inter)))
+    low, precision = dot_inputs(x.dtype)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    for t0 in range(0, tokens, chunk):
+        t1 = min(t0 + chunk, tokens)
+        local = (ids[t0:t1] - first_expert).flatten()
+        held = (local >= 0) & (local < experts)
+        key = torch.where(held, local, experts)  # pairs routed elsewhere sort last and are never read
+        order = key.argsort(stable=True)
+        counts = torch.bincount(key, minlength=experts + 1)[:experts]
+        starts = torch.cumsum(counts, 0) - counts
+        token_of = (order // top_k + t0).contiguous()
+        pair_weight = weights[t0:t1].flatten()[order].float().contiguous()
+        pairs = (t1 - t0) * top_k
+        hidden_buffer = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        pair_out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
+        tiles = triton.cdiv(t1 - t0, BLOCK_M)  # an expert takes a token at most once
+        block_k = max(16, min(64, triton.next_power_of_2(hidden)))
+        block_n = max(16, min(64, triton.next_power_of_2(inter)))
+        _gate_up_kernel[(experts, tiles, triton.cdiv(inter, block_n))](
+            x, gate_up, token_of, starts, counts, hidden_buffer, hidden, inter, x.stride(0), gate_up.stride(0),
+            gate_up.stride(1), hidden_buffer.stride(0), float(limit or 0.0), HAS_LIMIT=limit is not None,
+            ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+            LOW_PRECISION_DOT=low, PRECISION=precision)
+        block_n = max(16, min(64, triton.next_power_of_2(hidden)))
+        block_k = max(16, min(64, triton.next_power_of_2(inter)))
+        _down_kernel[(experts, tiles, triton.cdiv(hidden, block_n))](
+            hidden_buffer, down, order.contiguous(), pair_weight, starts, counts, pair_out, hidden, inter,
+            hidden_buffer.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
+            ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+            LOW_PRECISION_DOT=low, PRECISION=precision)
+        total[t0:t1] = pair_out.view(t1 - t0, top_k, hidden).sum(1)
+    return total
