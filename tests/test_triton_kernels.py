@@ -253,3 +253,25 @@ def test_weights_packed_for_the_cpu_kernels_are_refused_on_another_device(tiny_c
     cfg = ModelConfig.from_pretrained(tiny_checkpoint)
     with pytest.raises(ValueError, match="packed forms exist only on the CPU"):
         load_model(cfg, tiny_checkpoint, torch.float32, torch.device("meta"), weight_forms="int8", progress=False)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm5_next"])
+def test_the_other_families_through_the_triton_kernels_generate_what_the_cpu_path_does(interpreter, make_checkpoint,
+                                                                                      family):
+    """DeepSeek-V3.2 (every layer its own indexer, grouped routing) and GLM-5.3-Flash (KDA, pooled keys, mHC, swiglu's
+    limit) on the Triton path: the CPU path's greedy tokens, logprobs within the CUDA-vs-CPU bound."""
+    from test_deepseek_v32 import V32
+
+    path = make_checkpoint(family, seed=0, **(V32 if family == "deepseek_v32" else dict(model_type="glm5_next")))
+    prompts = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(6000 + n)).tolist()
+               for n in (90, 41)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = {}
+    for mode in ("on", "off"):
+        llm = LLM(path, dtype="float32", block_size=16, max_model_len=256, max_num_batched_tokens=64,
+                  triton_kernels=mode, progress=False)
+        outs[mode] = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                         use_tqdm=False)]
+    for a, b in zip(outs["on"], outs["off"]):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-3
