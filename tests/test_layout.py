@@ -63,7 +63,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 LAYERS = (
     ("model_family", "hybrid_config", "byte_sizes"),
     ("config", "device", "outputs", "speculative_config", "chat_template", "tokenizer", "prepared_calls"),
-    ("native", "deepseek_v32_chat"),
+    ("native", "triton_ops", "deepseek_v32_chat"),
     ("quantization", "distributed", "structured_output", "chat_format"),
     ("attention", "sampling_params"),
     ("model", "sampling"),

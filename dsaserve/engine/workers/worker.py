@@ -43,7 +43,9 @@ class Worker:
         native = "off" if triton_ops.active_device() is not None else args.native_kernels
         torch_ops.configure(native, args.cpu_isa)
         if self.parallel.tp.rank == 0:
-            if device.type == "cpu":
+            if device.type == "cpu" and native != args.native_kernels:
+                logger.info("native kernels: off (triton_kernels='on' runs the CUDA path's kernels on this CPU)")
+            elif device.type == "cpu":
                 logger.info("native kernels: %s", torch_ops.summary())  # (builds them the first time on this machine)
             logger.info("triton kernels: %s", triton_ops.summary())
         forms = weight_forms(args.quantization, fp8_params(cfg, args.model), dtype, device,
