@@ -246,7 +246,9 @@ def section_transformers(device: str) -> dict:
 
     s = sizes(device)
     path = small_checkpoint(device)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device).eval()
+    # Eager attention, as benchmarks/model_core.py runs it (its sdpa path failed in generate with a cache in 5.24).
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto", attn_implementation="eager")
+    model = model.to(device).eval()
     batch = max(s["batches"])
     ids = torch.tensor(random_prompts(batch, s["input_len"], model.config.vocab_size, 0), device=device)
     kwargs = dict(max_new_tokens=s["output_len"], min_new_tokens=s["output_len"], do_sample=False)

@@ -35,7 +35,7 @@ def select_scored(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyC
     for t0 in range(0, t, tile):
         t1 = min(t0 + tile, t)
         rows = scores[: t1 - t0]
-        index_scores(q[t0:t1], weights[t0:t1].float(), key_cache.data, key_cache.scale, meta.block_tables,
+        index_scores(q[t0:t1], weights[t0:t1].float().contiguous(), key_cache.data, key_cache.scale, meta.block_tables,
                      requests[t0:t1], meta.positions[t0:t1], rows)
         if pages:
             out[t0:t1] = page_tokens(rows.view(t1 - t0, -1, bs).amax(dim=-1), pages, bs, meta.positions[t0:t1], width)

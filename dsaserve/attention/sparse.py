@@ -119,9 +119,13 @@ class SparseAttention:
 
 
 def selection_slots(meta: BatchMetadata, topk: torch.Tensor) -> torch.Tensor:
-    """int64 [T, width]: the cache slot of each row's selected positions, -1 where the selection is empty."""
-    selected = topk.long()
-    return meta.slots_of(meta.row_requests(), selected.clamp(min=0)).masked_fill_(selected < 0, -1)
+    """int64 [T, width]: the cache slot of each row's selected positions, -1 where the selection is empty (made once
+    per step and top-k tensor: shared layers reuse their full layer's)."""
+    def derive():
+        selected = topk.long()
+        return topk, meta.slots_of(meta.row_requests(), selected.clamp(min=0)).masked_fill_(selected < 0, -1)
+
+    return meta.once(("selection slots", id(topk)), derive)[1]  # the entry holds topk: its id is not reused
 
 
 def selected_rows(meta: BatchMetadata, reqs: list[int], topk: torch.Tensor) -> DecodeRows:
