@@ -291,3 +291,16 @@ def test_fp8_checkpoint_dequantizes_per_shard(make_checkpoint):
         expected = run_batch(llm, prompts)
     with engine(path, **LAYOUTS["tp2"]) as llm:
         assert_same(run_batch(llm, prompts), expected)
+
+
+def test_the_triton_path_under_tp2_with_expert_parallelism_matches_one_rank(single_rank, monkeypatch):
+    """triton_kernels='on' (CPU tensors under Triton's interpreter, conftest.py) on two ranks holding 8 experts each:
+    the routed-experts kernels skip the choices held by the other rank, and with the Triton selection and sparse
+    attention the batch (chunks, a prefix hit, preemption) gives the single CPU rank's greedy tokens, logprobs within
+    the CUDA-vs-CPU bound (torch's operators replace the native ones on this path)."""
+    path, prompts, expected = single_rank("expert_groups")
+    with engine(path, max_num_batched_tokens=24, tensor_parallel_size=2, enable_expert_parallel=True,
+                triton_kernels="on") as llm:
+        tokens, logprobs = run_batch(llm, prompts, monkeypatch)
+    assert tokens == expected[0]
+    assert max(abs(a - b) for mine, theirs in zip(logprobs, expected[1]) for a, b in zip(mine, theirs)) < 1e-3
