@@ -4,7 +4,8 @@ out[t, s] = Σ_h w[t, h] · relu(q[t, h] · key(s)) for the positions s of query
 the query's future (s > position[t]) or past the columns the request holds. Keys are the cache's own rows: in the
 model's dtype, or int8 / fp8 with a scale per token (attention/indexer_cache.py), dequantized in registers. One
 program scores one query against a block of positions, all heads at once, so each key is read once per query and
-the per-head scores never leave registers.
+the per-head scores never leave registers; programs wholly in the query's future only write -inf (a short request
+batched with a long one costs little).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def _index_scores_kernel(
 ):
     t = tl.program_id(0)
     s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_range = s < columns
+    position = tl.load(positions + t)
+    if tl.program_id(1) * BLOCK_S > position:  # wholly in this query's future (a shorter request of the batch)
+        tl.store(out + t * out_stride_t + s, tl.full((BLOCK_S,), float("-inf"), tl.float32), mask=in_range)
+        return
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     head_ok = h < heads
@@ -35,8 +41,6 @@ def _index_scores_kernel(
                              mask=head_ok[:, None] & (d[None, :] < dim), other=0.0), LOW_PRECISION_DOT)
     weight = tl.load(weights + t * w_stride_t + h, mask=head_ok, other=0.0).to(tl.float32)
     request = tl.load(row_request + t)
-    position = tl.load(positions + t)
-    in_range = s < columns
     block = tl.load(tables + request * table_stride + s // block_size, mask=in_range, other=0).to(tl.int64)
     offset = s % block_size
     key = tl.load(keys + block[:, None] * key_stride_block + offset[:, None] * key_stride_token + d[None, :],
