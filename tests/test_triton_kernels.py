@@ -121,6 +121,33 @@ def test_cache_write_kernel_stores_the_bytes_and_scales_the_torch_path_stores(ki
     assert kind == "auto" or torch.equal(caches[0].scale, caches[1].scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rope", [16, 0])  # GLM-5.2's layout; NoPE (GLM-5.3-Flash)
+def test_latent_write_kernel_stores_the_normed_and_rotated_rows_at_their_slots(dtype, interleaved, rope):
+    """kv_a_layernorm of the latent and the rotated rope key, written at scattered slots; other rows untouched."""
+    from dsaserve.model.layers import RMSNorm, apply_rope
+    from dsaserve.triton_ops.latent_write import write_latent_rows
+
+    g = torch.Generator().manual_seed(rope + interleaved)
+    tokens, rank = 9, 40
+    kv = (torch.randn(tokens, rank + rope, generator=g) * 2).to(dtype)
+    norm = RMSNorm(rank, 1e-6)
+    norm.weight.data = (torch.rand(rank, generator=g) + 0.5).to(dtype)
+    angles = torch.rand(tokens, rope // 2, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(40, generator=g)[:tokens]
+    rows = torch.full((40, rank + rope), 7.0, dtype=dtype)
+    write_latent_rows(kv, norm.weight.data, 1e-6, cos, sin, interleaved, rows, slots)
+    with torch.no_grad():
+        expected = torch.cat([norm(kv[:, :rank]), apply_rope(kv[:, rank:], cos, sin, interleaved)], dim=-1)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the norm's and the weight's roundings, 1-2 ulp
+    torch.testing.assert_close(rows[slots].float(), expected.float(), rtol=tolerance, atol=tolerance)
+    others = torch.ones(40, dtype=torch.bool)
+    others[slots] = False
+    assert (rows[others] == 7.0).all()
+
+
 def routed_reference(x, ids, weights, gate_up, down, first, limit):
     """Token by token, choice by choice: the experts' definition."""
     import torch.nn.functional as F
@@ -194,19 +221,23 @@ def test_triton_kernels_on_a_cpu_need_the_interpreter(monkeypatch):
 def test_the_engine_through_the_triton_kernels_generates_what_the_cpu_path_does(interpreter, make_checkpoint,
                                                                                monkeypatch, indexer_cache_dtype):
     """fp32 tiny checkpoint, prompts past index_topk (16) whose indexer scores have no near-ties (checked on the
-    reference), chunked prefill and a decode batch: the indexer's scores, key writes, sparse attention and routed
-    experts run in Triton (counted); every full layer selects the CPU path's sets, then greedy tokens and logprobs
-    are the CPU path's. With fp8 indexer keys both paths score the same stored bytes (the Triton path wrote them)."""
+    reference), chunked prefill and a decode batch: the latent and indexer-key writes, the indexer's scores, the
+    sparse attention and the routed experts run in Triton (counted); every full layer selects the CPU path's sets,
+    then greedy tokens and logprobs are the CPU path's. With fp8 indexer keys both paths score the same stored bytes
+    (the Triton path wrote them)."""
     from reference import indexer_margin, load_reference
 
     import dsaserve.attention.scored_selection as scored
     import dsaserve.triton_ops.cache_write as cache_write
+    import dsaserve.triton_ops.latent_write as latent_write
     import dsaserve.triton_ops.moe as moe
     import dsaserve.triton_ops.selected_rows as triton_rows
 
-    calls = {"scores": 0, "rows": 0, "writes": 0, "experts": 0}
+    calls = {"scores": 0, "rows": 0, "writes": 0, "experts": 0, "latents": 0}
     real_scores, real_rows, real_writes = scored.index_scores, triton_rows.attend_selected_rows, cache_write.write_rows
-    real_experts = moe.routed_experts
+    real_experts, real_latents = moe.routed_experts, latent_write.write_latent_rows
+    monkeypatch.setattr(latent_write, "write_latent_rows",
+                        lambda *a: calls.__setitem__("latents", calls["latents"] + 1) or real_latents(*a))
     monkeypatch.setattr(moe, "routed_experts", lambda *a: calls.__setitem__("experts", calls["experts"] + 1)
                         or real_experts(*a))
     monkeypatch.setattr(cache_write, "write_rows", lambda *a: calls.__setitem__("writes", calls["writes"] + 1)

@@ -18,6 +18,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
+from dsaserve import triton_ops
 from dsaserve.attention.context_parallel import attend_context_shard
 from dsaserve.attention.indexer_selection import Selection
 from dsaserve.attention.metadata import BatchMetadata
@@ -249,6 +250,12 @@ class MLAAttention(PreparedCalls):
             # One native call: the same bits as the operators below.
             torch.ops.dsaserve.write_latent_rows.default(kv, latents.norm, latents.eps, cos, sin, self.rope_interleave,
                                                          kv_cache.view(-1, kv.shape[-1]), meta.slot_mapping)
+            return
+        if meta.write_rows is None and kv.dtype == kv_cache.dtype and triton_ops.runs_on(kv):
+            from dsaserve.triton_ops.latent_write import write_latent_rows  # norm, rope and write in one kernel
+
+            write_latent_rows(kv, latents.norm, latents.eps, cos, sin, self.rope_interleave,
+                              kv_cache.view(-1, kv.shape[-1]), meta.slot_mapping)
             return
         row = self.rows_of(kv, cos, sin)
         kv_cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, meta.rows_to_write(row).to(kv_cache.dtype))

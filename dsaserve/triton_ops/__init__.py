@@ -68,5 +68,5 @@ def summary() -> str:
     if _device is None:
         return "off (torch's operators on CUDA; native ones on CPU)"
     where = "CUDA" if _device.type == "cuda" else "CPU tensors, under Triton's interpreter"
-    return (f"on ({where}): sparse MLA over selected rows, indexer scores over the paged key cache, indexer key "
-            "writes, routed experts (grouped GEMMs)")
+    return (f"on ({where}): sparse MLA over selected rows, indexer scores over the paged key cache, latent rows "
+            "(norm, rope, write) and indexer key writes, routed experts (grouped GEMMs)")
