@@ -29,14 +29,16 @@ def softmax_over_rows(query, rows, slots, scale, value):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [5, 70])  # one block of heads, padded; two blocks, the second partial
-def test_sparse_decode_kernel_is_the_softmax_over_each_querys_selected_rows(interpreter, dtype, heads):
+# One block of heads, padded; two blocks, the second partial; value rows as wide as GLM-5.2's latent's half (16 heads
+# per program there).
+@pytest.mark.parametrize("heads, value", [(5, 32), (70, 32), (20, 256)])
+def test_sparse_decode_kernel_is_the_softmax_over_each_querys_selected_rows(interpreter, dtype, heads, value):
     """Value columns and the rest of the row (rope) both scored, the value columns averaged; -1 entries take no
     weight, a query with nothing selected gets zeros, widths past one step of rows."""
     from dsaserve.triton_ops.selected_rows import attend_selected_rows
 
     g = torch.Generator().manual_seed(heads)
-    n, dim, value, count, width = 4, 48, 32, 300, 70
+    n, dim, count, width = 4, value + 16, 300, 70
     query = torch.randn(n, heads, dim, generator=g).to(dtype)
     rows = torch.randn(count, dim, generator=g).to(dtype)
     slots = torch.randint(0, count, (n, width), generator=g)

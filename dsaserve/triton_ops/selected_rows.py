@@ -97,14 +97,16 @@ def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.T
     target = out if out.stride(-1) == 1 else torch.empty_like(out)
     rest = dim - value
     low, precision = dot_inputs(rows.dtype)
-    block_h = max(16, min(64, triton.next_power_of_2(heads)))  # tl.dot takes tiles of at least 16
+    # tl.dot takes tiles of at least 16. Wide value rows (GLM-5.2's 512) keep 16 heads per program: the fp32
+    # accumulator [heads, value] stays 32 registers a thread over 8 warps, where 64 heads would spill.
+    block_h = 16 if value >= 256 else max(16, min(64, triton.next_power_of_2(heads)))
     grid = (n, triton.cdiv(heads, block_h))
     _selected_rows_kernel[grid](
         query, rows, slots, target, float(scale), heads, slots.shape[1],
         query.stride(0), query.stride(1), rows.stride(0), slots.stride(0), target.stride(0), target.stride(1),
         VALUE=value, REST=rest, BLOCK_H=block_h, BLOCK_V=max(16, triton.next_power_of_2(value)),
         BLOCK_R=max(16, triton.next_power_of_2(max(rest, 1))), BLOCK_K=ROWS_PER_STEP, LOW_PRECISION_DOT=low,
-        PRECISION=precision,
+        PRECISION=precision, num_warps=8 if value >= 256 else 4,
     )
     if target is not out:
         out.copy_(target)
