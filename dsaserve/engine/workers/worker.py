@@ -39,8 +39,9 @@ class Worker:
         self.with_mtp = args.speculative is not None
         page_budget = args.page_budget or max(1, cfg.index_topk // args.block_size)  # the same token budget as top-k
         triton_ops.configure(args.triton_kernels, device)  # before anything asks which kernels run
-        # Triton on CPU tensors stands in for the CUDA path: CPU operators off, as on a GPU.
-        native = "off" if triton_ops.active_device() is not None else args.native_kernels
+        # Triton on CPU tensors stands in for the CUDA path: CPU operators off, as on a GPU. (On a GPU they stay
+        # available for load-time work on the CPU, such as converting the mapped FP8 file.)
+        native = "off" if device.type == "cpu" and triton_ops.active_device() is not None else args.native_kernels
         torch_ops.configure(native, args.cpu_isa)
         if self.parallel.tp.rank == 0:
             if device.type == "cpu" and native != args.native_kernels:
