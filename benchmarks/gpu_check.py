@@ -10,9 +10,9 @@ Triton's interpreter: what CI runs so the script does not rot (its numbers say n
 Sections: env (versions, device); parity (a generated fp32 checkpoint, 32 greedy tokens and their logprobs on the
 device, Triton kernels on and off, against the CPU path); kernels (Triton against the torch path at GLM-5.2's
 shapes: sparse MLA decode over 2,048 selected rows, indexer scores at 64K); syncs (host synchronisations inside a
-decode step, counted by torch.cuda.set_sync_debug_mode); latency and throughput (the `small` checkpoint, GLM-5.2
-per-head geometry, batch 1, 16, 64); transformers (its `generate` on the same checkpoint and batch); longctx
-(sparse against dense decode at 8K, 32K, 64K).
+decode step, counted by torch.cuda.set_sync_debug_mode); profile (a decode step's most expensive kernels); latency
+and throughput (the `small` checkpoint, GLM-5.2 per-head geometry, batch 1, 16, 64); transformers (its `generate` on
+the same checkpoint and batch); longctx (sparse against dense decode at 8K, 32K, 64K).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 WORK = os.environ.get("DSASERVE_BENCH_DIR", "/tmp/dsaserve-gpu-check")
-SECTIONS = ("env", "parity", "kernels", "syncs", "latency", "transformers", "longctx")
+SECTIONS = ("env", "parity", "kernels", "syncs", "profile", "latency", "transformers", "longctx")
 # Share of the whole budget each section may take at most (the rest of the budget carries over).
-SHARES = {"env": 0.05, "parity": 0.15, "kernels": 0.1, "syncs": 0.1, "latency": 0.25, "transformers": 0.15,
-          "longctx": 0.35}
+SHARES = {"env": 0.05, "parity": 0.15, "kernels": 0.1, "syncs": 0.1, "profile": 0.1, "latency": 0.25,
+          "transformers": 0.15, "longctx": 0.35}
 
 
 def sizes(device: str) -> dict:
@@ -224,6 +224,30 @@ def section_syncs(device: str) -> dict:
     return {"syncs_per_decode_step": counts, "where": where[:30]}
 
 
+def section_profile(device: str) -> dict:
+    """Where a decode step of 16 requests spends its time: torch.profiler's operators and kernels by their own time,
+    the most expensive first (device time on a GPU, CPU time on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsaserve import LLM, SamplingParams
+    from dsaserve.bench.common import random_prompts
+
+    llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, progress=False,
+              kv_cache_memory="2GiB" if device == "cuda" else "256MiB")
+    engine = llm.engine
+    for i, p in enumerate(random_prompts(16, sizes(device)["input_len"], engine.config.vocab_size, 0)):
+        engine.add_request(f"profile-{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for _ in range(3):  # the prefills, then a decode step to warm up
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        engine.step()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
+    return {"decode_step_top": [{"name": e.key[:80], "ms": getattr(e, key, 0.0) / 1e3, "calls": e.count}
+                                for e in events[:20]]}
+
+
 def section_latency(device: str) -> dict:
     from dsaserve import LLM
     from dsaserve.bench.offline import run_latency, run_throughput
@@ -314,6 +338,9 @@ def summary(results: dict, device: str) -> str:
         lines.append(f"| {kernel}: Triton ms / torch ms | {get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "
                      f"{get('kernels', kernel, 'torch_ms', fmt='{:.3f}')} |")
     lines.append(f"| host syncs per decode step | {get('syncs', 'syncs_per_decode_step')} |")
+    top = results.get("profile", {}).get("decode_step_top", [])[:4]
+    lines.append("| decode step (16 requests), most self time | "
+                 + ("; ".join(f"{e['name']} {e['ms']:.2f} ms" for e in top) or "—") + " |")
     lines.append(f"| batch-1 decode ms/token (TPOT) | {get('latency', 'latency_batch_1', 'tpot_ms_p50')} |")
     for batch in sizes(device)["batches"][1:]:
         lines.append(f"| throughput batch {batch}, output tok/s | "

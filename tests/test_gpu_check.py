@@ -16,7 +16,8 @@ def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     failed = {name: r.get("error", "")[-600:] for name, r in results.items() if not r["ok"]}
     assert done.returncode == 0 and not failed, (failed, done.stdout[-2000:])
-    assert list(results) == ["env", "parity", "kernels", "syncs", "latency", "transformers", "longctx"]
+    assert list(results) == ["env", "parity", "kernels", "syncs", "profile", "latency", "transformers", "longctx"]
+    assert results["profile"]["decode_step_top"]  # the step's most expensive operators
     assert all(p["tokens_identical"] and p["max_logprob_diff"] < 1e-3 for p in results["parity"].values()
                if isinstance(p, dict))
     summary = (tmp_path / "out" / "summary.md").read_text()
