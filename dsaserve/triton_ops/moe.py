@@ -22,18 +22,22 @@ BLOCK_M = 16  # pairs per tile (tl.dot's smallest)
 
 
 @triton.jit
+def _tile_pairs(starts, counts, BLOCK_M: tl.constexpr):
+    """This program's tile of its expert's pairs: (positions in the sorted order, which of them exist)."""
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    expert = tl.program_id(0)
+    return tl.load(starts + expert) + m, m < tl.load(counts + expert)
+
+
+@triton.jit
 def _gate_up_kernel(x, weights, token_of, starts, counts, hidden_out, hidden, inter, x_stride, w_stride_e,
                     w_stride_n, h_stride, limit,
                     HAS_LIMIT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
     expert = tl.program_id(0)
-    tile = tl.program_id(1)
-    count = tl.load(counts + expert)
-    if tile * BLOCK_M >= count:
+    if tl.program_id(1) * BLOCK_M >= tl.load(counts + expert):  # past this expert's pairs
         return
-    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = m < count
-    pair = tl.load(starts + expert) + m
+    pair, row_ok = _tile_pairs(starts, counts, BLOCK_M)
     token = tl.load(token_of + pair, mask=row_ok, other=0).to(tl.int64)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = n < inter
@@ -68,13 +72,9 @@ def _down_kernel(hidden_in, weights, pair_index, pair_weight, starts, counts, ou
                  ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
     expert = tl.program_id(0)
-    tile = tl.program_id(1)
-    count = tl.load(counts + expert)
-    if tile * BLOCK_M >= count:
+    if tl.program_id(1) * BLOCK_M >= tl.load(counts + expert):  # past this expert's pairs
         return
-    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = m < count
-    pair = tl.load(starts + expert) + m
+    pair, row_ok = _tile_pairs(starts, counts, BLOCK_M)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = n < hidden
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
