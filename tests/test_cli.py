@@ -1,6 +1,7 @@
 """The command line: doctor on a config-only directory and on checkpoints, generate, the demo model."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,12 @@ def test_doctor_on_config_only_glm52(tmp_path):
     assert "indexer keys: 21 full layers × 128 × 2 B = 5.2 KiB" in out
     assert "KV cache per token (bfloat16): 93.0 KiB" in out
     assert "triton kernels: off here (no CUDA device" in out  # which kernels the default runs, and how to change it
+    # Each form's resident size and, beside it, the peak the load expects (resident + the threads' scratch).
+    for form, resident in (("bf16, float", 1.4 * 1024), ("fp8", 714.3), ("int8", 693.4), ("int4", 368.6)):
+        line = next(x for x in out.splitlines() if x.strip().startswith(form + " "))
+        peak = re.search(r"peak while loading ([\d.]+) (GiB|TiB)", line)
+        assert peak, line
+        assert float(peak[1]) * (1024 if peak[2] == "TiB" else 1) >= resident, line
 
 
 def test_doctor_on_config_only_deepseek_v32(tmp_path):
