@@ -187,6 +187,61 @@ def test_routed_experts_kernels_sum_each_tokens_chosen_experts(tokens, first, li
                                atol=1e-5)
 
 
+def fp8_weight(n: int, k: int, col_offset: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight as a checkpoint ships it, sliced `col_offset` columns into its first block: (bytes [n, k],
+    scales per row [n, G]). Every 128 × 128 block has its own magnitude, so a wrong block's scale shows."""
+    from dsaserve.quantization.formats import quantize_fp8_rows
+
+    grid = torch.rand(-(-n // 128), -(-(k + col_offset) // 128), generator=g) * 4 + 0.05
+    magnitude = grid.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, col_offset:col_offset + k]
+    return quantize_fp8_rows(torch.randn(n, k, generator=g) * magnitude, col_offset)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# decode rows; prefill rows past one tile, two row blocks of scales, a slice starting inside its first column block;
+# per-head weights in one launch (W_UK's form), the activations strided as attention hands them over
+@pytest.mark.parametrize("rows, n, k, col_offset, heads", [(3, 40, 300, 0, None), (70, 200, 260, 40, None),
+                                                           (5, 24, 136, 0, 3)])
+def test_fp8_linear_kernel_scales_each_block_of_the_weight_as_shipped(interpreter, dtype, rows, n, k, col_offset,
+                                                                       heads):
+    from dsaserve.quantization.formats import dequantize_reference
+    from dsaserve.triton_ops.fp8_linear import fp8_matmul
+
+    g = torch.Generator().manual_seed(rows + n)
+    forms = [fp8_weight(n, k, col_offset, g) for _ in range(heads or 1)]
+    q, scale = torch.stack([f[0] for f in forms]), torch.stack([f[1] for f in forms])
+    x = torch.randn(rows, heads or 1, k, generator=g).to(dtype).transpose(0, 1)  # [heads, rows, k], strided
+    got = fp8_matmul(x, q, scale, col_offset) if heads else fp8_matmul(x[0], q[0], scale[0], col_offset)[None]
+    expected = torch.stack([x[h].float() @ dequantize_reference("fp8", q[h], scale[h], col_offset).T
+                            for h in range(heads or 1)])
+    assert got.dtype == dtype and got.shape == expected.shape
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the output's rounding
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("down_offset", [0, 24])  # a rank's share of the intermediate starting inside a block
+def test_routed_experts_kernels_take_fp8_experts_as_shipped(down_offset):
+    """FP8 gate|up and down (bytes and per-block scales, widths past one 128-column block) through the grouped
+    GEMMs: the reference over the dequantized experts."""
+    import dsaserve.triton_ops.moe as moe
+    from dsaserve.quantization.formats import dequantize_reference
+
+    g = torch.Generator().manual_seed(down_offset)
+    experts, top_k, hidden, inter, tokens = 4, 2, 160, 144, 19
+    gate_up = [fp8_weight(2 * inter, hidden, 0, g) for _ in range(experts)]
+    down = [fp8_weight(hidden, inter, down_offset, g) for _ in range(experts)]
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    got = moe.routed_experts(x, ids, weights, torch.stack([q for q, _ in gate_up]), torch.stack([q for q, _ in down]),
+                             0, None, (torch.stack([s for _, s in gate_up]), torch.stack([s for _, s in down])),
+                             down_offset)
+    dense_gate_up = torch.stack([dequantize_reference("fp8", q, s) for q, s in gate_up])
+    dense_down = torch.stack([dequantize_reference("fp8", q, s, down_offset) for q, s in down])
+    expected = routed_reference(x, ids, weights, dense_gate_up, dense_down, 0, None)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
 def batch_of(lengths: list[int], new: list[int], tables: list[list[int]]) -> BatchMetadata:
     return BatchMetadata.build([[1] * k for k in new], [n - k for n, k in zip(lengths, new)], tables, BS, [])
 
@@ -277,6 +332,100 @@ def test_the_engine_through_the_triton_kernels_generates_what_the_cpu_path_does(
         assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-3
 
 
+def test_an_fp8_checkpoint_on_the_triton_path_stays_fp8_and_generates_what_the_cpu_path_does(interpreter,
+                                                                                            make_checkpoint,
+                                                                                            monkeypatch):
+    """Every tensor an FP8 checkpoint ships in FP8 is held as its bytes ([N, K] uint8) and per-block scales, and
+    multiplied so (the projections by fp8_linear, the routed experts by the grouped GEMMs with their scales), not
+    widened at load; greedy tokens are the CPU path's and logprobs within the CUDA-vs-CPU bound."""
+    import dsaserve.triton_ops.fp8_linear as fp8_linear
+    import dsaserve.triton_ops.moe as moe
+    from dsaserve.model.loader import fp8_params
+    from dsaserve.quantization.quantized_weight import ROWS, QuantizedWeight
+
+    calls = {"linear": 0, "experts": 0}
+    real_linear, real_experts = fp8_linear.fp8_matmul, moe.routed_experts
+
+    def count_experts(*args):
+        calls["experts"] += len(args) > 7  # the FP8 experts' call (scales given)
+        return real_experts(*args)
+
+    monkeypatch.setattr(fp8_linear, "fp8_matmul", lambda *a: calls.__setitem__("linear", calls["linear"] + 1)
+                        or real_linear(*a))
+    monkeypatch.setattr(moe, "routed_experts", count_experts)
+    path = make_checkpoint("fp8-split", seed=0, fp8=True, intermediate_size=384, moe_intermediate_size=96)
+    prompts = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(7000 + n)).tolist()
+               for n in (90, 41)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outs = {}
+    for mode in ("on", "off"):
+        llm = LLM(path, dtype="float32", block_size=16, max_model_len=256, max_num_batched_tokens=64,
+                  triton_kernels=mode, progress=False)
+        if mode == "on":
+            model = llm.engine.model
+            held = {name for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+            # (kv_b_proj is split per head into W_UK and W_UV at load, in floats on every path)
+            shipped = {n for n in fp8_params(llm.engine.config, path) if not n.endswith(".kv_b_proj.weight")}
+            assert held == shipped and len(held) > 10
+            for name in held:
+                weight = model.get_submodule(name)
+                assert weight.kind == "fp8" and weight.layout == ROWS and weight.qweight.dtype == torch.uint8
+                assert weight.qweight.shape[-2:] == (weight.out_features, weight.in_features)
+        outs[mode] = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                         use_tqdm=False)]
+        if mode == "on":
+            assert calls["linear"] and calls["experts"]
+            counted = dict(calls)
+    assert calls == counted  # the CPU path called neither
+    for a, b in zip(outs["on"], outs["off"]):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-3
+
+
+def test_a_float_checkpoint_quantized_to_fp8_on_the_triton_path_generates_what_the_cpu_path_does(interpreter,
+                                                                                                tiny_checkpoint):
+    """--quantization fp8 on the CUDA path: every projection quantized at load into the row layout (W_UK and W_UV, the
+    per-head products, included: one batched launch each), the CPU path's tokens."""
+    from dsaserve.quantization.quantized_weight import ROWS, QuantizedWeight
+
+    prompt = torch.randint(30, 600, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    outs = {}
+    for mode in ("on", "off"):
+        llm = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=128, quantization="fp8",
+                  triton_kernels=mode, progress=False)
+        weights = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, QuantizedWeight)}
+        assert "model.layers.1.self_attn.w_uk" in weights and "model.layers.1.self_attn.w_uv" in weights
+        weights = list(weights.values())
+        assert len(weights) > 10 and all(w.kind == "fp8" for w in weights)
+        assert mode == "off" or all(w.layout == ROWS for w in weights)
+        outs[mode] = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    assert outs["on"].token_ids == outs["off"].token_ids
+    assert max(abs(x[t].logprob - y[t].logprob)
+               for x, y, t in zip(outs["on"].logprobs, outs["off"].logprobs, outs["off"].token_ids)) < 1e-3
+
+
+def test_on_cuda_weights_are_stored_quantized_only_in_fp8_and_only_through_triton():
+    """The forms a CUDA engine may hold: FP8 (a checkpoint's own, or --quantization fp8) where the Triton kernels run;
+    int8 and int4, or FP8 without Triton, are refused naming the flag."""
+    from dsaserve.quantization.apply import weight_forms
+
+    cuda = torch.device("cuda")
+    try:
+        triton_ops.configure("auto", cuda)
+        assert weight_forms("fp8", set(), torch.bfloat16, cuda)("any.weight") == "fp8"
+        shipped = weight_forms(None, {"a.weight"}, torch.bfloat16, cuda)
+        assert shipped("a.weight") == "fp8" and shipped("b.weight") is None
+        assert weight_forms(None, set(), torch.bfloat16, cuda) is None
+        with pytest.raises(ValueError, match="quantization='int8' on cuda.*--quantization fp8"):
+            weight_forms("int8", set(), torch.bfloat16, cuda)
+        triton_ops.configure("off", cuda)
+        with pytest.raises(ValueError, match="quantization='fp8' on cuda.*Triton"):
+            weight_forms("fp8", set(), torch.bfloat16, cuda)
+    finally:
+        triton_ops.configure("auto", torch.device("cpu"))
+
+
 def test_weights_packed_for_the_cpu_kernels_are_refused_on_another_device(tiny_checkpoint):
     """Packed forms are read only by CPU operators: on any other device (here `meta`) loading them is an error
     that says so, before anything is read."""
@@ -284,7 +433,7 @@ def test_weights_packed_for_the_cpu_kernels_are_refused_on_another_device(tiny_c
     from dsaserve.model import load_model
 
     cfg = ModelConfig.from_pretrained(tiny_checkpoint)
-    with pytest.raises(ValueError, match="packed forms exist only on the CPU"):
+    with pytest.raises(ValueError, match="int8.*exist only on the CPU"):
         load_model(cfg, tiny_checkpoint, torch.float32, torch.device("meta"), weight_forms="int8", progress=False)
 
 

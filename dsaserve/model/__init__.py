@@ -12,6 +12,17 @@ from dsaserve.model.huge_pages import place_weights as place_in_huge_pages
 from dsaserve.model.load_memory import available_memory, check_fits, default_scratch_budget, model_bytes, scratch_bytes
 from dsaserve.model.loader import checkpoint_files, load_checkpoint, mtp_extras
 from dsaserve.quantization.apply import pack_weights
+from dsaserve.quantization.quantized_weight import ROWS, QuantizedWeight
+
+
+def refuse_cpu_forms(model, device: torch.device) -> None:
+    """Off the CPU, the one stored form a weight may take is FP8 in the row layout (the Triton kernels read it)."""
+    cpu_only = sorted({m.kind for m in model.modules()
+                       if isinstance(m, QuantizedWeight) and (m.kind, m.layout) != ("fp8", ROWS)})
+    if cpu_only:
+        raise ValueError(f"weights packed for the CPU kernels ({', '.join(cpu_only)}) on device {device.type!r}: "
+                         "those forms exist only on the CPU (off it, FP8 weights are kept as shipped where the Triton "
+                         "kernels run); load without quantization there")
 
 
 def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
@@ -27,9 +38,6 @@ def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: tor
     in memory advised for 2 MiB pages where Linux allows (model/huge_pages.py). scratch_budget: bytes the loading
     threads may use for conversions (default: model/load_memory.py's); loading refuses to start where the weights
     and that scratch exceed the memory available."""
-    if weight_forms is not None and device.type != "cpu":
-        raise ValueError(f"weights packed for the CPU kernels (weight_forms) on device {device.type!r}: packed forms "
-                         "exist only on the CPU; load without quantization there")
     mtp = mtp_extras(cfg, model_dir) if with_mtp else None
     parallel = parallel or ParallelContext.single()
     model_class = Glm5NextForCausalLM if cfg.hybrid is not None else GlmMoeDsaForCausalLM
@@ -39,6 +47,8 @@ def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: tor
             pack_weights(model, lambda name, form=weight_forms: form)
         elif weight_forms is not None:
             pack_weights(model, weight_forms)
+        if device.type != "cpu":
+            refuse_cpu_forms(model, device)
         for name, param in model.named_parameters():
             param.data = param.data.to(torch.float32 if name.endswith(model_class.FP32_PARAM_SUFFIXES) else dtype)
     budget = default_scratch_budget() if scratch_budget is None else scratch_budget

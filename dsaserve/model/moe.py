@@ -17,7 +17,7 @@ from dsaserve.model.layers import GatedMLP, GatedMlpBinding, one_operator, swigl
 from dsaserve.model.linear import expert_weight, linear
 from dsaserve.prepared_calls import PreparedCalls
 from dsaserve.quantization.packed_experts import add_routed_experts, fused_applies
-from dsaserve.quantization.quantized_weight import KERNEL_ROWS, QuantizedWeight
+from dsaserve.quantization.quantized_weight import KERNEL_ROWS, QuantizedWeight, fp8_rows
 
 
 @dataclass(frozen=True)
@@ -135,10 +135,14 @@ class MoE(PreparedCalls):
             add_routed_experts(x, gate_up, down, ids, weights, out, shared if in_call else None, self.swiglu_limit)
             return self.comm.all_reduce(out)
         out = self._shared_output(x)
-        if triton_ops.runs_on(x) and isinstance(gate_up, torch.Tensor):  # grouped GEMMs, no host sync (CUDA path)
-            from dsaserve.triton_ops.moe import routed_experts
+        if triton_ops.runs_on(x) and (isinstance(gate_up, torch.Tensor) or fp8_rows(gate_up) and fp8_rows(down)):
+            from dsaserve.triton_ops.moe import routed_experts  # grouped GEMMs, no host sync (the CUDA path)
 
-            routed = routed_experts(x, ids, weights, gate_up, down, self.first_expert, self.swiglu_limit)
+            if isinstance(gate_up, torch.Tensor):
+                routed = routed_experts(x, ids, weights, gate_up, down, self.first_expert, self.swiglu_limit)
+            else:  # FP8 experts as shipped
+                routed = routed_experts(x, ids, weights, gate_up.qweight, down.qweight, self.first_expert,
+                                        self.swiglu_limit, (gate_up.scale, down.scale), down.col_offset)
             return self.comm.all_reduce(out + routed.to(out.dtype))
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)

@@ -131,5 +131,5 @@ def dequantize_reference(kind: str, q: torch.Tensor, scale: torch.Tensor, col_of
     k = q.shape[1]
     values = q.view(torch.float8_e4m3fn).float() if kind == "fp8" else q.float()
     group = group_of(kind, k)
-    columns = (torch.arange(k) + col_offset) // group - col_offset // group
+    columns = (torch.arange(k, device=scale.device) + col_offset) // group - col_offset // group
     return values * scale.float()[:, columns]

@@ -4,15 +4,18 @@ For a few activation rows (decode, draft verification) the native kernel reads t
 and converts it in registers; for many rows (prefill) the weight is dequantized, transposed, and the
 torch GEMM does the work. Where no native body multiplies packed weights, int8 weights are kept in torch's row
 layout instead (ROWS: [N, K] and a scale per row), which torch's int8 matmul reads: the blocks serve only the
-kernels. Stacked experts share one QuantizedWeight with a leading expert dimension;
-`expert(e)` views one of them in place. Loading writes rows from float tensors (quantizing them) or,
-for FP8 checkpoints read as shipped, from the checkpoint's own bytes and block scales.
+kernels. Where the Triton kernels run (the CUDA path), FP8 weights take the row layout too ([N, K] bytes and a scale
+per row and 128-column block) and triton_ops/fp8_linear.py multiplies them as they ship.
+Stacked experts share one QuantizedWeight with a leading expert dimension; `expert(e)` views one of them in place.
+Loading writes rows from float tensors (quantizing them) or, for FP8 checkpoints read as shipped, from the
+checkpoint's own bytes and block scales.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dsaserve import triton_ops
 from dsaserve.native import torch_ops
 from dsaserve.prepared_calls import PreparedCalls
 from dsaserve.quantization import formats
@@ -20,17 +23,25 @@ from dsaserve.quantization.fp8_blocks import Fp8Slice, as_float
 
 KERNEL_ROWS = 16  # activation rows the native kernel takes; more go to the GEMM
 FALLBACK_SCRATCH = 32 << 20  # bytes of one weight's rows dequantized at a time where no kernel runs
-BLOCKS, ROWS = "blocks", "rows"  # the native kernels' packed layout; torch's [N, K] int8 and a scale per row
+BLOCKS, ROWS = "blocks", "rows"  # the native kernels' packed layout; [N, K] and a scale per row (and block, fp8)
 
 
 def layout_for(kind: str, k: int, col_offset: int) -> str:
-    """ROWS for int8 weights (not starting inside a scale group) where no native body runs the packed products
-    and torch has its int8 matmul; BLOCKS otherwise. Chosen when the weight is made, from the process's bodies.
+    """ROWS for FP8 weights where the Triton kernels run, and for int8 weights (not starting inside a scale group)
+    where no native body runs the packed products and torch has its int8 matmul; BLOCKS otherwise. Chosen when the
+    weight is made, from the process's kernels.
     Torch's int8 matmul reads past rows whose length is not a multiple of 16 (a segfault with torch 2.13 on
     AVX-512): those widths, rare in real models, keep the blocks and the dequantized slabs."""
+    if kind == "fp8" and triton_ops.active_device() is not None:
+        return ROWS
     if kind == "int8" and not col_offset and k % 64 == 0 and hasattr(torch, "_weight_int8pack_mm"):
         return BLOCKS if torch_ops.runs("packed_products") else ROWS
     return BLOCKS
+
+
+def fp8_rows(weight) -> bool:
+    """Whether `weight` is FP8 in the row layout (what the Triton kernels multiply)."""
+    return isinstance(weight, QuantizedWeight) and weight.kind == "fp8" and weight.layout == ROWS
 
 
 def operator_args(kind: str, n: int, k: int, col_offset: int) -> tuple[int, int, int, int, int]:
@@ -60,7 +71,9 @@ class PackedMatrix:
         rows = x if x.dim() == 2 else x.reshape(-1, self.k)  # (a reshape is one more operator call per product)
         if rows.shape[0] == 0:  # e.g. lm_head in a step of prompt chunks only
             return x.new_empty(*x.shape[:-1], self.n)
-        if self.layout == ROWS:
+        if self.layout == ROWS and self.kind == "fp8":
+            y = self._fp8_rows(rows) if triton_ops.runs_on(rows) else self._by_slabs(rows, self._rows_slab)
+        elif self.layout == ROWS:
             y = self._int8_rows(rows) if rows.shape[0] <= KERNEL_ROWS else self._by_slabs(rows, self._rows_slab)
         elif x.is_cpu and torch_ops.runs("packed_products"):
             if rows.shape[0] <= KERNEL_ROWS:
@@ -103,8 +116,16 @@ class PackedMatrix:
                                       self.scale.view(-1).to(torch.bfloat16))
         return y.to(rows.dtype)
 
+    def _fp8_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        from dsaserve.triton_ops.fp8_linear import fp8_matmul  # the weight's bytes as shipped, widened in registers
+
+        return fp8_matmul(rows, self.qweight, self.scale, self.col_offset)
+
     def _rows_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
         """Rows [r0, r1) of a row-layout weight, dequantized and transposed: [K, r1 - r0]."""
+        if self.kind == "fp8":
+            return formats.dequantize_reference("fp8", self.qweight[r0:r1], self.scale[r0:r1], self.col_offset).to(
+                dtype).T
         return (self.qweight[r0:r1].float() * self.scale[r0:r1]).to(dtype).T
 
     def _native_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
@@ -149,7 +170,10 @@ class QuantizedWeight(PreparedCalls):
         self.kind, self.out_features, self.in_features, self.col_offset = kind, out_features, in_features, col_offset
         self.args = operator_args(kind, out_features, in_features, col_offset)
         self.layout = layout_for(kind, in_features, col_offset)
-        if self.layout == ROWS:
+        if self.layout == ROWS and kind == "fp8":
+            qshape, qdtype = (out_features, in_features), torch.uint8
+            sshape = (out_features, formats.scale_columns(kind, in_features, col_offset))
+        elif self.layout == ROWS:
             qshape, qdtype, sshape = (out_features, in_features), torch.int8, (out_features, 1)
         else:
             qshape, qdtype, sshape = formats.packed_shapes(kind, out_features, in_features, col_offset)
@@ -178,6 +202,10 @@ class QuantizedWeight(PreparedCalls):
             return x.new_empty(x.shape[0], 0, self.out_features)
         if x.is_cpu and self.layout == BLOCKS and torch_ops.runs("packed_products") and x.shape[1] <= KERNEL_ROWS:
             return torch.ops.dsaserve.quant_linear.default(x, self.qweight, self.scale, *self.args)  # strided x too
+        if self.layout == ROWS and self.kind == "fp8" and triton_ops.runs_on(x):  # every head in one launch
+            from dsaserve.triton_ops.fp8_linear import fp8_matmul
+
+            return fp8_matmul(x, self.qweight, self.scale, self.col_offset)
         return torch.stack([self.matrix(b).matmul(x[b]) for b in range(x.shape[0])])
 
     def nbytes(self) -> int:

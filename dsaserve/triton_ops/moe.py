@@ -7,6 +7,10 @@ intermediate] buffer. The second multiplies that by the expert's down projection
 weight and writes the pair's own output row, so the k choices of a token are summed afterwards in a fixed order
 (no atomics: the same bits every run). The grid covers every expert × the most tiles one expert could need;
 programs past an expert's count return at once. Tokens are taken in chunks so the pair buffers stay bounded.
+
+FP8 experts (their bytes as shipped, one scale per row and 128-column block) are widened in registers, and each K
+step's product scaled once per output column, as in fp8_linear.py: the K loop then steps through whole scale blocks,
+starting where they start (a rank's share of the intermediate columns may begin inside one).
 """
 
 from __future__ import annotations
@@ -30,10 +34,25 @@ def _tile_pairs(starts, counts, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x, weights, token_of, starts, counts, hidden_out, hidden, inter, x_stride, w_stride_e,
-                    w_stride_n, h_stride, limit,
+def _weight_product(a, w_rows, s_rows, k, k0, k_ok, col_ok, FP8: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """a [M, K] times the weight rows' tile [K, N] (columns k); an FP8 tile widened, and scaled by its block's
+    scales (k0 // 128: the step lies inside one block)."""
+    mask = col_ok[None, :] & k_ok[:, None]
+    if FP8:
+        w = tl.load(w_rows + k[:, None], mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(a.dtype)
+        scale = tl.load(s_rows + k0 // 128, mask=col_ok, other=0.0)
+        return tl.dot(a, w, input_precision=PRECISION) * scale[None, :]
+    w = _operand(tl.load(w_rows + k[:, None], mask=mask, other=0.0), LOW_PRECISION_DOT)
+    return tl.dot(a, w, input_precision=PRECISION)
+
+
+@triton.jit
+def _gate_up_kernel(x, weights, scales, token_of, starts, counts, hidden_out, hidden, inter, x_stride, w_stride_e,
+                    w_stride_n, s_stride_e, s_stride_n, h_stride, limit,
                     HAS_LIMIT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, FP8: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
+                    PRECISION: tl.constexpr):
     expert = tl.program_id(0)
     if tl.program_id(1) * BLOCK_M >= tl.load(counts + expert):  # past this expert's pairs
         return
@@ -44,17 +63,16 @@ def _gate_up_kernel(x, weights, token_of, starts, counts, hidden_out, hidden, in
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     w = weights + expert.to(tl.int64) * w_stride_e
+    s = scales + expert.to(tl.int64) * s_stride_e
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < hidden
         a = _operand(tl.load(x + token[:, None] * x_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                              other=0.0), LOW_PRECISION_DOT)
-        wg = _operand(tl.load(w + n[None, :] * w_stride_n + k[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                              other=0.0), LOW_PRECISION_DOT)
-        wu = _operand(tl.load(w + (inter + n[None, :]) * w_stride_n + k[:, None],
-                              mask=col_ok[None, :] & k_ok[:, None], other=0.0), LOW_PRECISION_DOT)
-        gate += tl.dot(a, wg, input_precision=PRECISION)
-        up += tl.dot(a, wu, input_precision=PRECISION)
+        gate += _weight_product(a, w + n[None, :] * w_stride_n, s + n * s_stride_n, k, k0, k_ok, col_ok, FP8,
+                                LOW_PRECISION_DOT, PRECISION)
+        up += _weight_product(a, w + (inter + n[None, :]) * w_stride_n, s + (inter + n) * s_stride_n, k, k0, k_ok,
+                              col_ok, FP8, LOW_PRECISION_DOT, PRECISION)
     if ROUND:  # a bf16/fp16 model rounds the projection's output, as torch's path does
         gate = gate.to(hidden_out.dtype.element_ty).to(tl.float32)
         up = up.to(hidden_out.dtype.element_ty).to(tl.float32)
@@ -67,10 +85,10 @@ def _gate_up_kernel(x, weights, token_of, starts, counts, hidden_out, hidden, in
 
 
 @triton.jit
-def _down_kernel(hidden_in, weights, pair_index, pair_weight, starts, counts, out, hidden, inter, h_stride,
-                 w_stride_e, w_stride_n, out_stride,
+def _down_kernel(hidden_in, weights, scales, pair_index, pair_weight, starts, counts, out, hidden, inter, col_offset,
+                 h_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, out_stride,
                  ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                 FP8: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
     expert = tl.program_id(0)
     if tl.program_id(1) * BLOCK_M >= tl.load(counts + expert):  # past this expert's pairs
         return
@@ -79,14 +97,14 @@ def _down_kernel(hidden_in, weights, pair_index, pair_weight, starts, counts, ou
     col_ok = n < hidden
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     w = weights + expert.to(tl.int64) * w_stride_e
-    for k0 in range(0, inter, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < inter
+    s = scales + expert.to(tl.int64) * s_stride_e
+    for k0 in range(0, inter + col_offset, BLOCK_K):  # k0 counts from the first scale block's first column
+        k = k0 - col_offset + tl.arange(0, BLOCK_K)
+        k_ok = (k >= 0) & (k < inter)
         a = _operand(tl.load(hidden_in + pair[:, None].to(tl.int64) * h_stride + k[None, :],
                              mask=row_ok[:, None] & k_ok[None, :], other=0.0), LOW_PRECISION_DOT)
-        wd = _operand(tl.load(w + n[None, :] * w_stride_n + k[:, None], mask=col_ok[None, :] & k_ok[:, None],
-                              other=0.0), LOW_PRECISION_DOT)
-        acc += tl.dot(a, wd, input_precision=PRECISION)
+        acc += _weight_product(a, w + n[None, :] * w_stride_n, s + n * s_stride_n, k, k0, k_ok, col_ok, FP8,
+                               LOW_PRECISION_DOT, PRECISION)
     if ROUND:
         acc = acc.to(hidden_in.dtype.element_ty).to(tl.float32)
     scale = tl.load(pair_weight + pair, mask=row_ok, other=0.0)
@@ -96,9 +114,14 @@ def _down_kernel(hidden_in, weights, pair_index, pair_weight, starts, counts, ou
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, first_expert: int, limit: float | None = None) -> torch.Tensor:
+                   down: torch.Tensor, first_expert: int, limit: float | None = None,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None, down_offset: int = 0) -> torch.Tensor:
     """Σ_j weights[t, j] · down_e(swiglu(gate_up_e(x[t]))) over token t's choices e = ids[t, j] held here
-    (experts [first_expert, first_expert + E)); fp32 [T, H]. gate_up [E, 2I, H] (gate rows, then up), down [E, H, I]."""
+    (experts [first_expert, first_expert + E)); fp32 [T, H]. gate_up [E, 2I, H] (gate rows, then up), down [E, H, I].
+    FP8 experts: gate_up and down are their bytes (uint8), `scales` theirs ([E, 2I, ⌈H / 128⌉], [E, H, G]) and
+    down_offset down's first column inside its scale block."""
+    fp8 = scales is not None
+    gate_up_scale, down_scale = scales if fp8 else (gate_up, down)  # (unread without FP8)
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     experts, inter = down.shape[0], down.shape[2]
@@ -123,16 +146,17 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
         block_k = max(16, min(64, triton.next_power_of_2(hidden)))
         block_n = max(16, min(64, triton.next_power_of_2(inter)))
         _gate_up_kernel[(experts, tiles, triton.cdiv(inter, block_n))](
-            x, gate_up, token_of, starts, counts, hidden_buffer, hidden, inter, x.stride(0), gate_up.stride(0),
-            gate_up.stride(1), hidden_buffer.stride(0), float(limit or 0.0), HAS_LIMIT=limit is not None,
-            ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+            x, gate_up, gate_up_scale, token_of, starts, counts, hidden_buffer, hidden, inter, x.stride(0),
+            gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
+            hidden_buffer.stride(0), float(limit or 0.0), HAS_LIMIT=limit is not None,
+            ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8,
             LOW_PRECISION_DOT=low, PRECISION=precision)
         block_n = max(16, min(64, triton.next_power_of_2(hidden)))
         block_k = max(16, min(64, triton.next_power_of_2(inter)))
         _down_kernel[(experts, tiles, triton.cdiv(hidden, block_n))](
-            hidden_buffer, down, order.contiguous(), pair_weight, starts, counts, pair_out, hidden, inter,
-            hidden_buffer.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
-            ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-            LOW_PRECISION_DOT=low, PRECISION=precision)
+            hidden_buffer, down, down_scale, order.contiguous(), pair_weight, starts, counts, pair_out, hidden, inter,
+            down_offset if fp8 else 0, hidden_buffer.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
+            down_scale.stride(1), pair_out.stride(0), ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M,
+            BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, LOW_PRECISION_DOT=low, PRECISION=precision)
         total[t0:t1] = pair_out.view(t1 - t0, top_k, hidden).sum(1)
     return total
