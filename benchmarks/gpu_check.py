@@ -30,17 +30,17 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 WORK = os.environ.get("DSASERVE_BENCH_DIR", "/tmp/dsaserve-gpu-check")
 SECTIONS = ("env", "parity", "kernels", "syncs", "profile", "latency", "transformers", "longctx")
 # Share of the whole budget each section may take at most (the rest of the budget carries over).
-SHARES = {"env": 0.05, "parity": 0.15, "kernels": 0.1, "syncs": 0.1, "profile": 0.1, "latency": 0.25,
+SHARES = {"env": 0.05, "parity": 0.2, "kernels": 0.1, "syncs": 0.1, "profile": 0.1, "latency": 0.25,
           "transformers": 0.15, "longctx": 0.35}
 
 
 def sizes(device: str) -> dict:
     """What each section runs at: the issue's sizes on a GPU, small ones on a CPU."""
     if device == "cuda":
-        return dict(batches=[1, 16, 64], input_len=128, output_len=128, contexts=[8192, 32768, 65536],
+        return dict(batches=[1, 16, 64], input_len=128, output_len=128, contexts=[8192, 32768, 65536], parity_steps=32,
                     rows_batch=64, rows_cache=65536, score_context=65536, heads=64, index_heads=32)
-    return dict(batches=[1, 4], input_len=32, output_len=8, contexts=[256, 512], rows_batch=2, rows_cache=512,
-                score_context=256, heads=4, index_heads=4)
+    return dict(batches=[1, 4], input_len=32, output_len=8, contexts=[256, 512], parity_steps=12, rows_batch=2,
+                rows_cache=512, score_context=256, heads=4, index_heads=4)
 
 
 def small_checkpoint(device: str) -> str:
@@ -54,12 +54,14 @@ def small_checkpoint(device: str) -> str:
     return tiny_checkpoint()
 
 
-def tiny_checkpoint() -> str:
+def tiny_checkpoint(fp8: bool = False) -> str:
+    """The tests' tiny generated checkpoint (fp32); with fp8, its projections in FP8 blocks, widths past one block."""
     from dsaserve.demo.checkpoint_builder import build_checkpoint
 
-    path = os.path.join(WORK, "tiny-fp32")
+    path = os.path.join(WORK, "tiny-fp8" if fp8 else "tiny-fp32")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        build_checkpoint(path, seed=0)
+        build_checkpoint(path, seed=0, **(dict(fp8=True, intermediate_size=384, moe_intermediate_size=96) if fp8
+                                          else {}))
     return path
 
 
@@ -103,18 +105,22 @@ def greedy(path: str, device: str, triton: str, prompts, steps: int, native: str
 
 
 def section_parity(device: str) -> dict:
-    """Greedy tokens and logprobs of the device path (Triton kernels on and off) against the CPU path, fp32."""
+    """Greedy tokens and logprobs of the device path (Triton kernels on and off) against the CPU path, fp32; and of an
+    FP8 checkpoint, kept in FP8 on the Triton path, against the CPU's dequantized one."""
     import torch
 
-    path = tiny_checkpoint()
     prompts = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (90, 41)]
-    # The CPU reference with torch's operators: the native ones would first compile (minutes of the GPU's time).
-    cpu_tokens, cpu_logprobs = greedy(path, "cpu", "off", prompts, 32, native="off")
     result = {}
-    for triton in ("on", "off"):
-        tokens, logprobs = greedy(path, device, triton, prompts, 32)
-        diff = max(abs(a - b) for x, y in zip(logprobs, cpu_logprobs) for a, b in zip(x, y))
-        result[f"triton_{triton}"] = {"tokens_identical": tokens == cpu_tokens, "max_logprob_diff": diff}
+    for fp8, modes in ((False, ("on", "off")), (True, ("on",))):
+        path = tiny_checkpoint(fp8)
+        # The CPU reference with torch's operators: the native ones would first compile (minutes of the GPU's time).
+        steps = sizes(device)["parity_steps"]
+        cpu_tokens, cpu_logprobs = greedy(path, "cpu", "off", prompts, steps, native="off")
+        for triton in modes:
+            tokens, logprobs = greedy(path, device, triton, prompts, steps)
+            diff = max(abs(a - b) for x, y in zip(logprobs, cpu_logprobs) for a, b in zip(x, y))
+            result[f"{'fp8_' if fp8 else ''}triton_{triton}"] = {"tokens_identical": tokens == cpu_tokens,
+                                                                  "max_logprob_diff": diff}
     return result
 
 
@@ -192,6 +198,30 @@ def section_kernels(device: str) -> dict:
         result[f"index_scores_{kind}"] = {
             "queries": n, "context": context, "heads": iheads, "triton_ms": t_ms, "torch_ms": r_ms, "topk_ms": top_ms,
             "max_rel_diff": float(((scores - torch_scores()).abs().max() / torch_scores().abs().max()))}
+    result.update(fp8_products(device, g))
+    return result
+
+
+def fp8_products(device: str, g) -> dict:
+    """An FP8 weight as shipped (a GLM-5.2 projection's shape: 6,144 → 12,288 on a GPU) by the Triton kernel, against
+    torch's bf16 matmul of the same weight dequantized (twice the bytes): ms per product at decode and prefill rows."""
+    import torch
+
+    from dsaserve.quantization.formats import dequantize_reference, quantize_fp8_rows
+    from dsaserve.triton_ops.fp8_linear import fp8_matmul
+
+    n, k = (12288, 6144) if device == "cuda" else (96, 160)
+    q, scale = quantize_fp8_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
+    q, scale = q.to(device), scale.to(device)
+    dense = dequantize_reference("fp8", q, scale).to(torch.bfloat16)
+    result = {}
+    for rows in ((1, 16, 2048) if device == "cuda" else (1, 4)):
+        x = torch.randn(rows, k, device=device, generator=g).to(torch.bfloat16)
+        got, expected = fp8_matmul(x, q, scale).float(), (x @ dense.T).float()
+        result[f"fp8_linear_{rows}_rows"] = {
+            "n": n, "k": k, "triton_ms": timed(lambda: fp8_matmul(x, q, scale), device, 10),
+            "torch_bf16_ms": timed(lambda: x @ dense.T, device, 10),
+            "max_rel_diff": float((got - expected).abs().max() / expected.abs().max())}
     return result
 
 
@@ -334,9 +364,16 @@ def summary(results: dict, device: str) -> str:
     lines.append(f"| parity, Triton off: tokens identical / max Δlogprob | "
                  f"{get('parity', 'triton_off', 'tokens_identical')} / "
                  f"{get('parity', 'triton_off', 'max_logprob_diff', fmt='{:.2e}')} |")
+    lines.append(f"| parity, FP8 checkpoint kept in FP8 (Triton): tokens identical / max Δlogprob | "
+                 f"{get('parity', 'fp8_triton_on', 'tokens_identical')} / "
+                 f"{get('parity', 'fp8_triton_on', 'max_logprob_diff', fmt='{:.2e}')} |")
     for kernel in ("sparse_decode", "index_scores_bf16", "index_scores_fp8"):
         lines.append(f"| {kernel}: Triton ms / torch ms | {get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "
                      f"{get('kernels', kernel, 'torch_ms', fmt='{:.3f}')} |")
+    for kernel in sorted(k for k in results.get("kernels", {}) if k.startswith("fp8_linear")):
+        lines.append(f"| {kernel}: Triton FP8 ms / torch bf16 ms | "
+                     f"{get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "
+                     f"{get('kernels', kernel, 'torch_bf16_ms', fmt='{:.3f}')} |")
     lines.append(f"| host syncs per decode step | {get('syncs', 'syncs_per_decode_step')} |")
     top = results.get("profile", {}).get("decode_step_top", [])[:4]
     lines.append("| decode step (16 requests), most self time | "

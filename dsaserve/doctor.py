@@ -89,7 +89,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     if cfg.quantization_config:
         qc = cfg.quantization_config
         lines.append(f"quantization: {qc.get('quant_method')} blocks {qc.get('weight_block_size')} "
-                     "(dequantized at load)")
+                     "(kept as shipped where the native CPU or the Triton kernels run; dequantized at load elsewhere)")
 
     ok = True
     files = checkpoint_files(model_dir)

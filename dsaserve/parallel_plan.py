@@ -3,8 +3,9 @@ each rank reads and holds, and how much context fits.
 
 It adds up the slices distributed/sharding.py assigns (the loader reads exactly these), so the
 numbers are the loader's own: bytes as stored in the checkpoint, bytes resident once loaded
-(dsaserve computes in the model dtype; FP8 weights are dequantized at load today), KV bytes per token
-per rank, and the tokens of KV that fit in a given device memory.
+(FP8 weights kept as shipped, with a scale per row and 128 columns, as the native CPU kernels and the Triton
+kernels hold them; the rest in the model dtype), KV bytes per token per rank, and the tokens of KV that fit in a
+given device memory.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from dataclasses import dataclass, field
 from dsaserve.byte_sizes import human
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_config import ParallelConfig
-from dsaserve.distributed.sharding import ShardPlan, tensor_slice
+from dsaserve.distributed.sharding import ShardPlan, TensorSlice, tensor_slice
 from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES
+from dsaserve.quantization.formats import scale_columns
 from dsaserve.quantization.fp8_blocks import is_fp8_quantizable
 
 FP8_BLOCK = 128 * 128  # elements per weight_scale_inv entry
@@ -34,8 +36,9 @@ class RankShare:
 
 
 def rank_shares(cfg: ModelConfig, parallel: ParallelConfig, tensors: dict[str, tuple[tuple[int, ...], int]],
-                resident_item: int) -> list[RankShare]:
-    """tensors: name → (shape, bytes per element as stored; 1 for FP8 weights, which add their scales)."""
+                resident_item: int, fp8_kept: bool = True) -> list[RankShare]:
+    """tensors: name → (shape, bytes per element as stored; 1 for FP8 weights, which add their scales). fp8_kept:
+    FP8 weights stay FP8 once loaded (else they are dequantized to resident_item bytes)."""
     shares = []
     for rank in range(parallel.world_size):
         plan = ShardPlan(rank, parallel.world_size, parallel.enable_expert_parallel)
@@ -50,7 +53,7 @@ def rank_shares(cfg: ModelConfig, parallel: ParallelConfig, tensors: dict[str, t
             if part.kind == "vocab":  # every rank holds as many rows, the last one's past V being padding
                 first, last = plan.vocab_rows(cfg.vocab_size)
                 numel = (last - first) * math.prod(shape[1:])
-            share.resident += numel * (4 if name.endswith(FP32_PARAM_SUFFIXES) else resident_item)
+            share.resident += _resident(name, part, shape, numel, item if fp8_kept else resident_item, resident_item)
         heads = plan.split(cfg.num_attention_heads)
         vocab = plan.vocab_rows(cfg.vocab_size)
         share.ranges = {"heads": f"{heads[0]}-{heads[1] - 1}",
@@ -79,7 +82,10 @@ def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_ite
     for rank, share in enumerate(shares):
         ranges = ", ".join(f"{k} {v}" for k, v in share.ranges.items())
         lines.append(f"  {rank:>6} {human(share.stored):>12} {human(share.resident):>12}  {ranges}")
-    lines.append(f"  (stored: read from the checkpoint; resident: held once loaded, in {resident_dtype})")
+    fp8 = any(item == 1 for _, item in tensors.values())
+    lines.append("  (stored: read from the checkpoint; resident: held once loaded, "
+                 + ("FP8 weights as shipped where the native CPU or the Triton kernels run\n   with a scale per row "
+                    "and 128 columns, the rest " if fp8 else "") + f"in {resident_dtype})")
     per_rank = kv_bytes_per_token / dcp
     lines.append(f"  KV cache per token per rank: {human(per_rank)}"
                  + (f" (each rank stores 1/{dcp} of a request's tokens)" if dcp > 1 else
@@ -88,15 +94,35 @@ def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_ite
         lines.append(f"  KDA state per request per rank: {human(state_bytes_per_request)} (its heads are split: "
                      f"1/{parallel.tensor_parallel_size} of the state)")
     if device_memory:
-        weights = max(s.resident for s in shares)
-        room = device_memory * utilization - weights
-        if room <= 0:
-            lines.append(f"  with {human(device_memory)} per rank (× {utilization:g}): does not fit, the weights "
-                         f"alone need {human(weights)} per rank; use more ranks")
-        else:
-            lines.append(f"  with {human(device_memory)} per rank (× {utilization:g}): {human(room)} left for the "
-                         f"KV cache = {int(room // per_rank):,} tokens of context in all")
+        lines.append(_fit_line(max(s.resident for s in shares), device_memory, utilization, per_rank))
+        if fp8:
+            dequantized = max(s.resident for s in rank_shares(cfg, parallel, tensors, resident_item, fp8_kept=False))
+            lines.append(f"  FP8 weights dequantized to {resident_dtype} (--triton-kernels off, or a CPU without the "
+                         f"native kernels):\n  {_fit_line(dequantized, device_memory, utilization, per_rank)}")
     return lines
+
+
+def _fit_line(weights: int, device_memory: int, utilization: float, kv_per_token: float) -> str:
+    room = device_memory * utilization - weights
+    if room <= 0:
+        return (f"  with {human(device_memory)} per rank (× {utilization:g}): does not fit, the weights alone need "
+                f"{human(weights)} per rank; use more ranks")
+    return (f"  with {human(device_memory)} per rank (× {utilization:g}): {human(room)} left for the KV cache = "
+            f"{int(room // kv_per_token):,} tokens of context in all")
+
+
+def _resident(name: str, part: TensorSlice, shape: tuple[int, ...], numel: int, item: int, resident_item: int) -> int:
+    """Bytes a rank holds of its part (numel elements) of a tensor stored `item` bytes per element. An FP8 weight
+    kept as shipped holds its bytes and a scale per row and 128 columns; kv_b_proj is split per head into W_UK and
+    W_UV at load, in floats."""
+    part_shape = part.shape_of(shape)
+    if item == 1 and _KV_B not in name:
+        col_offset = part.start % 128 if part.dim == 1 else 0
+        return numel + numel // part_shape[-1] * scale_columns("fp8", part_shape[-1], col_offset) * 4
+    return numel * (4 if name.endswith(FP32_PARAM_SUFFIXES) else resident_item)
+
+
+_KV_B = ".kv_b_proj."
 
 
 def stored_items(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],

@@ -18,8 +18,10 @@ def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
     assert done.returncode == 0 and not failed, (failed, done.stdout[-2000:])
     assert list(results) == ["env", "parity", "kernels", "syncs", "profile", "latency", "transformers", "longctx"]
     assert results["profile"]["decode_step_top"]  # the step's most expensive operators
+    assert {"triton_on", "triton_off", "fp8_triton_on"} <= set(results["parity"])  # an FP8 checkpoint kept in FP8
     assert all(p["tokens_identical"] and p["max_logprob_diff"] < 1e-3 for p in results["parity"].values()
                if isinstance(p, dict))
+    assert results["kernels"]["fp8_linear_4_rows"]["max_rel_diff"] < 2e-2
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| parity, Triton on: tokens identical / max Δlogprob | True /" in summary
     assert "sections failed: none" in summary

@@ -149,7 +149,8 @@ def test_doctor_prints_the_glm52_fp8_plan_with_and_without_dcp(tmp_path):
     assert "KV cache per token per rank: 93.0 KiB" in tp.stdout
     assert "KV cache per token per rank: 11.6 KiB" in dcp.stdout
     assert "heads 56-63, vocab rows 135520-154879" in tp.stdout
-    assert "88.2 GiB" in tp.stdout  # FP8 weights as stored, per rank
+    assert "88.2 GiB     91.2 GiB" in tp.stdout  # FP8 weights as stored, and held with a scale per row and block
+    assert "(× 0.9): 26.9 GiB left for the KV cache = 303,694 tokens" in tp.stdout
     assert "the weights alone need 175.9 GiB per rank" in tp.stdout  # dequantized to bf16 at load
 
 
