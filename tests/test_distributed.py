@@ -293,6 +293,20 @@ def test_fp8_checkpoint_dequantizes_per_shard(make_checkpoint):
         assert_same(run_batch(llm, prompts), expected)
 
 
+def test_an_fp8_checkpoint_kept_in_fp8_on_the_triton_path_under_tp2_matches_one_rank(make_checkpoint):
+    """FP8 weights as shipped on the Triton path, split over two ranks mid-block: rank 1's down_proj and experts' down
+    columns start 64 and 48 columns into a scale block, so its products take their first block's scale from where its
+    slice starts. One CPU rank's greedy tokens, logprobs within the CUDA-vs-CPU bound."""
+    path = make_checkpoint("fp8-split", seed=0, fp8=True, intermediate_size=384, moe_intermediate_size=96)
+    prompts = batch(ModelConfig.from_pretrained(path).vocab_size)[:2]
+    with engine(path) as llm:
+        expected = run_batch(llm, prompts)
+    with engine(path, tensor_parallel_size=2, triton_kernels="on") as llm:
+        tokens, logprobs = run_batch(llm, prompts)
+    assert tokens == expected[0]
+    assert max(abs(a - b) for mine, theirs in zip(logprobs, expected[1]) for a, b in zip(mine, theirs)) < 1e-3
+
+
 def test_the_triton_path_under_tp2_with_expert_parallelism_matches_one_rank(single_rank, monkeypatch):
     """triton_kernels='on' (CPU tensors under Triton's interpreter, conftest.py) on two ranks holding 8 experts each:
     the routed-experts kernels skip the choices held by the other rank, and with the Triton selection and sparse
