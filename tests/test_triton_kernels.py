@@ -12,6 +12,17 @@ from dsaserve.attention.metadata import BatchMetadata
 pytestmark = pytest.mark.skipif(triton_ops.triton_imports() is not None, reason="Triton does not import here")
 BS = 16
 
+if triton_ops.triton_imports() is None:
+    import triton
+    import triton.language as tl
+
+    from dsaserve.triton_ops.fp8_e4m3 import e4m3_values
+
+    @triton.jit
+    def _decode_bytes(raw, out, NATIVE: tl.constexpr):
+        i = tl.arange(0, 256)
+        tl.store(out + i, e4m3_values(tl.load(raw + i), NATIVE))
+
 
 @pytest.fixture
 def interpreter():
@@ -69,12 +80,18 @@ def paged_keys(kind: str, lengths: list[int], dim: int, seed: int):
     return cache, tables, keys
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("kind", ["auto", "int8", "fp8", "fp8-integer-decode"])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
-def test_index_scores_kernel_reads_each_key_where_the_paged_cache_keeps_it(interpreter, kind, qdtype):
+def test_index_scores_kernel_reads_each_key_where_the_paged_cache_keeps_it(interpreter, kind, qdtype, monkeypatch):
     """Scores of queries of two requests against their own blocks (scrambled, the last one partial): the weighted
-    head sum of relu(q·k) with each token's scale, -inf in each query's future."""
+    head sum of relu(q·k) with each token's scale, -inf in each query's future. fp8 keys also decoded by integer
+    operations (GPUs without fp8 conversion)."""
+    import dsaserve.triton_ops.index_scores as scores_module
     from dsaserve.triton_ops.index_scores import index_scores
+
+    if kind == "fp8-integer-decode":
+        kind = "fp8"
+        monkeypatch.setattr(scores_module, "native_fp8", lambda device: False)
 
     heads, dim = 6, 32
     lengths = [75, 40]
@@ -197,15 +214,31 @@ def fp8_weight(n: int, k: int, col_offset: int, g: torch.Generator) -> tuple[tor
     return quantize_fp8_rows(torch.randn(n, k, generator=g) * magnitude, col_offset)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_every_fp8_byte_decodes_to_torchs_value_with_and_without_the_hardware_conversion(native):
+    """All 254 finite e4m3fn bytes (subnormals, ±0, ±448): the integer decode (GPUs before compute capability 8.9)
+    and Triton's own conversion both give torch's values."""
+    raw = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(256)
+    _decode_bytes[(1,)](raw, out, NATIVE=native)
+    expected = raw.view(torch.float8_e4m3fn).float()
+    finite = torch.isfinite(expected)
+    assert finite.sum() == 254 and torch.equal(out[finite], expected[finite])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # decode rows; prefill rows past one tile, two row blocks of scales, a slice starting inside its first column block;
 # per-head weights in one launch (W_UK's form), the activations strided as attention hands them over
 @pytest.mark.parametrize("rows, n, k, col_offset, heads", [(3, 40, 300, 0, None), (70, 200, 260, 40, None),
                                                            (5, 24, 136, 0, 3)])
+@pytest.mark.parametrize("native", [True, False])  # Triton's fp8 conversion, or the integer decode (A100)
 def test_fp8_linear_kernel_scales_each_block_of_the_weight_as_shipped(interpreter, dtype, rows, n, k, col_offset,
-                                                                       heads):
+                                                                       heads, native, monkeypatch):
+    import dsaserve.triton_ops.fp8_linear as fp8_linear
     from dsaserve.quantization.formats import dequantize_reference
     from dsaserve.triton_ops.fp8_linear import fp8_matmul
+
+    monkeypatch.setattr(fp8_linear, "native_fp8", lambda device: native)
 
     g = torch.Generator().manual_seed(rows + n)
     forms = [fp8_weight(n, k, col_offset, g) for _ in range(heads or 1)]
@@ -219,12 +252,15 @@ def test_fp8_linear_kernel_scales_each_block_of_the_weight_as_shipped(interprete
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("down_offset", [0, 24])  # a rank's share of the intermediate starting inside a block
-def test_routed_experts_kernels_take_fp8_experts_as_shipped(down_offset):
+# a rank's share of the intermediate starting inside a block; the integer fp8 decode (GPUs without fp8 conversion)
+@pytest.mark.parametrize("down_offset, native", [(0, True), (24, True), (24, False)])
+def test_routed_experts_kernels_take_fp8_experts_as_shipped(down_offset, native, monkeypatch):
     """FP8 gate|up and down (bytes and per-block scales, widths past one 128-column block) through the grouped
     GEMMs: the reference over the dequantized experts."""
     import dsaserve.triton_ops.moe as moe
     from dsaserve.quantization.formats import dequantize_reference
+
+    monkeypatch.setattr(moe, "native_fp8", lambda device: native)
 
     g = torch.Generator().manual_seed(down_offset)
     experts, top_k, hidden, inter, tokens = 4, 2, 160, 144, 19

@@ -8,29 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _fp8_e4m3_bits(x):
-    """The float8 e4m3fn byte of fp32 values within ±448, rounded to nearest, ties to even, as torch rounds. Done
-    with integer operations: Triton's interpreter converts to fp8 wrongly (ties up, carries into the exponent lost;
-    seen with Triton 3.9), and this way both run the same code."""
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    magnitude = tl.abs(x)
-    # Below 2^-6 (subnormal): multiples of 2^-9; 8 of them is the smallest normal's byte, 0x08.
-    small = magnitude * 512.0
-    nearest = tl.floor(small + 0.5)
-    odd = nearest * 0.5 != tl.floor(nearest * 0.5)
-    subnormal = tl.where((nearest - small == 0.5) & odd, nearest - 1.0, nearest).to(tl.int32)
-    # Normal: the exponent rebased from 127 to 7 and the top 3 mantissa bits, rounded on the 20 below them (a carry
-    # moves into the exponent, as it should).
-    exponent = ((bits >> 23) & 0xFF) - 127 + 7
-    mantissa = bits & 0x7FFFFF
-    kept = mantissa >> 20
-    rest = mantissa & 0xFFFFF
-    up = (rest > 0x80000) | ((rest == 0x80000) & ((kept & 1) == 1))
-    normal = tl.minimum((exponent << 3) + kept + up.to(tl.int32), 0x7E)
-    return (tl.where(magnitude < 0.015625, subnormal, normal) | sign).to(tl.uint8)
+from dsaserve.triton_ops.fp8_e4m3 import e4m3_bits
 
 
 @triton.jit
@@ -53,7 +31,7 @@ def _write_rows_kernel(rows, scales, slots, values, dim, row_stride, value_strid
             nearest = tl.where((nearest - scaled == 0.5) & odd, nearest - 1.0, nearest)
             tl.store(target, tl.minimum(tl.maximum(nearest, -127.0), 127.0).to(tl.int8), mask=inside)
         else:  # fp8 e4m3fn, written as its bytes (rows is the cache's uint8 view)
-            tl.store(target, _fp8_e4m3_bits(scaled), mask=inside)
+            tl.store(target, e4m3_bits(scaled), mask=inside)
         tl.store(scales + slot, scale.to(scales.dtype.element_ty))
 
 

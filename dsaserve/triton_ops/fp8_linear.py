@@ -2,7 +2,8 @@
 row and 128-column block ([N, G], the rows layout of quantization/quantized_weight.py).
 
 The weight stays in FP8 in memory (half the bytes of bf16, what lets GLM-5.2 fit on 8 GPUs); each program widens its
-tiles in registers (e4m3 values are exact in bf16) and multiplies them with the activations on the tensor cores.
+tiles in registers (e4m3 values are exact in bf16; fp8_e4m3.py, also on GPUs without fp8 conversion) and multiplies
+them with the activations on the tensor cores.
 Its K loop steps through whole scale blocks: a step starts where the weight's column blocks do (a rank's slice may
 start `col_offset` columns into its first block), so a step's products share one scale per output row and are scaled
 once, after the dot. A leading batch dimension serves per-head weights (W_UK, W_UV) in one launch.
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.triton_ops.fp8_e4m3 import e4m3_values, native_fp8
 from dsaserve.triton_ops.selected_rows import _operand, dot_inputs
 
 SCALE_BLOCK = 128  # columns per scale (FP8 checkpoints' 128 × 128 blocks)
@@ -23,7 +25,7 @@ SCALE_BLOCK = 128  # columns per scale (FP8 checkpoints' 128 × 128 blocks)
 def _fp8_linear_kernel(x, w, scale, out, rows, cols, width, col_offset,
                        x_stride_b, x_stride_m, w_stride_b, w_stride_n, s_stride_b, s_stride_n, o_stride_b, o_stride_m,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                       LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                       NATIVE_FP8: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     batch = tl.program_id(2).to(tl.int64)
@@ -37,7 +39,7 @@ def _fp8_linear_kernel(x, w, scale, out, rows, cols, width, col_offset,
         k_ok = (k >= 0) & (k < width)
         a = _operand(tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0), LOW_PRECISION_DOT)
         q = tl.load(w_rows + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0)
-        b = q.to(tl.float8e4nv, bitcast=True).to(a.dtype)
+        b = e4m3_values(q, NATIVE_FP8).to(a.dtype)
         s = tl.load(s_rows + k0 // SCALE_BLOCK, mask=n_ok, other=0.0)
         acc += tl.dot(a, b, input_precision=PRECISION) * s[None, :]
     target = out + batch * o_stride_b + m[:, None].to(tl.int64) * o_stride_m + n[None, :]
@@ -66,5 +68,6 @@ def fp8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, col_
         _fp8_linear_kernel[grid](
             xs, ws, ss, out, rows, cols, width, col_offset, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1),
             ss.stride(0), ss.stride(1), out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=SCALE_BLOCK, SCALE_BLOCK=SCALE_BLOCK, LOW_PRECISION_DOT=low, PRECISION=precision)
+            BLOCK_K=SCALE_BLOCK, SCALE_BLOCK=SCALE_BLOCK, NATIVE_FP8=native_fp8(x.device), LOW_PRECISION_DOT=low,
+            PRECISION=precision)
     return out if batched else out[0]

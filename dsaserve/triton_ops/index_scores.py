@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.triton_ops.fp8_e4m3 import e4m3_values, native_fp8
 from dsaserve.triton_ops.selected_rows import _operand, dot_inputs
 
 POSITIONS_PER_PROGRAM = 64
@@ -24,8 +25,8 @@ def _index_scores_kernel(
     q, weights, keys, key_scales, tables, row_request, positions, out, heads, dim, columns, block_size,
     q_stride_t, q_stride_h, w_stride_t, key_stride_block, key_stride_token, scale_stride_block, table_stride,
     out_stride_t,
-    HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr, FP8_KEYS: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0)
     s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -44,7 +45,8 @@ def _index_scores_kernel(
     block = tl.load(tables + request * table_stride + s // block_size, mask=in_range, other=0).to(tl.int64)
     offset = s % block_size
     key = tl.load(keys + block[:, None] * key_stride_block + offset[:, None] * key_stride_token + d[None, :],
-                  mask=in_range[:, None] & (d[None, :] < dim), other=0.0).to(tl.float32)
+                  mask=in_range[:, None] & (d[None, :] < dim), other=0)
+    key = e4m3_values(key, NATIVE_FP8) if FP8_KEYS else key.to(tl.float32)
     if HAS_SCALE:
         key = key * tl.load(key_scales + block * scale_stride_block + offset, mask=in_range, other=0.0).to(
             tl.float32)[:, None]
@@ -73,12 +75,15 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     q = q if q.stride(-1) == 1 else q.contiguous()
     low, precision = dot_inputs(q.dtype)
     scales = key_scales if key_scales is not None else weights  # an unread pointer where keys have no scale
+    fp8 = keys.dtype == torch.float8_e4m3fn
+    keys = keys.view(torch.uint8) if fp8 else keys  # decoded in the kernel (fp8_e4m3.py)
     grid = (t, triton.cdiv(columns, POSITIONS_PER_PROGRAM))
     _index_scores_kernel[grid](
         q, weights, keys, scales, tables, row_request, positions, out, heads, dim, columns, keys.shape[1],
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1),
         scales.stride(0) if key_scales is not None else 0, tables.stride(0), out.stride(0),
-        HAS_SCALE=key_scales is not None, BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        HAS_SCALE=key_scales is not None, FP8_KEYS=fp8, NATIVE_FP8=native_fp8(q.device),
+        BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=POSITIONS_PER_PROGRAM, LOW_PRECISION_DOT=low,
         PRECISION=precision,
     )

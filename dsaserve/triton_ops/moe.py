@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.triton_ops.fp8_e4m3 import e4m3_values, native_fp8
 from dsaserve.triton_ops.selected_rows import _operand, dot_inputs
 
 PAIR_BUFFER_ELEMENTS = 1 << 24  # fp32 elements of a chunk's per-pair outputs: 64 MiB
@@ -34,13 +35,13 @@ def _tile_pairs(starts, counts, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _weight_product(a, w_rows, s_rows, k, k0, k_ok, col_ok, FP8: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
-                    PRECISION: tl.constexpr):
+def _weight_product(a, w_rows, s_rows, k, k0, k_ok, col_ok, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                    LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """a [M, K] times the weight rows' tile [K, N] (columns k); an FP8 tile widened, and scaled by its block's
     scales (k0 // 128: the step lies inside one block)."""
     mask = col_ok[None, :] & k_ok[:, None]
     if FP8:
-        w = tl.load(w_rows + k[:, None], mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(a.dtype)
+        w = e4m3_values(tl.load(w_rows + k[:, None], mask=mask, other=0), NATIVE_FP8).to(a.dtype)
         scale = tl.load(s_rows + k0 // 128, mask=col_ok, other=0.0)
         return tl.dot(a, w, input_precision=PRECISION) * scale[None, :]
     w = _operand(tl.load(w_rows + k[:, None], mask=mask, other=0.0), LOW_PRECISION_DOT)
@@ -51,8 +52,8 @@ def _weight_product(a, w_rows, s_rows, k, k0, k_ok, col_ok, FP8: tl.constexpr, L
 def _gate_up_kernel(x, weights, scales, token_of, starts, counts, hidden_out, hidden, inter, x_stride, w_stride_e,
                     w_stride_n, s_stride_e, s_stride_n, h_stride, limit,
                     HAS_LIMIT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, FP8: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                    LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
     expert = tl.program_id(0)
     if tl.program_id(1) * BLOCK_M >= tl.load(counts + expert):  # past this expert's pairs
         return
@@ -70,9 +71,9 @@ def _gate_up_kernel(x, weights, scales, token_of, starts, counts, hidden_out, hi
         a = _operand(tl.load(x + token[:, None] * x_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                              other=0.0), LOW_PRECISION_DOT)
         gate += _weight_product(a, w + n[None, :] * w_stride_n, s + n * s_stride_n, k, k0, k_ok, col_ok, FP8,
-                                LOW_PRECISION_DOT, PRECISION)
+                                NATIVE_FP8, LOW_PRECISION_DOT, PRECISION)
         up += _weight_product(a, w + (inter + n[None, :]) * w_stride_n, s + (inter + n) * s_stride_n, k, k0, k_ok,
-                              col_ok, FP8, LOW_PRECISION_DOT, PRECISION)
+                              col_ok, FP8, NATIVE_FP8, LOW_PRECISION_DOT, PRECISION)
     if ROUND:  # a bf16/fp16 model rounds the projection's output, as torch's path does
         gate = gate.to(hidden_out.dtype.element_ty).to(tl.float32)
         up = up.to(hidden_out.dtype.element_ty).to(tl.float32)
@@ -88,7 +89,8 @@ def _gate_up_kernel(x, weights, scales, token_of, starts, counts, hidden_out, hi
 def _down_kernel(hidden_in, weights, scales, pair_index, pair_weight, starts, counts, out, hidden, inter, col_offset,
                  h_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, out_stride,
                  ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FP8: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                 FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
+                 PRECISION: tl.constexpr):
     expert = tl.program_id(0)
     if tl.program_id(1) * BLOCK_M >= tl.load(counts + expert):  # past this expert's pairs
         return
@@ -104,7 +106,7 @@ def _down_kernel(hidden_in, weights, scales, pair_index, pair_weight, starts, co
         a = _operand(tl.load(hidden_in + pair[:, None].to(tl.int64) * h_stride + k[None, :],
                              mask=row_ok[:, None] & k_ok[None, :], other=0.0), LOW_PRECISION_DOT)
         acc += _weight_product(a, w + n[None, :] * w_stride_n, s + n * s_stride_n, k, k0, k_ok, col_ok, FP8,
-                               LOW_PRECISION_DOT, PRECISION)
+                               NATIVE_FP8, LOW_PRECISION_DOT, PRECISION)
     if ROUND:
         acc = acc.to(hidden_in.dtype.element_ty).to(tl.float32)
     scale = tl.load(pair_weight + pair, mask=row_ok, other=0.0)
@@ -128,6 +130,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     total = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
     chunk = max(1, PAIR_BUFFER_ELEMENTS // (top_k * max(hidden, inter)))
     low, precision = dot_inputs(x.dtype)
+    native = native_fp8(x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     for t0 in range(0, tokens, chunk):
         t1 = min(t0 + chunk, tokens)
@@ -150,13 +153,13 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
             gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
             hidden_buffer.stride(0), float(limit or 0.0), HAS_LIMIT=limit is not None,
             ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8,
-            LOW_PRECISION_DOT=low, PRECISION=precision)
+            NATIVE_FP8=native, LOW_PRECISION_DOT=low, PRECISION=precision)
         block_n = max(16, min(64, triton.next_power_of_2(hidden)))
         block_k = max(16, min(64, triton.next_power_of_2(inter)))
         _down_kernel[(experts, tiles, triton.cdiv(hidden, block_n))](
             hidden_buffer, down, down_scale, order.contiguous(), pair_weight, starts, counts, pair_out, hidden, inter,
             down_offset if fp8 else 0, hidden_buffer.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
             down_scale.stride(1), pair_out.stride(0), ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M,
-            BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, LOW_PRECISION_DOT=low, PRECISION=precision)
+            BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, NATIVE_FP8=native, LOW_PRECISION_DOT=low, PRECISION=precision)
         total[t0:t1] = pair_out.view(t1 - t0, top_k, hidden).sum(1)
     return total
