@@ -139,13 +139,17 @@ def _mtp_line(cfg: ModelConfig, infos: dict) -> str:
 
 def _selected_rows_path(cfg: ModelConfig) -> str:
     """Which implementation the sparse backend uses for queries whose selections hardly overlap."""
-    heads = max(cfg.num_attention_heads, selected_rows.FEW_HEADS_PADDED)  # fewer heads are padded to the kernel's
+    avx2 = torch_ops.cpu_kernels() == "avx2"
+    lanes = selected_rows.AVX2_HEAD_LANES if avx2 else selected_rows.FEW_HEADS_PADDED
+    heads = -(-cfg.num_attention_heads // lanes) * lanes  # padded to the kernel's lanes
     if selected_rows.fits(heads, cfg.kv_cache_dim, cfg.kv_lora_rank):
-        return "native AVX-512 BF16 kernel (bf16 models on this CPU)"
+        return ("native AVX2 kernel (fp32 and bf16 caches)" if avx2 else
+                "native AVX-512 BF16 kernel (bf16 models on this CPU)")
     if selected_rows.has_bf16_kernel():
-        return (f"torch ({cfg.num_attention_heads} heads, rank {cfg.kv_lora_rank}: "
-                "the native kernel needs heads in 16s, rank in 32s)")
-    return "torch (no native kernel here: it needs a C++ compiler and AVX-512 BF16; --native-kernels off turns it off)"
+        return (f"torch (rank {cfg.kv_lora_rank}: the native kernel needs value columns in "
+                f"{8 if avx2 else 32}s)")
+    return ("torch (no native kernel here: it needs a C++ compiler and AVX2 or AVX-512 BF16; --native-kernels off "
+            "turns it off)")
 
 
 def _index_scores_path(cfg: ModelConfig) -> str:

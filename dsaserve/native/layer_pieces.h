@@ -44,6 +44,9 @@ void topk_row(const float* x, int64_t n, int64_t k, uint32_t* scratch, float* va
 void attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots, double scale,
                           at::Tensor& out);
 bool selected_rows_fits(int64_t heads, int64_t dim, int64_t value_dim);
+void attend_selected_rows_avx2(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots, double scale,
+                               at::Tensor& out);  // fp32 or bf16 (selected_rows_avx2.cpp)
+bool selected_rows_avx2_fits(int64_t heads, int64_t dim, int64_t value_dim);
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                              int64_t top_k, int64_t n_group, int64_t topk_group, bool normalize,
                                              double scaling);

@@ -528,25 +528,34 @@ bool worker_tiles(Job *job) {
 #pragma GCC pop_options
 #endif
 
-/* Shapes the kernel takes: whole groups of 16 heads, value columns in 32s, row pairs. */
+/* Shapes the kernel takes: whole groups of 16 heads, value columns in 32s, row pairs (the AVX2 body's: groups of 8
+ * heads, value columns in 8s). */
 bool fits(int64_t heads, int64_t dim, int64_t value_dim) {
+    if (dsaserve::use_avx2()) return dsaserve::selected_rows_avx2_fits(heads, dim, value_dim);
     return dsaserve::use_avx512_bf16() && heads % 16 == 0 && value_dim % 32 == 0 && value_dim <= dim &&
            dim % 2 == 0 && dim <= MAX_DIM;
 }
 
-// out[i, h, :V] = softmax(scale · q[i, h] · rows[slots[i]]ᵀ) · rows[slots[i], :V]; V = out.size(2).
+// out[i, h, :V] = softmax(scale · q[i, h] · rows[slots[i]]ᵀ) · rows[slots[i], :V]; V = out.size(2). bf16; the AVX2
+// body also fp32.
 void attend_selected_rows(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& slots, double scale,
                           at::Tensor& out) {
-    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(),
-                "attend_selected_rows: q must be contiguous bf16 [n, heads, dim]");
+    const auto dtype = q.scalar_type();
+    const bool fp32 = dsaserve::use_avx2() && dtype == at::kFloat;
+    TORCH_CHECK(q.dim() == 3 && (dtype == at::kBFloat16 || fp32) && q.is_contiguous(),
+                "attend_selected_rows: q must be contiguous bf16 (or fp32 on the AVX2 body) [n, heads, dim]");
     const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), value_dim = out.size(2);
     TORCH_CHECK(fits(heads, dim, value_dim), "attend_selected_rows: this shape or CPU is not the kernel's");
-    TORCH_CHECK(rows.dim() == 2 && rows.size(1) == dim && rows.scalar_type() == at::kBFloat16 && rows.is_contiguous(),
-                "attend_selected_rows: rows must be contiguous bf16 [N, dim]");
+    TORCH_CHECK(rows.dim() == 2 && rows.size(1) == dim && rows.scalar_type() == dtype && rows.is_contiguous(),
+                "attend_selected_rows: rows must be contiguous [N, dim] of q's dtype");
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 2 && slots.size(0) == n,
                 "attend_selected_rows: slots must be contiguous int64 [n, width]");
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.size(0) == n && out.size(1) == heads && out.stride(2) == 1,
-                "attend_selected_rows: out must be bf16 [n, heads, V] with unit column stride");
+    TORCH_CHECK(out.scalar_type() == dtype && out.size(0) == n && out.size(1) == heads && out.stride(2) == 1,
+                "attend_selected_rows: out must be [n, heads, V] of q's dtype with unit column stride");
+    if (dsaserve::use_avx2()) {
+        dsaserve::attend_selected_rows_avx2(q, rows, slots, scale, out);
+        return;
+    }
 #if DSASERVE_X86
     const int64_t width = slots.size(1), threads = at::get_num_threads();
     // Fewer queries than threads: each query's rows in equal parts (of 16 rows at least), one per thread.

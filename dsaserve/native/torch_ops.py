@@ -1,15 +1,16 @@
 """The native kernels that are torch operators (`torch.ops.dsaserve.*`), built from their C++ sources.
 
-They are compiled on first use (build.py: one object per source, kept by its content, so an edit recompiles what
-it touches) into the dsaserve cache: the packed-weight products (quant_linear.cpp), the sparse per-query attention
-(selected_rows.cpp), the indexer's scores (index_scores.cpp; index_scores_int8.cpp for int8 keys), its top-k
-(topk.cpp) and a decode batch's selection made of them (decode_selection.cpp), the small per-token operators a
-decode step calls dozens of times (rms_norm.cpp, rope.cpp, latent_write.cpp, moe_route.cpp, mla_projections.cpp,
-context_slots.cpp), and the decode plan that chains those into a decode step's layers (decode_plan.cpp, a class:
-torch.classes.dsaserve.DecodePlan). Each operator's schema and its Meta kernel (shapes without computing, for meta
-tensors and tracing) sit together in its source. The sources pick their AVX-512 bodies at run time from the CPU's
-flags and have portable ones for other CPUs; the sparse attention and indexer scores also have AMX tile bodies,
-which amx.py turns on at load where the CPU has AMX and they agree with the AVX-512 ones.
+They are compiled on first use (build.py: one object per source, kept by its content, so an edit recompiles what it
+touches) into the dsaserve cache: the packed-weight products (quant_linear.cpp), the sparse per-query attention
+(selected_rows.cpp; its AVX2 body, fp32 or bf16, in selected_rows_avx2.cpp), the indexer's scores (index_scores.cpp;
+index_scores_int8.cpp for int8 keys), its top-k (topk.cpp) and a decode batch's selection made of them
+(decode_selection.cpp), the small per-token operators a decode step calls dozens of times (rms_norm.cpp, rope.cpp,
+latent_write.cpp, moe_route.cpp, mla_projections.cpp, context_slots.cpp), and the decode plan that chains those into
+a decode step's layers (decode_plan.cpp, a class: torch.classes.dsaserve.DecodePlan). Each operator's schema and its
+Meta kernel (shapes without computing, for meta tensors and tracing) sit together in its source. The sources pick
+their AVX-512 bodies at run time from the CPU's flags and have portable ones for other CPUs; the sparse attention
+and indexer scores also have AMX tile bodies, which amx.py turns on at load where the CPU has AMX and they agree
+with the AVX-512 ones.
 
 Which of them a process uses is the engine's `native_kernels` option (`configure`): all it has (auto), the AVX-512
 bodies without the AMX tiles and the VNNI/VBMI product paths (avx512), or none (off: torch's operators). Without a
@@ -37,7 +38,7 @@ CPU_ISAS = ("auto", "amx", "avx512_bf16", "avx512", "avx2", "none")
 BODIES = {
     "avx512_bf16": frozenset({"packed_products", "selected_rows", "index_scores", "index_scores_int8",
                               "decode_plan", "mla_projections"}),
-    "avx2": frozenset({"packed_products", "mla_projections", "index_scores"}),
+    "avx2": frozenset({"packed_products", "mla_projections", "index_scores", "selected_rows"}),
 }
 _loaded: bool | None = None
 _kernels: str | None = None
