@@ -4,12 +4,12 @@
 //   out[i, h, :V] = softmax_k(scale · q[i, h] · rows[slot[i, k]]) · rows[slot[i, k], :V]
 //
 // in fp32 or bf16 (q, rows and out of one dtype; fp32 is what dtype auto computes in on such CPUs), fp32 arithmetic.
-// A query's valid rows are taken BLOCK at a time (bf16 rows widened into an fp32 buffer first, once per block, so
-// both passes read them from L1): scores for 8 heads per register (the query transposed and scaled once, a
+// A query's valid rows are taken 64 at a time (bf16 rows widened into an fp32 buffer first, once per block; a block
+// stays in L2 for both passes): scores for 16 heads in two registers (the query transposed and scaled once, a
 // broadcast row element per column, four rows per sweep), an online softmax across heads in registers (a running
-// maximum and sum per head, the accumulator rescaled when the maximum grows), then each head's values accumulated 32
-// columns at a time. With fewer queries than threads (batch-1 decode) a query's rows are split into parts whose
-// running maximum, sum and accumulator are merged at the end, as in the AVX-512 body.
+// maximum and sum per head, the accumulator rescaled when the maximum grows), then the values accumulated for two
+// heads and 32 columns at a time. With fewer queries than threads (batch-1 decode) a query's rows are split into
+// parts whose running maximum, sum and accumulator are merged at the end, as in the AVX-512 body.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -37,7 +37,7 @@ bool selected_rows_avx2_fits(int64_t heads, int64_t dim, int64_t value_dim) {
 
 namespace {
 
-constexpr int64_t kBlock = 16;  // rows per online-softmax step (16 rows of 576 fp32: 36 KiB)
+constexpr int64_t kBlock = 64;  // rows per online-softmax step (64 rows of 576 fp32: 144 KiB, in L2)
 
 // e^x for x <= 0 (scores minus their running maximum), to fp32's precision: 2^n · e^r, |r| <= ln2 / 2.
 AVX2 inline __m256 exp_nonpositive(__m256 x) {
@@ -103,27 +103,36 @@ struct Scratch {
           widened(kBlock * dim), block(kBlock) {}
 };
 
-// scores[r * heads + h] = q_t[:, h] · block[r] for the block's rows (padded to fours with its first row).
+// scores[r * heads + h] = q_t[:, h] · block[r] for the block's rows (padded to fours with its first row): 8 · G heads
+// per pass (G registers), so a broadcast row element feeds G products.
+template <int G>
+AVX2 void score_heads(const float* q_t, const float* const* block, int64_t count, int64_t heads, int64_t dim,
+                      int64_t g, float* scores) {
+    for (int64_t r = 0; r < count; r += 4) {
+        const float* row[4];
+        for (int j = 0; j < 4; ++j) row[j] = block[r + j < count ? r + j : 0];
+        __m256 acc[4][G];
+        for (int j = 0; j < 4; ++j)
+            for (int c = 0; c < G; ++c) acc[j][c] = _mm256_setzero_ps();
+        const float* q = q_t + g;
+        for (int64_t d = 0; d < dim; ++d, q += heads) {
+            __m256 qv[G];
+            for (int c = 0; c < G; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+            for (int j = 0; j < 4; ++j) {
+                const __m256 x = _mm256_broadcast_ss(row[j] + d);
+                for (int c = 0; c < G; ++c) acc[j][c] = _mm256_fmadd_ps(qv[c], x, acc[j][c]);
+            }
+        }
+        for (int j = 0; j < 4 && r + j < count; ++j)
+            for (int c = 0; c < G; ++c) _mm256_storeu_ps(scores + (r + j) * heads + g + 8 * c, acc[j][c]);
+    }
+}
+
 AVX2 void score_block(const float* q_t, const float* const* block, int64_t count, int64_t heads, int64_t dim,
                       float* scores) {
-    for (int64_t g = 0; g < heads; g += 8) {
-        for (int64_t r = 0; r < count; r += 4) {
-            const float* row[4];
-            for (int j = 0; j < 4; ++j) row[j] = block[r + j < count ? r + j : 0];
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-                   a3 = _mm256_setzero_ps();
-            const float* q = q_t + g;
-            for (int64_t d = 0; d < dim; ++d, q += heads) {
-                const __m256 qv = _mm256_loadu_ps(q);
-                a0 = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(row[0] + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(row[1] + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(row[2] + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(row[3] + d), a3);
-            }
-            const __m256 acc[4] = {a0, a1, a2, a3};
-            for (int j = 0; j < 4 && r + j < count; ++j) _mm256_storeu_ps(scores + (r + j) * heads + g, acc[j]);
-        }
-    }
+    int64_t g = 0;
+    for (; g + 16 <= heads; g += 16) score_heads<2>(q_t, block, count, heads, dim, g, scores);
+    if (g < heads) score_heads<1>(q_t, block, count, heads, dim, g, scores);
 }
 
 // The block's scores into probabilities against each head's new running maximum; the sums and the accumulator
@@ -154,33 +163,34 @@ AVX2 void softmax_block(float* scores, int64_t count, int64_t heads, int64_t val
     }
 }
 
-// acc[h, :V] += Σ_r p[r, h] · block[r][:V], 32 columns (four registers) at a time.
+// acc[h, :V] += Σ_r p[r, h] · block[r][:V]: two heads and 32 columns (eight registers) at a time, so each loaded
+// row register feeds two products.
 AVX2 void value_block(const float* probs, const float* const* block, int64_t count, int64_t heads,
                       int64_t value_dim, float* acc_all) {
-    for (int64_t h = 0; h < heads; ++h) {
-        float* acc = acc_all + h * value_dim;
-        int64_t v = 0;
-        for (; v + 32 <= value_dim; v += 32) {
-            __m256 a0 = _mm256_loadu_ps(acc + v), a1 = _mm256_loadu_ps(acc + v + 8),
-                   a2 = _mm256_loadu_ps(acc + v + 16), a3 = _mm256_loadu_ps(acc + v + 24);
-            for (int64_t r = 0; r < count; ++r) {
-                const __m256 p = _mm256_broadcast_ss(probs + r * heads + h);
-                const float* row = block[r] + v;
-                a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(row), a0);
-                a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + 8), a1);
-                a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + 16), a2);
-                a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + 24), a3);
+    for (int64_t h = 0; h < heads; h += 2) {
+        float* acc0 = acc_all + h * value_dim;
+        float* acc1 = acc0 + value_dim;
+        for (int64_t v = 0; v < value_dim; v += 32) {
+            const int n = static_cast<int>(std::min<int64_t>(4, (value_dim - v) / 8));
+            __m256 a[2][4];
+            for (int c = 0; c < n; ++c) {
+                a[0][c] = _mm256_loadu_ps(acc0 + v + 8 * c);
+                a[1][c] = _mm256_loadu_ps(acc1 + v + 8 * c);
             }
-            _mm256_storeu_ps(acc + v, a0);
-            _mm256_storeu_ps(acc + v + 8, a1);
-            _mm256_storeu_ps(acc + v + 16, a2);
-            _mm256_storeu_ps(acc + v + 24, a3);
-        }
-        for (; v < value_dim; v += 8) {
-            __m256 a = _mm256_loadu_ps(acc + v);
-            for (int64_t r = 0; r < count; ++r)
-                a = _mm256_fmadd_ps(_mm256_broadcast_ss(probs + r * heads + h), _mm256_loadu_ps(block[r] + v), a);
-            _mm256_storeu_ps(acc + v, a);
+            for (int64_t r = 0; r < count; ++r) {
+                const __m256 p0 = _mm256_broadcast_ss(probs + r * heads + h);
+                const __m256 p1 = _mm256_broadcast_ss(probs + r * heads + h + 1);
+                const float* row = block[r] + v;
+                for (int c = 0; c < n; ++c) {
+                    const __m256 x = _mm256_loadu_ps(row + 8 * c);
+                    a[0][c] = _mm256_fmadd_ps(p0, x, a[0][c]);
+                    a[1][c] = _mm256_fmadd_ps(p1, x, a[1][c]);
+                }
+            }
+            for (int c = 0; c < n; ++c) {
+                _mm256_storeu_ps(acc0 + v + 8 * c, a[0][c]);
+                _mm256_storeu_ps(acc1 + v + 8 * c, a[1][c]);
+            }
         }
     }
 }

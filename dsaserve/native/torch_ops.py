@@ -162,7 +162,8 @@ def summary() -> str:
     if cpu_kernels() == "avx2":
         why = "chosen by cpu_isa" if _isa == "avx2" else "this CPU has no AVX-512 BF16"
         return (f"AVX2 ({why}): the packed-weight products (bf16 and fp8 widened in registers, int8 and int4 by "
-                "int16 products) and the indexer's bf16 scores; attention in torch")
+                "int16 products), the sparse and dense attention over selected rows (fp32 or bf16), and the indexer's "
+                "bf16 scores (an fp32 model's indexer scores in torch)")
     if cpu_kernels() == "none" and _isa == "none":
         return ("none (chosen by cpu_isa): no native body runs, as on a CPU without AVX2; packed weights are "
                 "dequantized a slab at a time for torch's products")
