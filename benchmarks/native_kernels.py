@@ -2,8 +2,8 @@
 
     python benchmarks/native_kernels.py [--cpu-isa avx2]
 
-- selected rows: 64 queries × 16 heads, each over its own 2,048 rows of 576 (bf16) picked from a
-  16K-row cache; torch gathers two queries' rows at a time and runs two bmm (the sparse backend's
+- selected rows: 64 queries × 16 heads, each over its own 2,048 rows of 576 (bf16; fp32 too on the AVX2 body)
+  picked from a 16K-row cache; torch gathers two queries' rows at a time and runs two bmm (the sparse backend's
   fallback), the kernel reads the rows in place.
 - indexer scores: 64 queries × 32 heads × 128 against 2,048 keys; torch: mm, fp32 copy, relu and the
   weighted head sum as a bmm (the indexer's fallback); the kernel: the same sum in registers.
@@ -40,14 +40,14 @@ def median_ms(fn, repeats: int = 15) -> float:
     return statistics.median(times) * 1e3
 
 
-def bench_selected_rows(g: torch.Generator) -> None:
+def bench_selected_rows(g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> None:
     n, heads, dim, value_dim, width, pool = 64, 16, 576, 512, 2048, 16384
-    q = torch.randn(n, heads, dim, generator=g).bfloat16()
-    rows = torch.randn(pool, dim, generator=g).bfloat16()
+    q = torch.randn(n, heads, dim, generator=g).to(dtype)
+    rows = torch.randn(pool, dim, generator=g).to(dtype)
     slots = torch.stack([torch.randperm(pool, generator=g)[:width] for _ in range(n)])
-    out = torch.empty(n, heads, value_dim, dtype=torch.bfloat16)
-    wide = torch.empty(n, heads, dim, dtype=torch.bfloat16)
-    buffer = torch.empty(2 * width, dim, dtype=torch.bfloat16)
+    out = torch.empty(n, heads, value_dim, dtype=dtype)
+    wide = torch.empty(n, heads, dim, dtype=dtype)
+    buffer = torch.empty(2 * width, dim, dtype=dtype)
 
     def torch_path():
         scaled = q * 0.1
@@ -56,7 +56,7 @@ def bench_selected_rows(g: torch.Generator) -> None:
             attend_own_keys(scaled[a:a + 2], keys.view(2, width, dim), None, out=wide[a:a + 2])
 
     native = median_ms(lambda: selected_rows.attend_selected_rows(q, rows, slots, 0.1, out))
-    print(f"selected rows   native {native * 1e3 / n:7.0f} µs/query   "
+    print(f"selected rows ({str(dtype).removeprefix('torch.')})   native {native * 1e3 / n:7.0f} µs/query   "
           f"torch {median_ms(torch_path) * 1e3 / n:7.0f} µs/query")
 
 
@@ -178,7 +178,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     print(f"{torch.get_num_threads()} threads, {torch_ops.cpu_kernels()} bodies")
     if selected_rows.has_bf16_kernel():
-        bench_selected_rows(g)
+        for dtype in (torch.bfloat16, torch.float32):
+            if selected_rows.takes_dtype(dtype):
+                bench_selected_rows(g, dtype)
     bench_index_scores(g)
     bench_index_scores_int8(g)
     bench_topk(g)
