@@ -163,6 +163,32 @@ AVX2 void softmax_block(float* scores, int64_t count, int64_t heads, int64_t val
     }
 }
 
+// acc[h, v .. v + 8N) += Σ_r p[r, h] · block[r][v .. v + 8N) for heads h, h + 1 (2N accumulators in registers: N
+// is a template argument so that they stay there).
+template <int N>
+AVX2 inline void value_columns(const float* probs, const float* const* block, int64_t count, int64_t heads,
+                               int64_t h, int64_t v, float* acc0, float* acc1) {
+    __m256 a[2][N];
+    for (int c = 0; c < N; ++c) {
+        a[0][c] = _mm256_loadu_ps(acc0 + v + 8 * c);
+        a[1][c] = _mm256_loadu_ps(acc1 + v + 8 * c);
+    }
+    for (int64_t r = 0; r < count; ++r) {
+        const __m256 p0 = _mm256_broadcast_ss(probs + r * heads + h);
+        const __m256 p1 = _mm256_broadcast_ss(probs + r * heads + h + 1);
+        const float* row = block[r] + v;
+        for (int c = 0; c < N; ++c) {
+            const __m256 x = _mm256_loadu_ps(row + 8 * c);
+            a[0][c] = _mm256_fmadd_ps(p0, x, a[0][c]);
+            a[1][c] = _mm256_fmadd_ps(p1, x, a[1][c]);
+        }
+    }
+    for (int c = 0; c < N; ++c) {
+        _mm256_storeu_ps(acc0 + v + 8 * c, a[0][c]);
+        _mm256_storeu_ps(acc1 + v + 8 * c, a[1][c]);
+    }
+}
+
 // acc[h, :V] += Σ_r p[r, h] · block[r][:V]: two heads and 32 columns (eight registers) at a time, so each loaded
 // row register feeds two products.
 AVX2 void value_block(const float* probs, const float* const* block, int64_t count, int64_t heads,
@@ -170,28 +196,9 @@ AVX2 void value_block(const float* probs, const float* const* block, int64_t cou
     for (int64_t h = 0; h < heads; h += 2) {
         float* acc0 = acc_all + h * value_dim;
         float* acc1 = acc0 + value_dim;
-        for (int64_t v = 0; v < value_dim; v += 32) {
-            const int n = static_cast<int>(std::min<int64_t>(4, (value_dim - v) / 8));
-            __m256 a[2][4];
-            for (int c = 0; c < n; ++c) {
-                a[0][c] = _mm256_loadu_ps(acc0 + v + 8 * c);
-                a[1][c] = _mm256_loadu_ps(acc1 + v + 8 * c);
-            }
-            for (int64_t r = 0; r < count; ++r) {
-                const __m256 p0 = _mm256_broadcast_ss(probs + r * heads + h);
-                const __m256 p1 = _mm256_broadcast_ss(probs + r * heads + h + 1);
-                const float* row = block[r] + v;
-                for (int c = 0; c < n; ++c) {
-                    const __m256 x = _mm256_loadu_ps(row + 8 * c);
-                    a[0][c] = _mm256_fmadd_ps(p0, x, a[0][c]);
-                    a[1][c] = _mm256_fmadd_ps(p1, x, a[1][c]);
-                }
-            }
-            for (int c = 0; c < n; ++c) {
-                _mm256_storeu_ps(acc0 + v + 8 * c, a[0][c]);
-                _mm256_storeu_ps(acc1 + v + 8 * c, a[1][c]);
-            }
-        }
+        int64_t v = 0;
+        for (; v + 32 <= value_dim; v += 32) value_columns<4>(probs, block, count, heads, h, v, acc0, acc1);
+        for (; v < value_dim; v += 8) value_columns<1>(probs, block, count, heads, h, v, acc0, acc1);
     }
 }
 
