@@ -116,7 +116,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     lines += _component_table(sizes, source)
     lines += _weight_form_lines(cfg, len(files) or UNKNOWN_FILES)
     lines += _kv_lines(cfg, max_model_len)
-    if parallel is not None and parallel.distributed:
+    if parallel is not None and (parallel.distributed or device_memory):  # one device: its plan when memory is given
         parallel.check_model(cfg, "sparse")
         dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.checkpoint_dtype, torch.bfloat16)
         layout = KVCacheLayout.of(cfg, dtype, tp_size=parallel.tensor_parallel_size)
@@ -262,7 +262,8 @@ def _weight_form_lines(cfg: ModelConfig, files: int) -> list[str]:
     budget = default_scratch_budget(available)
     threads = load_threads(files, budget)
     scratch = threads * SCRATCH_PER_THREAD
-    lines = ["resident weights by form (--quantization; an FP8 checkpoint stays fp8 where the CPU kernels run), and "
+    lines = ["resident weights by form (--quantization; an FP8 checkpoint stays fp8 where the native CPU or the Triton "
+             "kernels run), and "
              f"the peak while loading ({threads} thread{'s' if threads > 1 else ''} × {human(SCRATCH_PER_THREAD)} "
              "of conversion scratch, --load-scratch-memory):"]
     for form, what in ((None, "bf16, float"), ("fp8", "fp8"), ("int8", "int8"), ("int4", "int4")):

@@ -74,7 +74,8 @@ def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_ite
     shares = rank_shares(cfg, parallel, tensors, resident_item)
     lines = [f"parallel plan: tensor parallel {parallel.tensor_parallel_size}"
              + (", expert parallel" if parallel.enable_expert_parallel else "")
-             + (f", decode context parallel {dcp}" if dcp > 1 else "") + f" ({parallel.world_size} ranks)"]
+             + (f", decode context parallel {dcp}" if dcp > 1 else "") + f" ({parallel.world_size} ranks)"
+             if parallel.world_size > 1 else "device plan: one device (--tensor-parallel-size 1)"]
     first = shares[0]
     kinds = ", ".join(f"{first.kinds[kind]:,} {how}" for kind, how in KIND_WORDS.items() if first.kinds[kind])
     lines.append(f"  rank 0 reads {sum(first.kinds.values()):,} tensors: {kinds}")

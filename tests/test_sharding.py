@@ -154,6 +154,19 @@ def test_doctor_prints_the_glm52_fp8_plan_with_and_without_dcp(tmp_path):
     assert "the weights alone need 175.9 GiB per rank" in tp.stdout  # dequantized to bf16 at load
 
 
+def test_doctor_prints_one_devices_plan_when_its_memory_is_given(tmp_path, tiny_checkpoint):
+    """--device-memory without --tensor-parallel-size: the plan of one device (a GPU's memory, say), what fits."""
+    (tmp_path / "config.json").write_text(open(REFERENCE_CONFIG).read())
+    fp8 = '{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}'
+    big = doctor(str(tmp_path), "--hf-overrides", fp8, "--device-memory", "141GB")
+    small = doctor(tiny_checkpoint, "--device-memory", "1GB")
+    assert big.returncode == small.returncode == 0, big.stderr + small.stderr
+    assert "device plan: one device (--tensor-parallel-size 1)" in big.stdout
+    assert "does not fit, the weights alone need 717.0 GiB per rank" in big.stdout
+    assert "left for the KV cache =" in small.stdout and "device plan: one device" in small.stdout
+    assert "device plan" not in doctor(tiny_checkpoint).stdout  # no memory given, no plan
+
+
 @pytest.mark.parametrize("layout, overrides, field", [
     (dict(tensor_parallel_size=3), {}, "num_attention_heads=4"),
     (dict(tensor_parallel_size=2), {"moe_intermediate_size": 65}, "moe_intermediate_size=65"),
