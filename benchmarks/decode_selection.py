@@ -1,7 +1,7 @@
 """What a sparse decode step spends on its selections, past index_topk.
 
     python benchmarks/decode_selection.py [--context 8192] [--batch 1] [--steps 300] [--checkpoint DIR]
-                                          [--indexer-cache-dtype auto|int8] [--enforce-eager]
+                                          [--indexer-cache-dtype auto|int8] [--enforce-eager] [--cpu-isa avx2]
 
 `batch` requests (1 by default) on the benchmark model (benchmarks/model_core.py) whose first `context` tokens are
 cached synthetically each (as `dsaserve bench longctx` does for its decode points), decoded greedily with the sparse
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--indexer-cache-dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no decode plan: the modules one by one")
+    parser.add_argument("--cpu-isa", default="auto", help="the native kernels' body family (avx2: what such CPUs run)")
     args = parser.parse_args()
     from model_core import checkpoint_dir
 
@@ -48,7 +49,8 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(model=args.checkpoint or checkpoint_dir(), kv_cache_memory=f"{cache_mib}MiB",
                                   max_model_len=32768, progress=False, attention_backend="sparse",
                                   max_num_batched_tokens=4096, enable_prefix_caching=False,
-                                  indexer_cache_dtype=args.indexer_cache_dtype, enforce_eager=args.enforce_eager))
+                                  indexer_cache_dtype=args.indexer_cache_dtype, enforce_eager=args.enforce_eager,
+                                  cpu_isa=args.cpu_isa))
     g = torch.Generator().manual_seed(0)
     for r in range(args.batch):
         ids = torch.randint(10, 1000, (args.context,), generator=g).tolist()

@@ -250,6 +250,63 @@ def test_index_scores_equal_relu_weighted_head_sum_in_fp32(body):
         assert (out[:, keys:] == 7.0).all()  # nothing written past the keys
 
 
+@pytest.mark.skipif("avx2" not in native_bodies(), reason="no AVX2 body here")
+@pytest.mark.parametrize("heads, dim", [(32, 128), (8, 40), (24, 16)])  # two passes of 16; one of 8; 16 + 8
+def test_fp32_index_scores_on_the_avx2_body_read_the_key_cache_in_place(heads, dim):
+    """An fp32 model's indexer on the AVX2 body (dtype auto there): scores of fp32 queries against fp32 keys read
+    along a scrambled block list, the last block partial and a key range not in fours; the torch path's values."""
+    g = torch.Generator().manual_seed(heads + dim)
+    block_size, num_blocks = 16, 9
+    cache = IndexerKeyCache(num_blocks, block_size, dim, "auto", torch.float32, torch.device("cpu"))
+    cache.write(torch.arange(num_blocks * block_size), torch.randn(num_blocks * block_size, dim, generator=g))
+    blocks = torch.tensor([6, 1, 8, 3])
+    keys = len(blocks) * block_size - 7
+    q = torch.randn(3, heads, dim, generator=g)
+    weights = torch.randn(3, heads, generator=g)
+    out = torch.full((3, keys + 5), 7.0)
+    torch_ops.configure("auto", "avx2")
+    try:
+        assert native_scores.fits_f32(heads, dim)
+        native_scores.index_scores_f32_blocks(q, weights, cache.data, blocks, keys, out)
+    finally:
+        torch_ops.configure("auto", "auto")
+    key_rows = cache.read_blocks(blocks, torch.float32)[:keys]
+    expected = ((q @ key_rows.T).relu() * weights[:, :, None]).sum(1)
+    torch.testing.assert_close(out[:, :keys], expected, rtol=1e-5, atol=1e-5)
+    assert (out[:, keys:] == 7.0).all()  # nothing written past the keys
+
+
+def test_an_fp32_models_indexer_selects_through_the_avx2_kernel_what_torch_selects(monkeypatch):
+    """select() on an fp32 model under the AVX2 body scores through the kernel (counted) and keeps the positions the
+    torch path keeps, for a prompt chunk and a decode row."""
+    from dsaserve.attention.indexer_selection import select
+
+    g = torch.Generator().manual_seed(11)
+    block_size, heads, dim = 16, 32, 64
+    lengths, new = [300, 90], [12, 1]
+    blocks = [-(-n // block_size) for n in lengths]
+    order = torch.randperm(sum(blocks) + 2, generator=g).tolist()
+    tables = [order[:blocks[0]], order[blocks[0]:sum(blocks)]]
+    cache = IndexerKeyCache(sum(blocks) + 2, block_size, dim, "auto", torch.float32, torch.device("cpu"))
+    for n, table in zip(lengths, tables):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        cache.write(slots, torch.randn(n, dim, generator=g))
+    meta = BatchMetadata.build([[1] * k for k in new], [n - k for n, k in zip(lengths, new)], tables, block_size, [])
+    q = torch.randn(sum(new), heads, dim, generator=g)
+    weights = torch.rand(sum(new), heads, generator=g)
+    calls = []
+    real = native_scores.index_scores_f32_blocks
+    monkeypatch.setattr(native_scores, "index_scores_f32_blocks", lambda *a: calls.append(1) or real(*a))
+    torch_ops.configure("auto", "avx2")
+    try:
+        got = select(q, weights, cache, meta, Selection(64))
+    finally:
+        torch_ops.configure("auto", "auto")
+    monkeypatch.setattr(native_scores, "fits_f32", lambda heads, dim: False)
+    expected = select(q, weights, cache, meta, Selection(64))
+    assert calls and [set(r.tolist()) for r in got] == [set(r.tolist()) for r in expected]
+
+
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
 def test_index_scores_read_in_place_from_a_packed_key_cache_equal_the_gathered_keys_scores(block_size, body):
     """A packed key cache scored in place along a block list gives the bits of the same keys gathered,

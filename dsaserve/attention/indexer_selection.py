@@ -348,6 +348,12 @@ def score_chunk(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCac
         native_scores.index_scores_int8_blocks(q.view(t, heads, -1), weights, key_cache.int8_groups, key_cache.scale,
                                                table[b0:b1], c, scores)
         return scores
+    if (q.dtype == torch.float32 and key_cache.kind == "auto" and not key_cache.packed and q.is_cpu
+            and key_cache.data.dtype == torch.float32 and native_scores.fits_f32(heads, key_cache.dim)):
+        c = (b1 - b0) * block_size  # an fp32 model on the AVX2 body: fp32 keys scored where they are
+        scores = scratch.scores[: t * c].view(t, c)
+        native_scores.index_scores_f32_blocks(q.view(t, heads, -1), weights, key_cache.data, table[b0:b1], c, scores)
+        return scores
     if scratch.native and key_cache.packed:  # scored where they are
         c = (b1 - b0) * block_size
         scores = scratch.scores[: t * c].view(t, c)

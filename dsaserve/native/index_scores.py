@@ -33,6 +33,26 @@ def _int8_kernel_takes(heads: int, dim: int) -> bool:  # asked once per shape
     return torch.ops.dsaserve.index_scores_int8_fits(heads, dim)
 
 
+def fits_f32(heads: int, dim: int) -> bool:
+    """Whether the AVX2 body scores fp32 queries of `heads` × `dim` against an fp32 key cache in place (what an fp32
+    model, dtype auto on CPUs without AVX-512 BF16, scores)."""
+    return torch_ops.runs("index_scores_f32") and _f32_kernel_takes(torch_ops.cpu_kernels(), heads, dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _f32_kernel_takes(body: str, heads: int, dim: int) -> bool:  # once per body and shape
+    return torch.ops.dsaserve.index_scores_f32_fits(heads, dim)
+
+
+def index_scores_f32_blocks(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor,
+                            keys: int, out: torch.Tensor) -> None:
+    """out[:, :keys] = Σ_h weights · relu(q · key) of fp32 q [t, heads, dim] against the first `keys` keys of the
+    listed blocks of an fp32 key cache [num_blocks, block_size, dim], read in place."""
+    check_call(q, weights, out, "fits_f32")
+    torch.ops.dsaserve.index_scores_f32_blocks(q.contiguous(), weights.float().contiguous(), cache,
+                                               blocks.to(torch.int64).contiguous(), keys, out)
+
+
 def packed_size(keys: int, dim: int) -> int:
     """int32 elements of the packed form of `keys` keys of width `dim`."""
     return -(-keys // KEY_GROUP) * KEY_GROUP * dim // 2

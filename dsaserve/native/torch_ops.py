@@ -38,7 +38,7 @@ CPU_ISAS = ("auto", "amx", "avx512_bf16", "avx512", "avx2", "none")
 BODIES = {
     "avx512_bf16": frozenset({"packed_products", "selected_rows", "index_scores", "index_scores_int8",
                               "decode_plan", "mla_projections"}),
-    "avx2": frozenset({"packed_products", "mla_projections", "index_scores", "selected_rows"}),
+    "avx2": frozenset({"packed_products", "mla_projections", "index_scores", "selected_rows", "index_scores_f32"}),
 }
 _loaded: bool | None = None
 _kernels: str | None = None
@@ -163,7 +163,7 @@ def summary() -> str:
         why = "chosen by cpu_isa" if _isa == "avx2" else "this CPU has no AVX-512 BF16"
         return (f"AVX2 ({why}): the packed-weight products (bf16 and fp8 widened in registers, int8 and int4 by "
                 "int16 products), the sparse and dense attention over selected rows (fp32 or bf16), and the indexer's "
-                "bf16 scores (an fp32 model's indexer scores in torch)")
+                "scores (bf16, or fp32 keys read in place)")
     if cpu_kernels() == "none" and _isa == "none":
         return ("none (chosen by cpu_isa): no native body runs, as on a CPU without AVX2; packed weights are "
                 "dequantized a slab at a time for torch's products")
