@@ -154,8 +154,11 @@ def _selected_rows_path(cfg: ModelConfig) -> str:
 
 def _index_scores_path(cfg: ModelConfig) -> str:
     """Which implementations the indexer uses for its scores and its running top-k."""
-    scores = ("native AVX-512 BF16 kernel (bf16 models; their key caches kept in its layout, scored in place)"
+    body = "AVX2" if torch_ops.cpu_kernels() == "avx2" else "AVX-512 BF16"
+    scores = (f"native {body} kernel (bf16 models; their key caches kept in its layout, scored in place)"
               if index_scores.fits(cfg.index_n_heads, cfg.index_head_dim) else "torch")
+    if index_scores.fits_f32(cfg.index_n_heads, cfg.index_head_dim):
+        scores += "; fp32 models (dtype auto here) by the AVX2 kernel, fp32 keys read in place"
     if index_scores.fits_int8(cfg.index_n_heads, cfg.index_head_dim):
         scores += ("; int8 key caches (--indexer-cache-dtype int8) by int8 products on AVX-512 VNNI, the queries "
                    "rounded to int8 per head")
