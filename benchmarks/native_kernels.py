@@ -6,7 +6,8 @@
   picked from a 16K-row cache; torch gathers two queries' rows at a time and runs two bmm (the sparse backend's
   fallback), the kernel reads the rows in place.
 - indexer scores: 64 queries × 32 heads × 128 against 2,048 keys; torch: mm, fp32 copy, relu and the
-  weighted head sum as a bmm (the indexer's fallback); the kernel: the same sum in registers.
+  weighted head sum as a bmm (the indexer's fallback); the kernel: the same sum in registers. On the AVX2 body also
+  fp32 queries against fp32 keys read in place from a paged cache (an fp32 model's indexer there).
 - indexer scores of int8 keys (`--indexer-cache-dtype int8`, AVX-512 VNNI) against bf16 keys, both read in place
   from a paged key cache kept in their kernel's layout: a prefill tile (64 queries × 2,048 keys) and a decode
   query (1 × 32,768 keys); the two kernels take turns.
@@ -78,6 +79,29 @@ def bench_index_scores(g: torch.Generator) -> None:
         index_scores.index_scores(q, weights, index_scores.pack_keys(key_rows, packed), keys, out)
 
     print(f"indexer scores  native {median_ms(native_path):7.2f} ms         torch {median_ms(torch_path):7.2f} ms")
+
+
+def bench_index_scores_f32(g: torch.Generator) -> None:
+    """fp32 queries against fp32 keys (an fp32 model on the AVX2 body): read in place from a paged cache against
+    torch's path (keys gathered, mm, relu, bmm for the head sum)."""
+    from dsaserve.attention.indexer_cache import IndexerKeyCache
+
+    t, heads, dim, keys, block = 64, 32, 128, 2048, 64
+    q = torch.randn(t, heads, dim, generator=g)
+    weights = torch.randn(t, heads, generator=g) * 0.03
+    cache = IndexerKeyCache(keys // block, block, dim, "auto", torch.float32, torch.device("cpu"))
+    cache.write(torch.arange(keys), torch.randn(keys, dim, generator=g))
+    blocks = torch.randperm(keys // block, generator=g)
+    out, per_head = torch.empty(t, keys), torch.empty(t * heads, keys)
+    flat = q.reshape(t * heads, dim)
+
+    def torch_path():
+        key_rows = cache.read_blocks(blocks, torch.float32)
+        torch.mm(flat, key_rows.T, out=per_head).relu_()
+        torch.bmm(weights[:, None, :], per_head.view(t, heads, keys), out=out.view(t, 1, keys))
+
+    native = median_ms(lambda: index_scores.index_scores_f32_blocks(q, weights, cache.data, blocks, keys, out))
+    print(f"indexer scores, fp32 keys in place  native {native:7.2f} ms         torch {median_ms(torch_path):7.2f} ms")
 
 
 def bench_index_scores_int8(g: torch.Generator) -> None:
@@ -182,6 +206,8 @@ def main() -> None:
             if selected_rows.takes_dtype(dtype):
                 bench_selected_rows(g, dtype)
     bench_index_scores(g)
+    if index_scores.fits_f32(32, 128):
+        bench_index_scores_f32(g)
     bench_index_scores_int8(g)
     bench_topk(g)
     if torch_ops.cpu_kernels() == "avx512_bf16":
