@@ -116,6 +116,10 @@ void index_scores_f32_blocks(const at::Tensor& q, const at::Tensor& weights, con
 #endif
 }
 
+// Meta kernel: it writes only into `out`, so nothing to shape (meta tensors, tracing).
+void index_scores_f32_blocks_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                  at::Tensor&) {}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
@@ -125,3 +129,5 @@ TORCH_LIBRARY_FRAGMENT(dsaserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(dsaserve, CPU, m) { m.impl("index_scores_f32_blocks", &index_scores_f32_blocks); }
+
+TORCH_LIBRARY_IMPL(dsaserve, Meta, m) { m.impl("index_scores_f32_blocks", &index_scores_f32_blocks_meta); }
