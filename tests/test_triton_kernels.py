@@ -390,9 +390,8 @@ def test_an_fp8_checkpoint_on_the_triton_path_stays_fp8_and_generates_what_the_c
                         or real_linear(*a))
     monkeypatch.setattr(moe, "routed_experts", count_experts)
     path = make_checkpoint("fp8-split", seed=0, fp8=True, intermediate_size=384, moe_intermediate_size=96)
-    prompts = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(7000 + n)).tolist()
-               for n in (90, 41)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = [torch.randint(30, 600, (50,), generator=torch.Generator().manual_seed(7050)).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     outs = {}
     for mode in ("on", "off"):
         llm = LLM(path, dtype="float32", block_size=16, max_model_len=256, max_num_batched_tokens=64,
