@@ -19,6 +19,7 @@ from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.distributed.sharding import ShardPlan, TensorSlice, tensor_slice
 from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES
+from dsaserve.model.loader import KV_B_NAME
 from dsaserve.quantization.formats import scale_columns
 from dsaserve.quantization.fp8_blocks import is_fp8_quantizable
 
@@ -117,13 +118,11 @@ def _resident(name: str, part: TensorSlice, shape: tuple[int, ...], numel: int, 
     kept as shipped holds its bytes and a scale per row and 128 columns; kv_b_proj is split per head into W_UK and
     W_UV at load, in floats."""
     part_shape = part.shape_of(shape)
-    if item == 1 and _KV_B not in name:
+    if item == 1 and KV_B_NAME not in name:
         col_offset = part.start % 128 if part.dim == 1 else 0
         return numel + numel // part_shape[-1] * scale_columns("fp8", part_shape[-1], col_offset) * 4
     return numel * (4 if name.endswith(FP32_PARAM_SUFFIXES) else resident_item)
 
-
-_KV_B = ".kv_b_proj."
 
 
 def stored_items(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],

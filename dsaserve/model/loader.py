@@ -286,7 +286,7 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
             with safe_open(path, "pt") as f:
                 mapped = map_file(path)
                 for name in by_file[path]:
-                    load_one(f, mapped, name, head_rows if _KV_B_NAME in name else CHUNK_ALIGN)
+                    load_one(f, mapped, name, head_rows if KV_B_NAME in name else CHUNK_ALIGN)
         except SafetensorError as e:
             raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-download this file") from e
 
@@ -323,7 +323,7 @@ def load_checkpoint(model, cfg: ModelConfig, model_dir: str, progress: bool = Tr
                 total / 1e6 / max(seconds, 1e-9), workers, "" if workers == 1 else "s")
 
 
-_KV_B_NAME = ".kv_b_proj."
+KV_B_NAME = ".kv_b_proj."  # split per head into W_UK and W_UV at load, in floats
 
 
 def _share(info: TensorInfo, part: TensorSlice) -> float:

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "heads_dot_avx2.h"
 
 #if DSASERVE_X86
 #include <immintrin.h>
@@ -51,17 +52,7 @@ template <int G>
 AVX2 inline void score_heads(const float* q_t, const float* weights, const float* const* key, int64_t heads,
                              int64_t dim, int64_t g, __m256* sums) {
     __m256 acc[4][G];
-    for (int j = 0; j < 4; ++j)
-        for (int c = 0; c < G; ++c) acc[j][c] = _mm256_setzero_ps();
-    const float* q = q_t + g;
-    for (int64_t d = 0; d < dim; ++d, q += heads) {
-        __m256 qv[G];
-        for (int c = 0; c < G; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
-        for (int j = 0; j < 4; ++j) {
-            const __m256 x = _mm256_broadcast_ss(key[j] + d);
-            for (int c = 0; c < G; ++c) acc[j][c] = _mm256_fmadd_ps(qv[c], x, acc[j][c]);
-        }
-    }
+    dsaserve::dot_heads<G>(q_t, key, heads, dim, g, acc);
     for (int c = 0; c < G; ++c) {
         const __m256 w = _mm256_loadu_ps(weights + g + 8 * c);
         for (int j = 0; j < 4; ++j)

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "heads_dot_avx2.h"
 
 #if DSASERVE_X86
 #include <immintrin.h>
@@ -112,17 +113,7 @@ AVX2 void score_heads(const float* q_t, const float* const* block, int64_t count
         const float* row[4];
         for (int j = 0; j < 4; ++j) row[j] = block[r + j < count ? r + j : 0];
         __m256 acc[4][G];
-        for (int j = 0; j < 4; ++j)
-            for (int c = 0; c < G; ++c) acc[j][c] = _mm256_setzero_ps();
-        const float* q = q_t + g;
-        for (int64_t d = 0; d < dim; ++d, q += heads) {
-            __m256 qv[G];
-            for (int c = 0; c < G; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
-            for (int j = 0; j < 4; ++j) {
-                const __m256 x = _mm256_broadcast_ss(row[j] + d);
-                for (int c = 0; c < G; ++c) acc[j][c] = _mm256_fmadd_ps(qv[c], x, acc[j][c]);
-            }
-        }
+        dot_heads<G>(q_t, row, heads, dim, g, acc);
         for (int j = 0; j < 4 && r + j < count; ++j)
             for (int c = 0; c < G; ++c) _mm256_storeu_ps(scores + (r + j) * heads + g + 8 * c, acc[j][c]);
     }
