@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import NO_BODY, native_bodies
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.attention.dense import DenseAttention
@@ -22,11 +23,29 @@ needs_kernels = pytest.mark.skipif(torch_ops.cpu_kernels() != "avx512_bf16", rea
                                    "AVX-512 BF16 and the operators built: layers run through their modules here")
 
 
+def plan_cases() -> list:
+    """(cpu_isa, dtype) of each body family this host runs a plan in: AVX-512 BF16 in bf16; AVX2 in bf16 and with
+    dtype auto (fp32 activations, the bf16 weights kept packed: what a CPU without bf16 instructions computes in)."""
+    bodies = native_bodies()
+    cases = [("avx512_bf16", "bfloat16")] if "avx512_bf16" in bodies else []
+    cases += [("avx2", "bfloat16"), ("avx2", "auto")] if "avx2" in bodies else []
+    return [pytest.param(c, id=f"{c[0]}-{c[1]}") for c in cases] or [NO_BODY]
+
+
+@pytest.fixture(params=plan_cases())
+def plan_case(request):
+    """The body family (cpu_isa) and dtype a plan runs in, chosen before the test asks what runs; the default after."""
+    torch_ops.configure("auto", request.param[0])
+    yield request.param
+    torch_ops.configure("auto", "auto")
+
+
 def generate(path, quantization, prompts, attention_backend="sparse", indexer_cache_dtype="auto",
-             enforce_eager=False):
-    llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, progress=False, quantization=quantization,
+             enforce_eager=False, case=("auto", "bfloat16")):
+    cpu_isa, dtype = case
+    llm = LLM(path, dtype=dtype, block_size=16, max_model_len=256, progress=False, quantization=quantization,
               attention_backend=attention_backend, indexer_cache_dtype=indexer_cache_dtype,
-              enforce_eager=enforce_eager)
+              enforce_eager=enforce_eager, cpu_isa=cpu_isa)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
             for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
@@ -68,16 +87,16 @@ def prompts_of(lengths) -> list[list[int]]:
 PROMPTS = {"past index_topk": (70, 41), "within index_topk": (4, 3), "one past, one within": (70, 3)}
 
 
-@needs_kernels
 @pytest.mark.parametrize("quantization, indexer_keys", [(None, "auto"), ("int4", "auto"), ("int8", "auto"),
                                                          ("fp8", "auto"), (None, "int8")])
 @pytest.mark.parametrize("lengths", PROMPTS)
 def test_the_plan_gives_the_modules_tokens_and_logprobs(make_checkpoint, monkeypatch, quantization, indexer_keys,
-                                                        lengths):
+                                                        lengths, plan_case):
     """A dense first layer, MoE layers with a shared expert, full and shared attention layers; two requests
     decoding together: both past index_topk (16, so full layers score and select), both within it (every
     position attended), or one of each (the backend's own calls attend, as no single kernel call does). Indexer
-    keys in bf16, or in int8 (written by the plan's keys pieces too where the int8 kernel's layout holds them)."""
+    keys in bf16, or in int8 (written by the plan's keys pieces too where the int8 kernel's layout holds them); in
+    fp32 on the AVX2 body, fp32 keys (written and scored in place by the plan too)."""
     if indexer_keys == "int8" and not native_scores.fits_int8(8, 32):
         pytest.skip("no int8 index-scores kernel here (needs AVX-512 VNNI): int8 keys stay plain, written by modules")
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
@@ -87,7 +106,8 @@ def test_the_plan_gives_the_modules_tokens_and_logprobs(make_checkpoint, monkeyp
     decode_slots = SparseAttention.decode_slots
     monkeypatch.setattr(SparseAttention, "decode_slots", lambda self, meta, topk: one_call.append(
         (slots := decode_slots(self, meta, topk)) is not None) or slots)
-    planned = generate(path, quantization, prompts_of(PROMPTS[lengths]), indexer_cache_dtype=indexer_keys)
+    planned = generate(path, quantization, prompts_of(PROMPTS[lengths]), indexer_cache_dtype=indexer_keys,
+                       case=plan_case)
     plan = plans[0]
     assert len(plan.keys_bound) == config["indexer_types"].count("full")  # every full layer writes its keys
     # One native call per step where every request is within index_topk (every position selected, the slots chosen
@@ -100,26 +120,26 @@ def test_the_plan_gives_the_modules_tokens_and_logprobs(make_checkpoint, monkeyp
         9 if lengths == "within index_topk" else 0)
     steps.clear()
     assert generate(path, quantization, prompts_of(PROMPTS[lengths]), indexer_cache_dtype=indexer_keys,
-                    enforce_eager=True) == planned
+                    enforce_eager=True, case=plan_case) == planned
     assert not steps  # enforce_eager: no plan, every step through the modules
 
 
-@needs_kernels
-@pytest.mark.parametrize("indexer_keys", ["auto", pytest.param("int8", marks=pytest.mark.skipif(
-    not native_scores.fits_int8(8, 32), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)"))])
+@pytest.mark.parametrize("indexer_keys", ["auto", "int8"])
 def test_a_step_past_index_topk_selects_in_its_call_as_python_selects_between_calls(make_checkpoint, monkeypatch,
-                                                                                   indexer_keys):
+                                                                                   indexer_keys, plan_case):
     """Every request past index_topk: the step is one call that makes each full layer's selection itself; with the
     selections made in Python between calls instead (one call up to each full layer's selection, then one), the
     same tokens and log-probabilities."""
+    if indexer_keys == "int8" and not native_scores.fits_int8(8, 32):
+        pytest.skip("no int8 index-scores kernel here (needs AVX-512 VNNI)")
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
     full = json.loads((Path(path) / "config.json").read_text())["indexer_types"].count("full")
     steps, _ = count_native_calls(monkeypatch)
-    in_call = generate(path, None, prompts_of((70, 41)), indexer_cache_dtype=indexer_keys)
+    in_call = generate(path, None, prompts_of((70, 41)), indexer_cache_dtype=indexer_keys, case=plan_case)
     assert steps[-9:] == [1] * 9
     monkeypatch.setattr(DecodePlan, "_selection_in_call", lambda *a: None)
     steps.clear()
-    assert generate(path, None, prompts_of((70, 41)), indexer_cache_dtype=indexer_keys) == in_call
+    assert generate(path, None, prompts_of((70, 41)), indexer_cache_dtype=indexer_keys, case=plan_case) == in_call
     assert steps[-9:] == [full + 1] * 9
 
 
@@ -140,18 +160,17 @@ def test_keys_without_a_native_form_are_written_by_the_indexer_between_calls(mak
     assert generate(path, "int8", prompts_of(PROMPTS[lengths]), enforce_eager=True) == planned
 
 
-@needs_kernels
-def test_dense_attention_decodes_in_one_call_with_the_modules_bits(make_checkpoint, monkeypatch):
+def test_dense_attention_decodes_in_one_call_with_the_modules_bits(make_checkpoint, monkeypatch, plan_case):
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
     steps, plans = count_native_calls(monkeypatch)
     one_call = []
     decode_slots = DenseAttention.decode_slots
     monkeypatch.setattr(DenseAttention, "decode_slots", lambda self, meta, topk: one_call.append(
         (slots := decode_slots(self, meta, topk)) is not None) or slots)
-    planned = generate(path, "int4", prompts_of((70, 3)), "dense")
+    planned = generate(path, "int4", prompts_of((70, 3)), "dense", case=plan_case)
     assert sum(one_call) >= 9 and steps[-9:] == [1] * 9  # (two requests of any lengths: every row over its context)
     assert not plans[0].selects_at and not plans[0].keys_bound  # the dense backend: no indexer pieces
-    assert generate(path, "int4", prompts_of((70, 3)), "dense", enforce_eager=True) == planned
+    assert generate(path, "int4", prompts_of((70, 3)), "dense", enforce_eager=True, case=plan_case) == planned
 
 
 @needs_kernels

@@ -1,8 +1,11 @@
 """Long context: the streaming indexer (same top-k, bounded memory), page selection, quantized indexer
 cache (recall, accounting), and end-to-end equality with the reference."""
 
+import contextlib
+
 import pytest
 import torch
+from conftest import native_bodies
 from reference import load_reference, reference_greedy
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -14,6 +17,7 @@ from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.bench.longctx import HeapSampler
 from dsaserve.engine.workers.kv_cache import KVCacheLayout
 from dsaserve.native import index_scores as native_scores
+from dsaserve.native import torch_ops
 
 HEADS, DIM, BS = 4, 16, 16
 
@@ -102,30 +106,47 @@ def test_decode_selections_reuse_one_scratch_and_keep_nothing_between_calls(monk
 
 
 def decode_batch(seed: int, contexts: list[int], heads: int = 8, kind: str = "auto"):
-    """Single-query requests over `contexts` cached tokens each, keys (bf16, or int8) in one packed cache, scrambled
-    tables."""
+    """Single-query requests over `contexts` cached tokens each, keys (bf16, or int8) in one packed cache, or fp32
+    queries and keys in a plain fp32 cache (kind "fp32": an fp32 model's), scrambled tables."""
     g = torch.Generator().manual_seed(seed)
     lens = [c + 1 for c in contexts]
     counts = [-(-n // BS) for n in lens]
-    cache = IndexerKeyCache(sum(counts) + 3, BS, DIM, kind, torch.bfloat16, torch.device("cpu"), packed=True)
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    cache = IndexerKeyCache(sum(counts) + 3, BS, DIM, "auto" if kind == "fp32" else kind, dtype, torch.device("cpu"),
+                            packed=kind != "fp32")
     order = torch.randperm(sum(counts) + 3, generator=g).tolist()
     tables = [order[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(lens))]
     meta = BatchMetadata.build([[1]] * len(lens), contexts, tables, BS, [])
     for i, n in enumerate(lens):
-        cache.write(meta.slots(i, torch.arange(n)), torch.randn(n, DIM, generator=g).bfloat16())
-    q = torch.randn(len(lens), heads, DIM, generator=g).bfloat16()
+        cache.write(meta.slots(i, torch.arange(n)), torch.randn(n, DIM, generator=g).to(dtype))
+    q = torch.randn(len(lens), heads, DIM, generator=g).to(dtype)
     return cache, meta, q, torch.rand(len(lens), heads, generator=g) + 0.1
 
 
 @pytest.mark.skipif(not native_scores.fits(8, DIM), reason="no native index-scores kernel here (needs AVX-512 BF16)")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", ["auto", pytest.param("int8", marks=pytest.mark.skipif(
-    not native_scores.fits_int8(8, DIM), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)"))])
+    not native_scores.fits_int8(8, DIM), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)")),
+    pytest.param("fp32", marks=pytest.mark.skipif("avx2" not in native_bodies(), reason="no AVX2 body here"))])
 def test_a_decode_batch_selects_in_one_native_call_what_the_tile_loop_selects(monkeypatch, threads, kind):
     """A batch of single queries takes one native call (decode_selection.cpp) that gives the tile loop's positions in
     its order: contexts within the width (all visible), within one chunk, and over several chunks and merge windows,
     queries ending mid-block and at a block's end; whole queries per thread or each query's scoring shared out; bf16
-    keys and int8 ones."""
+    keys and int8 ones; fp32 queries and keys on the AVX2 body (an fp32 model's)."""
+    with body_family("avx2" if kind == "fp32" else "auto"):
+        selects_in_one_call(monkeypatch, threads, kind)
+
+
+@contextlib.contextmanager
+def body_family(cpu_isa: str):
+    torch_ops.configure("auto", cpu_isa)
+    try:
+        yield
+    finally:
+        torch_ops.configure("auto", "auto")
+
+
+def selects_in_one_call(monkeypatch, threads: int, kind: str) -> None:
     monkeypatch.setattr(indexer, "INDEXER_SCORE_BUDGET", 2 * BS * 8 * 4)  # 2-block chunks for tiles of 4
     monkeypatch.setattr(indexer, "MERGE_WINDOW", 4 * BS)  # two chunks per merge window
     cache, meta, q, weights = decode_batch(5, [10, 23, 40, 63, 130, 300], kind=kind)

@@ -103,8 +103,9 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
     if decodes_natively(q, key_cache, meta, selection):
         chunk_blocks, window_blocks = chunk_and_window(min(QUERY_TILE, q.shape[0]), q.shape[1], meta.block_size)
         int8 = key_cache.int8_groups is not None
+        keys = key_cache.int8_groups if int8 else key_cache.groups if key_cache.packed else key_cache.data
         return torch.ops.dsaserve.decode_selection.default(
-            q.contiguous(), weights.contiguous(), key_cache.int8_groups if int8 else key_cache.groups,
+            q.contiguous(), weights.contiguous(), keys,
             meta.block_tables, meta.seq_lens_host, width, chunk_blocks, window_blocks,
             key_cache.scale if int8 else None)
     out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
@@ -126,8 +127,13 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
 def decodes_natively(q: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata, selection: Selection) -> bool:
     """Whether the batch's selection is one native call (native/decode_selection.cpp, the loop below in C++, the same
     positions): every request a single query, token top-k, a key cache kept packed (bf16 or int8 keys) that a kernel
-    scores in place."""
-    if not (meta.num_tokens == meta.num_reqs and not selection.pages and q.dtype == torch.bfloat16 and q.is_cpu):
+    scores in place, or fp32 queries against fp32 keys on the AVX2 body."""
+    if not (meta.num_tokens == meta.num_reqs and not selection.pages and q.is_cpu):
+        return False
+    if q.dtype == torch.float32:
+        return (key_cache.kind == "auto" and not key_cache.packed and key_cache.data.dtype == torch.float32
+                and native_scores.fits_f32(q.shape[1], q.shape[2]))
+    if q.dtype != torch.bfloat16:
         return False
     if key_cache.int8_groups is not None:
         return native_scores.fits_int8(q.shape[1], q.shape[2])

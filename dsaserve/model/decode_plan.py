@@ -31,9 +31,11 @@ import torch
 import torch.fx
 
 from dsaserve.attention.indexer_selection import QUERY_TILE, chunk_and_window, selects_every_position
+from dsaserve.native import index_scores as native_scores
 from dsaserve.native import torch_ops
-from dsaserve.native.selected_rows import FEW_HEADS_PADDED
+from dsaserve.native.selected_rows import AVX2_HEAD_LANES, FEW_HEADS_PADDED
 from dsaserve.native.selected_rows import fits as attention_fits
+from dsaserve.native.selected_rows import takes_dtype as attention_takes
 from dsaserve.quantization.quantized_weight import KERNEL_ROWS
 
 NewRegister = Callable[[], int]
@@ -74,8 +76,9 @@ class DecodePlan:
             getattr(self.native, f"add_{piece.kind}")(layer, list(piece.reads), list(piece.writes), *args)
         self.selects_at = [i for i, (_, p) in enumerate(pieces) if p.kind == "select"]
         self.attends_at = [i for i, (_, p) in enumerate(pieces) if p.kind == "attend"]
-        self.attends_natively = dtype == torch.bfloat16 and all(
-            attention_fits(max(p.binding.heads, FEW_HEADS_PADDED), p.binding.row_width, p.binding.value_dim)
+        lanes = FEW_HEADS_PADDED if torch_ops.cpu_kernels() == "avx512_bf16" else AVX2_HEAD_LANES
+        self.attends_natively = attention_takes(dtype) and all(
+            attention_fits(-(-p.binding.heads // lanes) * lanes, p.binding.row_width, p.binding.value_dim)
             for _, p in pieces if p.kind == "attend")
         self.keys_bound = {layer for layer, p in pieces if p.kind == "index_keys"}
         self.queries_bound = all(p.binding.wq is not None for _, p in pieces if p.kind == "select")
@@ -171,13 +174,17 @@ class DecodePlan:
         width = self.selection.width(meta.block_size)
         if min(meta.seq_lens_host) <= width:
             return None
-        heads = self.pieces[self.selects_at[0]][1].binding.heads
+        binding = self.pieces[self.selects_at[0]][1].binding
+        heads = binding.heads
+        if self.dtype == torch.float32 and not native_scores.fits_f32(heads, binding.head_dim):
+            return None
         chunk_blocks, window_blocks = chunk_and_window(min(QUERY_TILE, meta.num_tokens), heads, meta.block_size)
         return [width, chunk_blocks, window_blocks, meta.block_size]
 
     def _set_caches(self, kv_caches: list, indexer_caches) -> bool:
         """Hands the caches to the native plan the first time they are seen; False where their dtype is not the
-        plan's. A full layer's keys are written by the plan where its key cache is packed (bf16 or int8 groups)."""
+        plan's. A full layer's keys are written by the plan where its key cache is packed (bf16 or int8 groups), or
+        where an fp32 plan's keys are fp32 that the AVX2 body scores in place."""
         known = self.caches
         if known is not None and known.first is kv_caches[0] and known.count == len(kv_caches):
             return known.keys_here is not None
@@ -191,6 +198,8 @@ class DecodePlan:
         for i in self.keys_bound:
             cache = key_caches[i]
             groups[i], scales[i] = (cache.groups, None) if cache.packed else (cache.int8_groups, cache.scale)
+            if plain_f32_keys(cache, self.dtype):
+                groups[i] = cache.data
         keys_here = {i for i in layers if groups[i] is not None}
         scales = [scale if group is not None else None for group, scale in zip(groups, scales)]
         self.native.set_caches([kv_caches[i].view(-1, kv_caches[i].shape[-1]) for i in layers], groups, scales)
@@ -265,3 +274,9 @@ NORM_FIELDS = {"rms_norm": ("weight",), "add_rms_norm": ("weight",), "mla_query"
 
 def norm_tensors(pieces: list[tuple[int, Piece]]) -> list[torch.Tensor]:
     return [getattr(p.binding, name) for _, p in pieces for name in NORM_FIELDS.get(p.kind, ())]
+
+
+def plain_f32_keys(cache, dtype: torch.dtype) -> bool:
+    """An fp32 plan's key cache kept as fp32 rows (what the AVX2 body scores in place: index_scores_f32_avx2.cpp)."""
+    return (dtype == torch.float32 and cache.kind == "auto" and not cache.packed
+            and cache.data.dtype == torch.float32)

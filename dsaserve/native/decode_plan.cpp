@@ -17,11 +17,11 @@
 #include <variant>
 #include <vector>
 
+#include "cpu_features.h"
 #include "layer_pieces.h"
 
 namespace {
 
-constexpr int64_t kHeadLanes = 16;  // the attention kernel's heads per register; fewer are padded with zeros
 
 // A packed weight: its bytes, its scales and the operators' (kind, group, col_offset, N, K).
 struct Packed {
@@ -105,21 +105,26 @@ Packed packed(const at::Tensor& q, const at::Tensor& s, const std::vector<int64_
   return Packed{q, s, args};
 }
 
+// The attention kernel's heads per register: heads are padded with zero queries to a multiple of it.
+int64_t head_lanes() { return dsaserve::use_avx2() ? 8 : 16; }
+
+int64_t padded_heads(int64_t heads) { return (heads + head_lanes() - 1) / head_lanes() * head_lanes(); }
+
 // out [T, heads, value_dim] (a view of whole-row products, as attention/sparse.py writes them) of each row's
-// attention over its slots; fewer heads than the kernel's lanes are padded as native/selected_rows.py pads them.
+// attention over its slots; heads short of the kernel's lanes are padded as native/selected_rows.py pads them.
 at::Tensor attend(const at::Tensor& query, const at::Tensor& rows, const at::Tensor& slots, double scale,
                   int64_t value_dim) {
-  const int64_t T = query.size(0), heads = query.size(1), dim = rows.size(1);
+  const int64_t T = query.size(0), heads = query.size(1), dim = rows.size(1), padded = padded_heads(heads);
   const at::Tensor s = slots.to(at::kLong).contiguous();
-  if (heads >= kHeadLanes) {
+  if (padded == heads) {
     at::Tensor out = at::empty({T, heads, dim}, query.options()).narrow(2, 0, value_dim);
     dsaserve::attend_selected_rows(query.contiguous(), rows, s, scale, out);
     return out;
   }
   at::Tensor out = at::empty({T, heads, value_dim}, query.options());
-  at::Tensor wide = at::zeros({T, kHeadLanes, query.size(2)}, query.options());
+  at::Tensor wide = at::zeros({T, padded, query.size(2)}, query.options());
   wide.narrow(1, 0, heads).copy_(query);
-  at::Tensor result = at::empty({T, kHeadLanes, value_dim}, query.options());
+  at::Tensor result = at::empty({T, padded, value_dim}, query.options());
   dsaserve::attend_selected_rows(wide, rows, s, scale, result);
   out.copy_(result.narrow(1, 0, heads));
   return out;
@@ -316,14 +321,20 @@ class DecodePlan : public torch::CustomClassHolder {
                                 rows_[p.layer], s.slot_mapping);
   }
 
-  // model/indexer.py keys() and attention/indexer_cache.py write(), into the packed layout.
+  // model/indexer.py keys() and attention/indexer_cache.py write(): into the packed layout, or an fp32 model's keys
+  // (the AVX2 body) into its plain fp32 cache [num_blocks, block_size, dim].
   void run_piece(const IndexKeys& op, const Piece& p, Step& s) {
     if (!s.write_keys || !key_groups_[p.layer].has_value()) return;
     const at::Tensor k = product(in(p, 0), op.wk);
     const at::Tensor normed = at::layer_norm(k, {k.size(-1)}, op.norm_weight, op.norm_bias, op.eps);
-    const at::Tensor rotated = dsaserve::apply_rope(normed, s.cos, s.sin, op.interleaved).to(at::kBFloat16).contiguous();
     at::Tensor groups = *key_groups_[p.layer];
     const at::Tensor slots = s.slot_mapping.to(at::kLong).contiguous();
+    const at::Tensor roped = dsaserve::apply_rope(normed, s.cos, s.sin, op.interleaved);
+    if (groups.scalar_type() == at::kFloat) {
+      groups.view({-1, groups.size(-1)}).index_copy_(0, slots, roped.to(at::kFloat));
+      return;
+    }
+    const at::Tensor rotated = roped.to(at::kBFloat16).contiguous();
     if (key_scales_[p.layer].has_value()) {  // int8 keys (index_scores_int8.cpp's layout)
       at::Tensor scales = *key_scales_[p.layer];
       dsaserve::write_int8_keys(groups, scales, slots, rotated);
@@ -356,9 +367,11 @@ class DecodePlan : public torch::CustomClassHolder {
     const at::Tensor& rows = rows_[p.layer];
     TORCH_CHECK(s.slots.defined() && s.slots.dim() == 2 && s.slots.size(0) == query.size(0),
                 "dsaserve DecodePlan: layer ", p.layer, " attends without the step's slots [T, width]");
-    TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && rows.dim() == 2 && rows.is_contiguous(),
-                "dsaserve DecodePlan: attention takes a bf16 query [T, heads, dim] and contiguous rows");
-    TORCH_CHECK(dsaserve::selected_rows_fits(std::max(query.size(1), kHeadLanes), rows.size(1), op.value_dim),
+    TORCH_CHECK(query.dim() == 3 && query.scalar_type() == rows.scalar_type() && rows.dim() == 2 &&
+                    rows.is_contiguous(),
+                "dsaserve DecodePlan: attention takes a query [T, heads, dim] of the rows' dtype (bf16; fp32 on the "
+                "AVX2 body) and contiguous rows");
+    TORCH_CHECK(dsaserve::selected_rows_fits(padded_heads(query.size(1)), rows.size(1), op.value_dim),
                 "dsaserve DecodePlan: the attention kernel does not take ", query.size(1), " heads of ", rows.size(1),
                 " dims with ", op.value_dim, " value columns on this CPU");
     out(p, 0, attend(query, rows, s.slots, op.scale, op.value_dim));

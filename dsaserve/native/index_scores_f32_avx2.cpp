@@ -18,6 +18,7 @@
 
 #include "cpu_features.h"
 #include "heads_dot_avx2.h"
+#include "layer_pieces.h"
 
 #if DSASERVE_X86
 #include <immintrin.h>
@@ -106,6 +107,31 @@ void index_scores_f32_blocks(const at::Tensor& q, const at::Tensor& weights, con
     });
 #endif
 }
+
+}  // namespace
+
+// For decode_selection.cpp (layer_pieces.h): one query's scores (q fp32 [heads, dim], weights fp32 [heads]) against the
+// first `keys` keys of the listed blocks of an fp32 key cache [num_blocks, block_size, dim], ids checked by the
+// caller, into out[0, keys): the operator's arithmetic, per key the same sums.
+void dsaserve::index_scores_f32_of_blocks(const float* q, const float* weights, int64_t heads, int64_t dim,
+                                          const at::Tensor& cache, const int64_t* blocks, int64_t keys, float* out) {
+#if DSASERVE_X86
+    thread_local std::vector<float> q_t;
+    q_t.resize(dim * heads);
+    for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < dim; ++d) q_t[d * heads + h] = q[h * dim + d];
+    Job job{q_t.data(), weights, cache.data_ptr<float>(), blocks, out, 1, heads, dim, cache.size(1), keys, keys};
+    const int64_t items = (keys + kKeysPerItem - 1) / kKeysPerItem;
+    at::parallel_for(0, items, 1, [&](int64_t a, int64_t b) {
+        for (int64_t item = a; item < b; ++item)
+            score_item(&job, 0, item * kKeysPerItem, std::min(keys, (item + 1) * kKeysPerItem));
+    });
+#endif
+}
+
+bool dsaserve::index_scores_f32_fits(int64_t heads, int64_t dim) { return fits(heads, dim); }
+
+namespace {
 
 // Meta kernel: it writes only into `out`, so nothing to shape (meta tensors, tracing).
 void index_scores_f32_blocks_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,

@@ -35,6 +35,9 @@ void index_scores_int8_of_blocks(const c10::BFloat16* q, const float* weights, i
                                  const at::Tensor& cache, const at::Tensor& scales, const int64_t* blocks,
                                  int64_t count, int64_t keys, float* out);
 bool index_scores_int8_fits(int64_t heads, int64_t dim);
+void index_scores_f32_of_blocks(const float* q, const float* weights, int64_t heads, int64_t dim,
+                                const at::Tensor& cache, const int64_t* blocks, int64_t keys, float* out);
+bool index_scores_f32_fits(int64_t heads, int64_t dim);  // the AVX2 body's fp32 keys (index_scores_f32_avx2.cpp)
 void write_int8_keys(at::Tensor& cache, at::Tensor& scales, const at::Tensor& slots, const at::Tensor& keys);
 at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
                             const at::Tensor& block_tables, at::IntArrayRef seq_lens, int64_t width,

@@ -38,7 +38,8 @@ CPU_ISAS = ("auto", "amx", "avx512_bf16", "avx512", "avx2", "none")
 BODIES = {
     "avx512_bf16": frozenset({"packed_products", "selected_rows", "index_scores", "index_scores_int8",
                               "decode_plan", "mla_projections"}),
-    "avx2": frozenset({"packed_products", "mla_projections", "index_scores", "selected_rows", "index_scores_f32"}),
+    "avx2": frozenset({"packed_products", "mla_projections", "index_scores", "selected_rows", "index_scores_f32",
+                       "decode_plan"}),
 }
 _loaded: bool | None = None
 _kernels: str | None = None
