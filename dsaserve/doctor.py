@@ -139,7 +139,7 @@ def _mtp_line(cfg: ModelConfig, infos: dict) -> str:
 
 def _selected_rows_path(cfg: ModelConfig) -> str:
     """Which implementation the sparse backend uses for queries whose selections hardly overlap."""
-    avx2 = torch_ops.cpu_kernels() == "avx2"
+    avx2 = torch_ops.avx2_family()
     lanes = selected_rows.AVX2_HEAD_LANES if avx2 else selected_rows.FEW_HEADS_PADDED
     heads = -(-cfg.num_attention_heads // lanes) * lanes  # padded to the kernel's lanes
     if selected_rows.fits(heads, cfg.kv_cache_dim, cfg.kv_lora_rank):
@@ -154,7 +154,7 @@ def _selected_rows_path(cfg: ModelConfig) -> str:
 
 def _index_scores_path(cfg: ModelConfig) -> str:
     """Which implementations the indexer uses for its scores and its running top-k."""
-    body = "AVX2" if torch_ops.cpu_kernels() == "avx2" else "AVX-512 BF16"
+    body = "AVX2" if torch_ops.avx2_family() else "AVX-512 BF16"
     scores = (f"native {body} kernel (bf16 models; their key caches kept in its layout, scored in place)"
               if index_scores.fits(cfg.index_n_heads, cfg.index_head_dim) else "torch")
     if index_scores.fits_f32(cfg.index_n_heads, cfg.index_head_dim):
@@ -206,16 +206,16 @@ def _weight_pages() -> str:
 
 def _weight_kernel_path() -> str:
     """Which implementation multiplies packed (quantized or bf16) weights on this machine."""
-    if torch_ops.runs("decode_plan"):
-        return ("native kernels for up to 16 rows (bf16 models and --quantization), torch GEMM beyond; a decode step "
-                "runs its layers as one native plan, its sparse selections included where every request is past "
-                "index_topk (model/decode_plan.py; --enforce-eager: through the modules)")
-    if torch_ops.runs("packed_products"):
-        return (f"native {torch_ops.cpu_kernels().upper()} kernels for up to 16 rows (bf16 checkpoints keep their "
-                "bytes, computing in fp32; --quantization), torch GEMM beyond on a slab of rows dequantized at a "
-                "time; decode runs through the modules (no decode plan for this body family)")
-    return ("torch (the packed-weight kernels need a C++ compiler and AVX2 or AVX-512 BF16; quantized weights "
-            "dequantize a slab of rows at a time)")
+    if not torch_ops.runs("packed_products"):
+        return ("torch (the packed-weight kernels need a C++ compiler and AVX2 or AVX-512 BF16; quantized weights "
+                "dequantize a slab of rows at a time)")
+    body = {"avx2": "AVX2", "avx512": "AVX-512 (no BF16)"}.get(torch_ops.cpu_kernels(), "AVX-512 BF16")
+    beyond = ("torch GEMM beyond on a slab of rows dequantized at a time (bf16 checkpoints keep their bytes, "
+              "computing in fp32)" if torch_ops.avx2_family() else "torch GEMM beyond")
+    plan = ("; a decode step runs its layers as one native plan, its sparse selections included where every request "
+            "is past index_topk (model/decode_plan.py; --enforce-eager: through the modules)"
+            if torch_ops.runs("decode_plan") else "")
+    return f"native {body} kernels for up to 16 rows (bf16 models and --quantization), {beyond}{plan}"
 
 
 def _schedule_check(cfg: ModelConfig, infos) -> list[str]:

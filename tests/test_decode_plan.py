@@ -25,10 +25,12 @@ needs_kernels = pytest.mark.skipif(torch_ops.cpu_kernels() != "avx512_bf16", rea
 
 def plan_cases() -> list:
     """(cpu_isa, dtype) of each body family this host runs a plan in: AVX-512 BF16 in bf16; AVX2 in bf16 and with
-    dtype auto (fp32 activations, the bf16 weights kept packed: what a CPU without bf16 instructions computes in)."""
+    dtype auto (fp32 activations, the bf16 weights kept packed: what a CPU without bf16 instructions computes in);
+    AVX-512 without BF16 with dtype auto."""
     bodies = native_bodies()
     cases = [("avx512_bf16", "bfloat16")] if "avx512_bf16" in bodies else []
     cases += [("avx2", "bfloat16"), ("avx2", "auto")] if "avx2" in bodies else []
+    cases += [("avx512", "auto")] if "avx512" in bodies else []  # (the AVX2 family, its products 512 bits wide)
     return [pytest.param(c, id=f"{c[0]}-{c[1]}") for c in cases] or [NO_BODY]
 
 

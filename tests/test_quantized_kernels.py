@@ -6,6 +6,7 @@ AVX2 body too); where none can (no compiler, no AVX2) they are skipped, saying s
 
 import pytest
 import torch
+from conftest import native_bodies
 
 from dsaserve.demo.checkpoint_builder import quantize_fp8
 from dsaserve.native import torch_ops
@@ -54,7 +55,7 @@ def activation_rounding_bound(x: torch.Tensor, weight: torch.Tensor, group: int,
 
 def int16_rounding(body: str, kind: str, x: torch.Tensor, weight: torch.Tensor):
     """What the AVX2 body's int16 activations (per row and 128 columns) may add to an int8 or int4 product."""
-    if body == "avx2" and kind in ("int8", "int4"):
+    if body in torch_ops.AVX2_FAMILY and kind in ("int8", "int4"):
         return activation_rounding_bound(x, weight, 128, 32767)
     return 0
 
@@ -102,6 +103,35 @@ def test_kernel_equals_dequantize_then_matmul(kind, n, k, col_offset, body):
         rounding = activation_rounding_bound(xb, weight, activation_group(kind, k)) if on_vnni else 0
         rounding = rounding + int16_rounding(body, kind, xb, weight)
         assert ((yb.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-3 * exact.abs().max() + rounding).all()
+
+
+@pytest.mark.skipif("avx512" not in native_bodies(), reason="this CPU does not run the avx512 family")
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_avx512_family_gives_the_avx2_bodys_bits(kind):
+    """The avx512 family's products (a block's 16 rows in one 512-bit register) give the AVX2 body's bits, lane for
+    lane: every kind, partial row blocks, odd columns, several scale groups, an FP8 slice inside its blocks, 1 to 16
+    rows (four per sweep and a remainder), fp32 and bf16 activations, one weight and stacked ones."""
+    results = {}
+    try:
+        for family in ("avx2", "avx512"):
+            torch_ops.configure("auto", family)
+            results[family] = []
+            for n, k, col_offset in SHAPES:
+                m, _ = matrix(kind, n, k, col_offset)
+                args = (formats.KINDS[kind], formats.group_of(kind, k), m.col_offset, n, k)
+                for rows in (1, 2, 3, 5, 16):
+                    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+                    for dtype in (torch.float32, torch.bfloat16):
+                        results[family].append(torch.ops.dsaserve.quant_linear(x.to(dtype), m.qweight, m.scale, *args))
+                stacked_q, stacked_s = torch.stack([m.qweight, m.qweight.flip(0)]), torch.stack([m.scale, m.scale])
+                x = torch.randn(2, 3, k, generator=torch.Generator().manual_seed(k))
+                results[family].append(torch.ops.dsaserve.quant_linear(x, stacked_q, stacked_s, *args))
+    finally:
+        torch_ops.configure("auto", "auto")
+    assert len(results["avx2"]) == len(results["avx512"])
+    for wide, narrow in zip(results["avx512"], results["avx2"]):
+        assert torch.equal(wide.view(torch.int16) if wide.dtype == torch.bfloat16 else wide,
+                           narrow.view(torch.int16) if narrow.dtype == torch.bfloat16 else narrow)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -15,6 +15,7 @@ using dsaserve::Isa;
 std::vector<std::string> cpu_isas() {
     std::vector<std::string> out;
     if (dsaserve::cpu_has_avx512_bf16()) out.emplace_back("avx512_bf16");
+    if (dsaserve::cpu_has_avx512f()) out.emplace_back("avx512");
     if (dsaserve::cpu_has_avx2()) out.emplace_back("avx2");
     out.emplace_back("none");
     return out;
@@ -29,11 +30,15 @@ void set_cpu_isa(const std::string& name) {
         TORCH_CHECK(dsaserve::cpu_has_avx512_bf16(), "cpu_isa='avx512_bf16': this CPU lacks AVX-512 BF16 (it needs "
                     "avx512f, avx512bw, avx512vl, avx512_bf16, f16c and fma)");
         isa = Isa::avx512_bf16;
+    } else if (name == "avx512") {
+        TORCH_CHECK(dsaserve::cpu_has_avx512f(), "cpu_isa='avx512': this CPU lacks AVX-512 (it needs avx512f, "
+                    "avx512bw, avx512vl, avx512dq besides avx2, fma and f16c)");
+        isa = Isa::avx512;
     } else if (name == "avx2") {
         TORCH_CHECK(dsaserve::cpu_has_avx2(), "cpu_isa='avx2': this CPU lacks AVX2 (it needs avx2, fma and f16c)");
         isa = Isa::avx2;
     } else {
-        TORCH_CHECK(name == "none", "cpu_isa '", name, "' is not one of avx512_bf16, avx2, none");
+        TORCH_CHECK(name == "none", "cpu_isa '", name, "' is not one of avx512_bf16, avx512, avx2, none");
         isa = Isa::none;
     }
     dsaserve::isa_choice().store(static_cast<int>(isa), std::memory_order_relaxed);

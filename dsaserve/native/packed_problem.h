@@ -44,6 +44,29 @@ inline float fp8_e4m3_to_float(uint8_t b) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits())) * 256.0f;
 }
 
+constexpr int64_t kActChunk = 128;  // columns per int16 activation scale (int32 sums stay far from overflow)
+
+// The AVX2 body's activations for bf16 and fp8 weights: M rows of 2·K2 fp32 values, `stride` apart.
+struct FloatRows {
+  const float* x;
+  int64_t stride;
+};
+
+// Its activations for int8 and int4 weights: M rows of 2·K2 int16 values (a column pair is one 32-bit word), with a
+// scale per row and chunk of kActChunk columns (NaN where the chunk holds a NaN or an infinity); for fp32
+// activations also each value's remainder, in steps of the scale times 2^-15.
+struct Int16Rows {
+  const int16_t* values;  // row m's pair kp at values + 2 * (m * K2 + kp)
+  const int16_t* rest;    // the remainders, laid out as values (fp32 activations), or null
+  const float* scales;    // row m's chunk j at scales[m * chunks + j]
+  int64_t K2, chunks;
+};
+
+// Blocks [b0, b1) of p against p.M <= 4 prepared activation rows into y (rows y_row bytes apart): the AVX2 body's
+// arithmetic lane for lane, a block's 16 rows in one 512-bit register (quant_linear_avx512f.cpp).
+void avx512f_blocks(const Problem& p, const FloatRows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row);
+void avx512f_blocks(const Problem& p, const Int16Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row);
+
 // The bodies' entry for blocks [b0, b1) of p against p.M <= 16 activation rows (x_row bytes apart; bf16 when
 // p.out_bf16, else fp32) into y [p.M, N] in the same dtype.
 void avx2_row_sweeps(const Problem& p, const uint8_t* x, int64_t x_row, int64_t b0, int64_t b1, uint8_t* y);

@@ -13,7 +13,9 @@
 //                       of the chunk's largest) and greedy decoding follows the float weights' (the tests).
 //
 // Rows of activations are taken four at a time per sweep of the weights (the registers: two 8-row halves per
-// row, and for one or two rows separate even and odd sums to shorten the dependency chains).
+// row, and for one or two rows separate even and odd sums to shorten the dependency chains). The avx2 family
+// runs these blocks; the avx512 family runs the same arithmetic with a block's 16 rows in one 512-bit register
+// (quant_linear_avx512f.cpp), on these activations and sweeps.
 #include "cpu_features.h"
 #include "packed_problem.h"
 
@@ -35,7 +37,6 @@ namespace dsaserve::packed {
 namespace {
 
 constexpr int kRowsPerSweep = 4;
-constexpr int64_t kActChunk = 128;  // columns per int16 activation scale (int32 sums stay far from overflow)
 
 // A column pair's 8 rows (half 0: rows 0-7, half 1: rows 8-15) as fp32 even and odd columns; fp8 values times
 // 2^-8 (the scale takes 256).
@@ -140,22 +141,6 @@ AVX2 inline void store16(const Problem& p, uint8_t* y, int64_t index, __m256 lo,
     std::memcpy(dst, tmp, rows * 4);
   }
 }
-
-// Activations for the float path: M rows of 2·K2 fp32 values, `stride` apart.
-struct FloatRows {
-  const float* x;
-  int64_t stride;
-};
-
-// Activations for the integer path: M rows of 2·K2 int16 values (a column pair is one 32-bit word), with a scale
-// per row and chunk of kActChunk columns (NaN where the chunk holds a NaN or an infinity); for fp32 activations
-// also each value's remainder, in steps of the scale times 2^-15.
-struct Int16Rows {
-  const int16_t* values;  // row m's pair kp at values + 2 * (m * K2 + kp)
-  const int16_t* rest;    // the remainders, laid out as values (fp32 activations), or null
-  const float* scales;   // row m's chunk j at scales[m * chunks + j]
-  int64_t K2, chunks;
-};
 
 // One 16-row block of a bf16 or fp8 weight against M <= 4 fp32 rows into y.
 template <int64_t Kind, int M>
@@ -262,6 +247,7 @@ AVX2 void blocks_m(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint
 
 template <int64_t Kind, typename Rows>
 AVX2 void blocks(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
+  if (use_avx512f()) return avx512f_blocks(p, x, b0, b1, y, y_row);  // the same sums, a block per register
   switch (p.M) {
     case 1: return blocks_m<Kind, 1>(p, x, b0, b1, y, y_row);
     case 2: return blocks_m<Kind, 2>(p, x, b0, b1, y, y_row);

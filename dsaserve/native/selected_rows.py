@@ -16,7 +16,7 @@ def has_bf16_kernel() -> bool:
 
 def takes_dtype(dtype: torch.dtype) -> bool:
     """bf16 on every body; fp32 too on the AVX2 one (what dtype auto computes in on CPUs without AVX-512 BF16)."""
-    return dtype == torch.bfloat16 or (dtype == torch.float32 and torch_ops.cpu_kernels() == "avx2")
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and torch_ops.avx2_family())
 
 
 def fits(heads: int, dim: int, value_dim: int) -> bool:

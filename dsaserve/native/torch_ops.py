@@ -17,8 +17,10 @@ bodies without the AMX tiles and the VNNI/VBMI product paths (avx512), or none (
 compiler `load()` is False, `unavailable()` says why, and callers keep their torch path.
 
 Which body family runs is the engine's `cpu_isa` option, chosen once at load: auto (the best this CPU has), amx,
-avx512_bf16, avx2 (runs on any AVX-512 CPU too: how its bodies are tested there), none (no body: what a CPU without
-AVX2 gets, torch's operators, the library's portable code converting weights while loading). Operators without a
+avx512_bf16, avx512 (AVX-512 without BF16: the AVX2 family's operators, its packed-weight products' blocks in 512-bit
+registers, quant_linear_avx512f.cpp), avx2 (runs on any AVX-512 CPU too: how its bodies are tested there), none (no
+body: what a CPU without AVX2 gets, torch's operators, the library's portable code converting weights while
+loading). Operators without a
 body in the chosen family run torch's operators (`runs(operator)` says which have one: BODIES).
 """
 
@@ -41,6 +43,8 @@ BODIES = {
     "avx2": frozenset({"packed_products", "mla_projections", "index_scores", "selected_rows", "index_scores_f32",
                        "decode_plan"}),
 }
+BODIES["avx512"] = BODIES["avx2"]  # the same operators, the products' blocks 512 bits wide
+AVX2_FAMILY = ("avx2", "avx512")  # the families that run the AVX2 bodies (fp32 activations under dtype auto)
 _loaded: bool | None = None
 _kernels: str | None = None
 _choice = "auto"
@@ -77,9 +81,6 @@ def configure(choice: str, cpu_isa: str = "auto") -> None:
 def check_cpu_isa(cpu_isa: str) -> None:
     if cpu_isa not in CPU_ISAS:
         raise ValueError(f"cpu_isa={cpu_isa!r} is not one of {', '.join(CPU_ISAS)}")
-    if cpu_isa == "avx512":
-        raise ValueError("cpu_isa='avx512': dsaserve has no AVX-512F body without BF16 yet; use 'avx2' (it runs on "
-                         "every AVX-512 CPU) or 'avx512_bf16' where the CPU has AVX-512 BF16")
 
 
 def _body_family(cpu_isa: str) -> str:
@@ -90,6 +91,7 @@ def _body_family(cpu_isa: str) -> str:
     wanted = "avx512_bf16" if cpu_isa == "amx" else cpu_isa
     if wanted not in have:
         missing = {"avx512_bf16": "AVX-512 BF16 (avx512f, avx512bw, avx512vl, avx512_bf16)",
+                   "avx512": "AVX-512 (avx512f, avx512bw, avx512vl, avx512dq)",
                    "avx2": "AVX2 (avx2, fma, f16c)"}[wanted]
         raise ValueError(f"cpu_isa={cpu_isa!r}: this CPU lacks {missing}; its bodies: {', '.join(have)}")
     if cpu_isa == "amx" and not torch.ops.dsaserve.amx_available():
@@ -151,6 +153,11 @@ def cpu_kernels() -> str:
     return _kernels
 
 
+def avx2_family() -> bool:
+    """Whether this process runs the AVX2 bodies (cpu_isa avx2 or avx512): fp32 activations under dtype auto."""
+    return cpu_kernels() in AVX2_FAMILY
+
+
 def runs(operator: str) -> bool:
     """Whether `operator` (a BODIES name) has a native body in the family this process runs."""
     return operator in BODIES.get(cpu_kernels(), ())
@@ -160,11 +167,13 @@ def summary() -> str:
     """Which native kernels this process runs, and why any are off: the engine's startup log line and doctor's."""
     if not load():
         return f"off ({unavailable() or 'not loaded'}): torch's operators run"
-    if cpu_kernels() == "avx2":
-        why = "chosen by cpu_isa" if _isa == "avx2" else "this CPU has no AVX-512 BF16"
-        return (f"AVX2 ({why}): the packed-weight products (bf16 and fp8 widened in registers, int8 and int4 by "
-                "int16 products), the sparse and dense attention over selected rows (fp32 or bf16), and the indexer's "
-                "scores (bf16, or fp32 keys read in place)")
+    if avx2_family():
+        family = "AVX-512 without BF16" if cpu_kernels() == "avx512" else "AVX2"
+        why = "chosen by cpu_isa" if _isa in AVX2_FAMILY else "this CPU has no AVX-512 BF16"
+        wide = ", their blocks in 512-bit registers" if cpu_kernels() == "avx512" else ""
+        return (f"{family} ({why}): the packed-weight products{wide} (bf16 and fp8 widened in registers, int8 and "
+                "int4 by int16 products), the sparse and dense attention over selected rows (fp32 or bf16), the "
+                "indexer's scores (bf16, or fp32 keys read in place), and the decode plan")
     if cpu_kernels() == "none" and _isa == "none":
         return ("none (chosen by cpu_isa): no native body runs, as on a CPU without AVX2; packed weights are "
                 "dequantized a slab at a time for torch's products")

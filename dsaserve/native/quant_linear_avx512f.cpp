@@ -1,0 +1,208 @@
+// The packed-weight products' blocks for the avx512 family (AVX-512F/BW/VL/DQ without BF16: Skylake-SP to Ice
+// Lake, Zen 4 under cpu_isa 'avx512'): quant_linear_avx2.cpp's arithmetic, lane for lane, with a 16-row block in
+// one 512-bit register instead of two 256-bit halves, so each product has the AVX2 body's bits in half the
+// instructions. The activations (fp32 rows, or int16 values, remainders and scales) and the sweeps over blocks are
+// the AVX2 body's; only the innermost block loops are here.
+//
+//   bf16, fp8 weights   widened to fp32 in registers, FMA with the fp32 activations (even and odd columns apart
+//                       for one or two rows, as the AVX2 body sums them).
+//   int8, int4 weights  widened to int16 pairs, multiplied by the int16 activations (vpmaddwd: both columns of a
+//                       pair in one instruction) and summed in int32.
+// One body serves CPUs with and without AVX-512 VNNI (its vpdpwssd would fuse each product with its sum: left
+// until a measurement shows it pays beside the weights' decode and the memory).
+#include "cpu_features.h"
+#include "packed_problem.h"
+
+#include <cstring>
+#include <type_traits>
+
+#if DSASERVE_X86
+#include <immintrin.h>
+#endif
+
+namespace dsaserve::packed {
+
+#if DSASERVE_X86
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+
+namespace {
+
+// A column pair's 16 rows as fp32 even and odd columns (fp8 values times 2^-8: the scale takes 256).
+template <int64_t Kind>
+AVX512 inline void decode_f32(const uint8_t* block, int64_t kp, __m512& even, __m512& odd) {
+  __m512i r;
+  if constexpr (Kind == kBF16) {
+    r = _mm512_loadu_si512(block + kp * 64);
+  } else {
+    // As the AVX2 decode: byte seeeemmm into bf16 bits s|0…|eeee|mmm|0000, exponent + 112 where it is not 0;
+    // exponent 0 is zero, or a subnormal (rare) whose bits come from a table.
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kp * 32)));
+    const __m512i z = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 4), _mm512_set1_epi16(short(0x87F0)));
+    const __mmask32 exp_zero = _mm512_testn_epi16_mask(v, _mm512_set1_epi16(0x78));
+    r = _mm512_mask_add_epi16(z, ~exp_zero, z, _mm512_set1_epi16(0x3800));
+    const __mmask32 subnormal = exp_zero & _mm512_test_epi16_mask(v, _mm512_set1_epi16(7));
+    if (__builtin_expect(subnormal != 0, 0)) {
+      static constexpr uint16_t kSubnormal[8] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
+      alignas(64) uint16_t bits[32], bytes[32];
+      _mm512_store_si512(bits, r);
+      _mm512_store_si512(bytes, v);
+      for (int i = 0; i < 32; ++i)
+        if ((bytes[i] & 0x78) == 0 && (bytes[i] & 7) != 0)
+          bits[i] = static_cast<uint16_t>(kSubnormal[bytes[i] & 7] | ((bytes[i] & 0x80) << 8));
+      r = _mm512_load_si512(bits);
+    }
+  }
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// A column pair's 16 rows of int8 or int4 weights as int16 pairs (even column low, odd column high).
+template <int64_t Kind>
+AVX512 inline __m512i decode_i16(const uint8_t* block, int64_t kp) {
+  if constexpr (Kind == kINT8) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kp * 32)));
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kp * 16));
+    const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128i even = _mm_sub_epi8(_mm_and_si128(v, nibble), eight);
+    const __m128i odd = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), nibble), eight);
+    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd)));
+  }
+}
+
+// The weight's 16 scales of block b, scale column `column`, times the decode's factor.
+AVX512 inline __m512 block_scales(const Problem& p, int64_t b, int64_t column) {
+  return _mm512_mul_ps(_mm512_loadu_ps(p.scale + (b * p.G + column) * 16), _mm512_set1_ps(p.kind == kFP8 ? 256.f : 1.f));
+}
+
+// A block's 16 outputs of one row at element `index` of y (`rows` < 16 for a last, partial block): fp32, or bf16
+// rounded to nearest even with NaN kept a NaN (the AVX2 body's rounding).
+AVX512 inline void store16(const Problem& p, uint8_t* y, int64_t index, __m512 v, int64_t rows) {
+  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+  if (!p.out_bf16) {
+    _mm512_mask_storeu_ps(reinterpret_cast<float*>(y) + index, live, v);
+    return;
+  }
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y) + index, live, _mm512_cvtepi32_epi16(rounded));
+}
+
+template <int64_t Kind, int M>
+AVX512 void block_float(const Problem& p, const FloatRows& x, int64_t b, uint8_t* y, int64_t y_row) {
+  constexpr bool kSplit = M <= 2;  // as the AVX2 body: separate even and odd sums for few rows
+  const uint8_t* block = p.w + b * p.block_bytes;
+  __m512 total[M];
+  for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = group_end(p, k0);
+    __m512 even[M], odd[M];
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    for (int64_t kp = k0 / 2; kp < (k1 + 1) / 2; ++kp) {
+      __m512 we, wo;
+      decode_f32<Kind>(block, kp, we, wo);
+      for (int m = 0; m < M; ++m) {
+        const float* xm = x.x + m * x.stride + 2 * kp;
+        even[m] = _mm512_fmadd_ps(we, _mm512_set1_ps(xm[0]), even[m]);
+        if constexpr (kSplit) odd[m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xm[1]), odd[m]);
+        else even[m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xm[1]), even[m]);
+      }
+    }
+    const __m512 s = block_scales(p, b, scale_column(p, k0));
+    for (int m = 0; m < M; ++m) total[m] = _mm512_fmadd_ps(_mm512_add_ps(even[m], odd[m]), s, total[m]);
+    k0 = k1;
+  }
+  const int64_t rows = std::min<int64_t>(16, p.N - b * 16);
+  for (int m = 0; m < M; ++m) store16(p, y + m * y_row, b * 16, total[m], rows);
+}
+
+AVX512 inline __m512i broadcast_pair(const int16_t* at) {
+  int32_t pair;
+  std::memcpy(&pair, at, 4);
+  return _mm512_set1_epi32(pair);
+}
+
+// acc + the int16 pair products of w and x summed per int32 lane.
+AVX512 inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+}
+
+template <int64_t Kind, int M, bool Rest>
+AVX512 void block_int(const Problem& p, const Int16Rows& x, int64_t b, uint8_t* y, int64_t y_row) {
+  const uint8_t* block = p.w + b * p.block_bytes;
+  __m512 total[M];
+  for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = group_end(p, k0);
+    __m512 group[M];
+    for (int m = 0; m < M; ++m) group[m] = _mm512_setzero_ps();
+    for (int64_t c0 = k0; c0 < k1;) {
+      const int64_t c1 = std::min(k1, (c0 / kActChunk + 1) * kActChunk), chunk = c0 / kActChunk;
+      __m512i acc[M], rest[Rest ? M : 1];
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+      if constexpr (Rest)
+        for (int m = 0; m < M; ++m) rest[m] = _mm512_setzero_si512();
+      for (int64_t kp = c0 / 2; kp < (c1 + 1) / 2; ++kp) {
+        const __m512i w = decode_i16<Kind>(block, kp);
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = 2 * (m * x.K2 + kp);
+          acc[m] = dot_pairs(acc[m], w, broadcast_pair(x.values + at));
+          if constexpr (Rest) rest[m] = dot_pairs(rest[m], w, broadcast_pair(x.rest + at));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        __m512 sum = _mm512_cvtepi32_ps(acc[m]);
+        if constexpr (Rest) sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest[m]), _mm512_set1_ps(1.f / 32768), sum);
+        group[m] = _mm512_fmadd_ps(sum, _mm512_set1_ps(x.scales[m * x.chunks + chunk]), group[m]);
+      }
+      c0 = c1;
+    }
+    const __m512 s = block_scales(p, b, scale_column(p, k0));
+    for (int m = 0; m < M; ++m) total[m] = _mm512_fmadd_ps(group[m], s, total[m]);
+    k0 = k1;
+  }
+  const int64_t rows = std::min<int64_t>(16, p.N - b * 16);
+  for (int m = 0; m < M; ++m) store16(p, y + m * y_row, b * 16, total[m], rows);
+}
+
+template <int64_t Kind, int M, typename Rows>
+AVX512 void blocks_m(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
+  for (int64_t b = b0; b < b1; ++b) {
+    if constexpr (std::is_same_v<Rows, FloatRows>) block_float<Kind, M>(p, x, b, y, y_row);
+    else if (x.rest) block_int<Kind, M, true>(p, x, b, y, y_row);
+    else block_int<Kind, M, false>(p, x, b, y, y_row);
+  }
+}
+
+template <int64_t Kind, typename Rows>
+void blocks(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
+  switch (p.M) {
+    case 1: return blocks_m<Kind, 1>(p, x, b0, b1, y, y_row);
+    case 2: return blocks_m<Kind, 2>(p, x, b0, b1, y, y_row);
+    case 3: return blocks_m<Kind, 3>(p, x, b0, b1, y, y_row);
+    default: return blocks_m<Kind, 4>(p, x, b0, b1, y, y_row);
+  }
+}
+
+}  // namespace
+
+void avx512f_blocks(const Problem& p, const FloatRows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
+  if (p.kind == kBF16) blocks<kBF16>(p, x, b0, b1, y, y_row);
+  else blocks<kFP8>(p, x, b0, b1, y, y_row);
+}
+
+void avx512f_blocks(const Problem& p, const Int16Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
+  if (p.kind == kINT8) blocks<kINT8>(p, x, b0, b1, y, y_row);
+  else blocks<kINT4>(p, x, b0, b1, y, y_row);
+}
+
+#else  // not x86: use_avx512f() is never true
+
+void avx512f_blocks(const Problem&, const FloatRows&, int64_t, int64_t, uint8_t*, int64_t) {}
+void avx512f_blocks(const Problem&, const Int16Rows&, int64_t, int64_t, uint8_t*, int64_t) {}
+
+#endif
+
+}  // namespace dsaserve::packed
