@@ -101,7 +101,8 @@ class EngineArgs:
         "VBMI weight-product paths, for comparing) or off (torch's operators only)", choices=NATIVE_KERNELS))
     cpu_isa: str = field(default="auto", metadata=_help(
         "which body family the CPU kernels run, chosen once at load: auto (the best this CPU has), amx, avx512_bf16, "
-        "avx2 (also on AVX-512 CPUs: what an AVX2-only server gets, dtype auto then computing in fp32), none (no "
+        "avx512 (AVX-512 without BF16: the AVX2 family with its weight products 512 bits wide), avx2 (also on "
+        "AVX-512 CPUs: what an AVX2-only server gets; under avx512 and avx2 dtype auto computes in fp32), none (no "
         "native body: what a CPU without AVX2 gets); a family the CPU lacks is an error", choices=CPU_ISAS))
     triton_kernels: str = field(default="auto", metadata=_help(
         "Triton kernels for the sparse attention and the indexer's scores: auto (where the device is CUDA and Triton "

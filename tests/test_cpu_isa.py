@@ -63,8 +63,8 @@ def test_the_choice_is_what_runs_and_what_the_summary_says(default_isa, family, 
         pytest.skip(f"this CPU does not run the {family} family")
     torch_ops.configure("auto", family)
     assert torch_ops.cpu_kernels() == family and torch.ops.dsaserve.cpu_kernels() == family
-    assert torch_ops.runs("packed_products") and torch_ops.runs("decode_plan")
-    assert not torch_ops.runs("index_scores_int8")  # (no int8-key body in these families yet)
+    assert all(torch_ops.runs(name) for name in ("packed_products", "decode_plan", "index_scores_int8",
+                                                 "index_scores_f32"))
     assert torch_ops.summary().startswith(summary)
     torch_ops.configure("auto", "auto")
     assert torch_ops.cpu_kernels() == native_bodies()[0]

@@ -107,13 +107,14 @@ def test_decode_selections_reuse_one_scratch_and_keep_nothing_between_calls(monk
 
 def decode_batch(seed: int, contexts: list[int], heads: int = 8, kind: str = "auto"):
     """Single-query requests over `contexts` cached tokens each, keys (bf16, or int8) in one packed cache, or fp32
-    queries and keys in a plain fp32 cache (kind "fp32": an fp32 model's), scrambled tables."""
+    queries and keys in a plain fp32 cache (kind "fp32": an fp32 model's), or fp32 queries and int8 keys ("int8-fp32":
+    an fp32 model's int8 cache), scrambled tables."""
     g = torch.Generator().manual_seed(seed)
     lens = [c + 1 for c in contexts]
     counts = [-(-n // BS) for n in lens]
-    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
-    cache = IndexerKeyCache(sum(counts) + 3, BS, DIM, "auto" if kind == "fp32" else kind, dtype, torch.device("cpu"),
-                            packed=kind != "fp32")
+    dtype = torch.float32 if kind in ("fp32", "int8-fp32") else torch.bfloat16
+    cache = IndexerKeyCache(sum(counts) + 3, BS, DIM, {"fp32": "auto", "int8-fp32": "int8"}.get(kind, kind), dtype,
+                            torch.device("cpu"), packed=kind != "fp32")
     order = torch.randperm(sum(counts) + 3, generator=g).tolist()
     tables = [order[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(lens))]
     meta = BatchMetadata.build([[1]] * len(lens), contexts, tables, BS, [])
@@ -127,12 +128,13 @@ def decode_batch(seed: int, contexts: list[int], heads: int = 8, kind: str = "au
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", ["auto", pytest.param("int8", marks=pytest.mark.skipif(
     not native_scores.fits_int8(8, DIM), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)")),
-    pytest.param("fp32", marks=pytest.mark.skipif("avx2" not in native_bodies(), reason="no AVX2 body here"))])
+    pytest.param("fp32", marks=pytest.mark.skipif("avx2" not in native_bodies(), reason="no AVX2 body here")),
+    pytest.param("int8-fp32", marks=pytest.mark.skipif(not native_scores.fits_int8(8, DIM), reason="no int8 body"))])
 def test_a_decode_batch_selects_in_one_native_call_what_the_tile_loop_selects(monkeypatch, threads, kind):
     """A batch of single queries takes one native call (decode_selection.cpp) that gives the tile loop's positions in
     its order: contexts within the width (all visible), within one chunk, and over several chunks and merge windows,
     queries ending mid-block and at a block's end; whole queries per thread or each query's scoring shared out; bf16
-    keys and int8 ones; fp32 queries and keys on the AVX2 body (an fp32 model's)."""
+    keys and int8 ones; fp32 queries and keys on the AVX2 body (an fp32 model's), fp32 queries and int8 keys."""
     with body_family("avx2" if kind == "fp32" else "auto"):
         selects_in_one_call(monkeypatch, threads, kind)
 
@@ -323,13 +325,16 @@ def int8_caches(seed: int, context: int, new: int, heads: int = 8, dim: int = DI
     return packed, plain, meta, keys, q.bfloat16(), weights
 
 
-@pytest.mark.skipif(not native_scores.fits_int8(8, DIM), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)")
+@pytest.mark.skipif(not native_scores.fits_int8(8, DIM), reason="no int8 index-scores kernel here")
 @pytest.mark.parametrize("dim", [16, 20])  # queries rounded 16 values at a time, and one at a time
-def test_int8_keys_scored_in_place_by_int8_products_of_the_rounded_queries(dim):
-    """The int8 kernel's scores: the stored int8 keys and scales, the queries rounded per query and head to int8
-    (amax / 127, nearest even), exact integer dot products, relu, weighted head sum; keys past a block's end and
-    block lists in any order. The int8 layout holds the plain cache's values."""
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_int8_keys_scored_in_place_by_int8_products_of_the_rounded_queries(dim, q_dtype, body):
+    """The int8 kernel's scores, per body family (VNNI; the AVX2 body's signed byte products): the stored int8 keys
+    and scales, the queries (bf16, or an fp32 model's) rounded per query and head to int8 (amax / 127, nearest
+    even), exact integer dot products, relu, weighted head sum; keys past a block's end and block lists in any
+    order. The int8 layout holds the plain cache's values."""
     packed, plain, meta, keys, q, weights = int8_caches(21, 200, 5, dim=dim)
+    q = (q.float() + 1e-3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(dim))).to(q_dtype)
     assert packed.int8_groups is not None and not packed.packed and plain.int8_groups is None
     table = meta.block_tables[0]
     blocks = table[torch.tensor([3, 0, 7, 12, 5])]
@@ -345,6 +350,25 @@ def test_int8_keys_scored_in_place_by_int8_products_of_the_rounded_queries(dim):
     expected = (per_head * (weights * q_scales)[:, :, None]).sum(1) * key_scales
     torch.testing.assert_close(out[:, :n_keys], expected, rtol=1e-5, atol=1e-6)
     assert (out[:, n_keys:] == 7.0).all()  # nothing written past `keys`
+
+
+@pytest.mark.skipif(not ({"avx512_bf16", "avx2"} <= set(native_bodies()) and native_scores.fits_int8(8, DIM)),
+                    reason="needs a CPU running both the AVX-512 VNNI int8 body and the AVX2 one")
+def test_the_avx2_int8_scores_are_the_vnni_bodys_bits():
+    """The AVX2 body's signed byte products (vpmaddubsw on |key| and the query byte with the key's sign) make the
+    VNNI body's integer sums, heads summed in its order: the same scores, bit for bit, also for keys of -127 and
+    127 and queries at their extremes (the largest pair products an int16 holds)."""
+    packed, _, meta, keys, q, weights = int8_caches(22, 300, 3, heads=12, dim=64)
+    q[0, 0, :8] = torch.tensor([1.0, -1.0] * 4)  # rounded to ±127
+    blocks = meta.block_tables[0][:19]
+    results = {}
+    for family in ("avx512_bf16", "avx2"):
+        with body_family(family):
+            out = torch.zeros(q.shape[0], 19 * BS)
+            native_scores.index_scores_int8_blocks(q, weights, packed.int8_groups, packed.scale, blocks, 19 * BS - 3,
+                                                   out)
+            results[family] = out
+    assert torch.equal(results["avx512_bf16"], results["avx2"])
 
 
 @pytest.mark.skipif(not native_scores.fits_int8(8, DIM), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)")

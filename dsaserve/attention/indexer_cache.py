@@ -127,7 +127,8 @@ class IndexerKeyCache:
 
 def can_pack(kind: str, dtype: torch.dtype, block_size: int, dim: int) -> bool:
     """Whether a key cache of this kind can be kept packed for a native scoring kernel (bf16 keys for the bf16
-    kernel, int8 keys for the int8 one; both in bf16 models)."""
-    if dtype != torch.bfloat16 or block_size % 16:
+    kernel, in bf16 models; int8 keys for the int8 one, in bf16 or fp32 models)."""
+    if block_size % 16:
         return False
-    return (kind == "auto" and dim % 2 == 0) or (kind == "int8" and dim % 4 == 0)
+    return ((kind == "auto" and dtype == torch.bfloat16 and dim % 2 == 0)
+            or (kind == "int8" and dtype in (torch.bfloat16, torch.float32) and dim % 4 == 0))

@@ -127,16 +127,15 @@ def select(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, m
 def decodes_natively(q: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata, selection: Selection) -> bool:
     """Whether the batch's selection is one native call (native/decode_selection.cpp, the loop below in C++, the same
     positions): every request a single query, token top-k, a key cache kept packed (bf16 or int8 keys) that a kernel
-    scores in place, or fp32 queries against fp32 keys on the AVX2 body."""
-    if not (meta.num_tokens == meta.num_reqs and not selection.pages and q.is_cpu):
+    scores in place, fp32 queries too against int8 keys, or against fp32 keys on the AVX2 body."""
+    if not (meta.num_tokens == meta.num_reqs and not selection.pages and q.is_cpu
+            and q.dtype in (torch.bfloat16, torch.float32)):
         return False
+    if key_cache.int8_groups is not None:  # bf16 or fp32 queries
+        return native_scores.fits_int8(q.shape[1], q.shape[2])
     if q.dtype == torch.float32:
         return (key_cache.kind == "auto" and not key_cache.packed and key_cache.data.dtype == torch.float32
                 and native_scores.fits_f32(q.shape[1], q.shape[2]))
-    if q.dtype != torch.bfloat16:
-        return False
-    if key_cache.int8_groups is not None:
-        return native_scores.fits_int8(q.shape[1], q.shape[2])
     return key_cache.packed and native_scores.fits(q.shape[1], q.shape[2])
 
 
@@ -348,7 +347,8 @@ def score_chunk(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCac
     """Unmasked scores [t, c] of a query tile (q flattened to [t * heads, D]) against whole blocks."""
     b0, b1 = blocks
     t, heads = weights.shape
-    if key_cache.int8_groups is not None and q.dtype == torch.bfloat16 and q.is_cpu:  # int8 keys, scored in place
+    if (key_cache.int8_groups is not None and q.dtype in (torch.bfloat16, torch.float32)
+            and q.is_cpu):  # int8 keys, scored in place
         c = (b1 - b0) * block_size
         scores = scratch.scores[: t * c].view(t, c)
         native_scores.index_scores_int8_blocks(q.view(t, heads, -1), weights, key_cache.int8_groups, key_cache.scale,

@@ -176,7 +176,9 @@ class DecodePlan:
             return None
         binding = self.pieces[self.selects_at[0]][1].binding
         heads = binding.heads
-        if self.dtype == torch.float32 and not native_scores.fits_f32(heads, binding.head_dim):
+        if self.dtype == torch.float32 and not all(  # fp32 queries: int8 keys, or fp32 ones the AVX2 body scores
+                self.caches.indexer[self.pieces[i][0]].int8_groups is not None
+                or native_scores.fits_f32(heads, binding.head_dim) for i in self.selects_at):
             return None
         chunk_blocks, window_blocks = chunk_and_window(min(QUERY_TILE, meta.num_tokens), heads, meta.block_size)
         return [width, chunk_blocks, window_blocks, meta.block_size]

@@ -334,12 +334,11 @@ class DecodePlan : public torch::CustomClassHolder {
       groups.view({-1, groups.size(-1)}).index_copy_(0, slots, roped.to(at::kFloat));
       return;
     }
-    const at::Tensor rotated = roped.to(at::kBFloat16).contiguous();
-    if (key_scales_[p.layer].has_value()) {  // int8 keys (index_scores_int8.cpp's layout)
+    if (key_scales_[p.layer].has_value()) {  // int8 keys (index_scores_int8.cpp's layout), rounded from the plan's dtype
       at::Tensor scales = *key_scales_[p.layer];
-      dsaserve::write_int8_keys(groups, scales, slots, rotated);
+      dsaserve::write_int8_keys(groups, scales, slots, roped.contiguous());
     } else {
-      dsaserve::write_packed_keys(groups, slots, rotated);
+      dsaserve::write_packed_keys(groups, slots, roped.to(at::kBFloat16).contiguous());
     }
   }
 

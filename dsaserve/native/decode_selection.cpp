@@ -3,8 +3,8 @@
 // the same order, so the same positions in the same order:
 //   a query that sees at most `width` tokens selects all of them (0 .. seq_len - 1, then -1);
 //   otherwise its visible blocks are scored `chunk_blocks` at a time in place in the packed key cache
-//   (index_scores.cpp; index_scores_int8.cpp where `scales` come with int8 keys; index_scores_f32_avx2.cpp for fp32
-//   queries against an fp32 cache [num_blocks, block_size, dim]), keys past its position set to
+//   (index_scores.cpp; index_scores_int8.cpp where `scales` come with int8 keys, for bf16 or fp32 queries;
+//   index_scores_f32_avx2.cpp for fp32 queries against an fp32 cache [num_blocks, block_size, dim]), keys past its position set to
 //   -inf, and a running top-k (topk.cpp) is merged after every window of `window_blocks` (the first window ranked
 //   alone when it holds at least `width` keys; one chunk holding the whole context is ranked directly); positions
 //   whose score is -inf become -1.
@@ -29,12 +29,17 @@ namespace {
 
 constexpr float kNone = -std::numeric_limits<float>::infinity();
 
+// The key cache's form: bf16 keys packed for index_scores.cpp, int8 keys (index_scores_int8.cpp), or an fp32 model's
+// plain fp32 rows (index_scores_f32_avx2.cpp).
+enum class Keys { packed_bf16, int8, f32 };
+
 struct Selector {
-  const void* q;  // [T, heads, dim], bf16 (fp32 with fp32 keys)
+  const void* q;           // [T, heads, dim], bf16, or fp32 where q_f32
+  bool q_f32;
   const float* weights;    // [T, heads]
   const at::Tensor& cache;
-  const at::Tensor* scales;  // int8 keys' scales; null for bf16 and fp32 keys
-  bool f32;                  // fp32 queries and keys
+  const at::Tensor* scales;  // int8 keys' scales; null for the others
+  Keys keys_form;
   const int64_t* tables;   // [T, table_width]
   int64_t table_width, heads, dim, block_size, width, chunk_blocks, window_blocks;
 
@@ -51,21 +56,28 @@ struct Selector {
             std::vector<int64_t>(width), std::vector<uint32_t>(width + window + 1)};
   }
 
-  const c10::BFloat16* bf16_q() const { return static_cast<const c10::BFloat16*>(q); }
+  const void* query(int64_t i) const {
+    return static_cast<const char*>(q) + i * heads * dim * (q_f32 ? 4 : 2);
+  }
 
   // Scores of query i against blocks [b0, b1) into `out`, the keys past `position` at -inf.
   void score(int64_t i, int64_t b0, int64_t b1, int64_t position, float* out) const {
     const int64_t keys = (b1 - b0) * block_size;
     const int64_t* listed = tables + i * table_width + b0;
-    if (f32)
-      dsaserve::index_scores_f32_of_blocks(static_cast<const float*>(q) + i * heads * dim, weights + i * heads,
-                                           heads, dim, cache, listed, keys, out);
-    else if (scales)
-      dsaserve::index_scores_int8_of_blocks(bf16_q() + i * heads * dim, weights + i * heads, heads, dim, cache, *scales,
-                                            listed, b1 - b0, keys, out);
-    else
-      dsaserve::index_scores_of_blocks(bf16_q() + i * heads * dim, weights + i * heads, heads, dim, cache,
-                                       listed, b1 - b0, keys, out);
+    const float* w = weights + i * heads;
+    switch (keys_form) {
+      case Keys::f32:
+        dsaserve::index_scores_f32_of_blocks(static_cast<const float*>(query(i)), w, heads, dim, cache, listed, keys,
+                                             out);
+        break;
+      case Keys::int8:
+        dsaserve::index_scores_int8_of_blocks(query(i), q_f32, w, heads, dim, cache, *scales, listed, b1 - b0, keys,
+                                              out);
+        break;
+      case Keys::packed_bf16:
+        dsaserve::index_scores_of_blocks(static_cast<const c10::BFloat16*>(query(i)), w, heads, dim, cache, listed,
+                                         b1 - b0, keys, out);
+    }
     std::fill(out + std::clamp<int64_t>(position + 1 - b0 * block_size, 0, keys), out + keys, kNone);
   }
 
@@ -106,27 +118,26 @@ struct Selector {
 at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
                             const at::Tensor& block_tables, at::IntArrayRef seq_lens, int64_t width,
                             int64_t chunk_blocks, int64_t window_blocks, const std::optional<at::Tensor>& scales) {
-  const bool f32 = q.scalar_type() == at::kFloat;
-  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kBFloat16 || f32) && q.is_contiguous() && q.is_cpu(),
-              "dsaserve decode_selection: q must be contiguous bf16 (or fp32 with fp32 keys) [T, heads, dim] on the "
-              "CPU");
+  const bool q_f32 = q.scalar_type() == at::kFloat;
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kBFloat16 || q_f32) && q.is_contiguous() && q.is_cpu(),
+              "dsaserve decode_selection: q must be contiguous bf16 or fp32 [T, heads, dim] on the CPU");
   const int64_t T = q.size(0), heads = q.size(1), dim = q.size(2);
   const bool int8 = scales.has_value();
-  TORCH_CHECK(!(int8 && f32), "dsaserve decode_selection: int8 keys take bf16 queries, not fp32");
-  TORCH_CHECK(f32    ? dsaserve::index_scores_f32_fits(heads, dim)
-              : int8 ? dsaserve::index_scores_int8_fits(heads, dim)
-                     : dsaserve::index_scores_fits(heads, dim),
+  const Keys form = int8 ? Keys::int8 : cache.scalar_type() == at::kFloat ? Keys::f32 : Keys::packed_bf16;
+  TORCH_CHECK(form == Keys::int8 || q_f32 == (form == Keys::f32), "dsaserve decode_selection: ",
+              q_f32 ? "fp32 queries take fp32 or int8 keys" : "bf16 queries take packed bf16 or int8 keys");
+  TORCH_CHECK(form == Keys::f32    ? dsaserve::index_scores_f32_fits(heads, dim)
+              : form == Keys::int8 ? dsaserve::index_scores_int8_fits(heads, dim)
+                                   : dsaserve::index_scores_fits(heads, dim),
               "dsaserve decode_selection: the scoring kernel does not take ", heads, " heads of ", dim, " dims ",
-              f32 ? "in fp32 " : int8 ? "with int8 keys " : "", "on this CPU (index_scores",
-              f32 ? "_f32" : int8 ? "_int8" : "", "_fits)");
+              form == Keys::f32 ? "in fp32 " : int8 ? "with int8 keys " : "", "on this CPU (index_scores",
+              form == Keys::f32 ? "_f32" : int8 ? "_int8" : "", "_fits)");
   TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 2 &&
                   weights.size(0) == T && weights.size(1) == heads,
               "dsaserve decode_selection: weights must be contiguous fp32 [T, heads]");
-  if (f32) {
-    TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.dim() == 3 &&
-                    cache.size(2) == dim && cache.size(1) % 16 == 0,
-                "dsaserve decode_selection: fp32 queries take a contiguous fp32 key cache [num_blocks, block_size, ",
-                dim, "]");
+  if (form == Keys::f32) {
+    TORCH_CHECK(cache.is_contiguous() && cache.dim() == 3 && cache.size(2) == dim,
+                "dsaserve decode_selection: fp32 keys come as a contiguous cache [num_blocks, block_size, ", dim, "]");
   } else {
     const int64_t lanes_per_key = int8 ? 4 : 2;  // values of a key in one int32
     TORCH_CHECK(cache.scalar_type() == at::kInt && cache.is_contiguous() && cache.dim() == 4 &&
@@ -145,7 +156,8 @@ at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, cons
               "dsaserve decode_selection: width ", width, ", chunk_blocks ", chunk_blocks, ", window_blocks ",
               window_blocks, ": the window must be whole chunks");
   const at::Tensor tables = block_tables.contiguous();
-  const int64_t block_size = f32 ? cache.size(1) : cache.size(1) * 16, table_width = tables.size(1), num_blocks = cache.size(0);
+  const int64_t block_size = form == Keys::f32 ? cache.size(1) : cache.size(1) * 16;
+  const int64_t table_width = tables.size(1), num_blocks = cache.size(0);
   const int64_t* table = tables.data_ptr<int64_t>();
   for (int64_t i = 0; i < T; ++i) {
     TORCH_CHECK(seq_lens[i] >= 1 && seq_lens[i] <= table_width * block_size, "dsaserve decode_selection: length ",
@@ -158,8 +170,8 @@ at::Tensor decode_selection(const at::Tensor& q, const at::Tensor& weights, cons
                   " is not in the cache's ", num_blocks, " blocks");
   }
   at::Tensor out = at::empty({T, width}, q.options().dtype(at::kInt));
-  const Selector selector{q.data_ptr(), weights.data_ptr<float>(), cache, int8 ? &*scales : nullptr, f32, table,
-                          table_width, heads, dim, block_size, width, chunk_blocks, window_blocks};
+  const Selector selector{q.data_ptr(), q_f32, weights.data_ptr<float>(), cache, int8 ? &*scales : nullptr, form,
+                          table, table_width, heads, dim, block_size, width, chunk_blocks, window_blocks};
   int32_t* rows = out.data_ptr<int32_t>();
   auto select_rows = [&](int64_t i0, int64_t i1) {
     Selector::Scratch s = selector.scratch();

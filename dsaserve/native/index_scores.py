@@ -24,12 +24,13 @@ def _kernel_takes(heads: int, dim: int) -> bool:  # asked once per shape, not pe
 
 
 def fits_int8(heads: int, dim: int) -> bool:
-    """Whether the int8 kernel (AVX-512 VNNI) scores `heads` × `dim` queries against int8 keys on this machine."""
-    return torch_ops.runs("index_scores_int8") and _int8_kernel_takes(heads, dim)
+    """Whether the int8 kernel (AVX-512 VNNI, or the AVX2 body) scores `heads` × `dim` queries against int8 keys on
+    this machine."""
+    return torch_ops.runs("index_scores_int8") and _int8_kernel_takes(torch_ops.cpu_kernels(), heads, dim)
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_kernel_takes(heads: int, dim: int) -> bool:  # asked once per shape
+def _int8_kernel_takes(body: str, heads: int, dim: int) -> bool:  # asked once per body and shape
     return torch.ops.dsaserve.index_scores_int8_fits(heads, dim)
 
 
@@ -100,9 +101,10 @@ def index_scores_int8_blocks(q: torch.Tensor, weights: torch.Tensor, groups: tor
                              blocks: torch.Tensor, keys: int, out: torch.Tensor) -> None:
     """out[i, s] = ks[s] · Σ_h weights[i, h] · qs[i, h] · relu(qi[i, h] · ki[s]) over the first `keys` keys of
     `blocks` of an int8 key cache kept in the VNNI layout (IndexerKeyCache.int8_groups, its fp16 `scale`): the keys'
-    int8 values ki and scales ks as stored, the bf16 queries rounded per query and head to qi · qs (amax / 127).
-    Only for shapes `fits_int8` accepts."""
+    int8 values ki and scales ks as stored, the queries (bf16, or fp32: an fp32 model's) rounded per query and head to
+    qi · qs (amax / 127). Only for shapes `fits_int8` accepts."""
     check_call(q, weights, out, "fits_int8")
-    torch.ops.dsaserve.index_scores_int8_blocks(q.to(torch.bfloat16).contiguous(),
+    torch.ops.dsaserve.index_scores_int8_blocks(q.contiguous() if q.dtype == torch.float32 else
+                                                q.to(torch.bfloat16).contiguous(),
                                                 weights.to(torch.float32).contiguous(),
                                                 groups, scales, blocks.to(torch.int64).contiguous(), keys, out)

@@ -15,9 +15,15 @@
  * product, the query tile read from the rounded queries and the key tiles in place (16 keys × column quads is a
  * tile's layout); same bits. Heads not in 16s or dims not in 64s keep the VNNI body.
  *
+ * The AVX2 body (the avx2 and avx512 families) makes the same integer sums without vpdpbusd: each key byte back to
+ * its signed value (xor 128, so the sum starts at 0), and vpmaddubsw on |key| and the query byte carrying the key's
+ * sign (products of 128 · 127 at most: an int16 pair never saturates), widened to int32 by vpmaddwd; the heads are
+ * summed in the same order, so the scores are the VNNI body's bits.
+ *
+ * Queries come in bf16, or fp32 (an fp32 model's indexer on the AVX2 body), rounded from their own values.
  * Registered as torch.ops.dsaserve.index_scores_int8_blocks (and write_int8_keys, portable C++, which rounds keys
- * and stores them in the layout); the scoring body is compiled for AVX-512 VNNI alone and runs only where the CPU
- * has it (the caller checks index_scores_int8_fits).
+ * and stores them in the layout); the scoring bodies run only where the CPU and the chosen family have them (the
+ * caller checks index_scores_int8_fits).
  */
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -151,6 +158,58 @@ void worker(Job* job) {
 }
 #pragma GCC pop_options
 #pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+// The item's scores on the AVX2 body: a head at a time, its 4 query bytes of a column quad broadcast against the
+// quad of 64 keys (8 registers of 8 keys).
+void score_item_avx2(const Job* job, int64_t item) {
+    const int64_t quads = job->dim / 4, k0 = item * kKeysPerItem, per = job->groups_per_block;
+    const __m256i* groups[4];
+    alignas(32) float key_scale[kKeysPerItem];
+    for (int g = 0; g < 4; g++) {
+        const int64_t j = item * 4 + g;
+        groups[g] = reinterpret_cast<const __m256i*>(group_of(job, j));
+        for (int half = 0; half < 2; half++)
+            _mm256_store_ps(key_scale + 16 * g + 8 * half, j < job->groups ? _mm256_cvtph_ps(_mm_loadu_si128(
+                reinterpret_cast<const __m128i*>(job->scales + job->blocks[j / per] * per * 16 + (j % per) * 16 +
+                                                 8 * half))) : _mm256_setzero_ps());
+    }
+    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t i = 0; i < job->n; i++) {
+        __m256 score[8];
+        for (int r = 0; r < 8; r++) score[r] = zero;
+        for (int64_t h = 0; h < job->heads; h++) {
+            const int32_t* q = reinterpret_cast<const int32_t*>(job->q + (i * job->heads + h) * job->dim);
+            __m256i acc[8];
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_si256();
+            for (int64_t p = 0; p < quads; p++) {
+                const __m256i b = _mm256_set1_epi32(q[p]);
+                for (int r = 0; r < 8; r++) {
+                    const __m256i k = _mm256_xor_si256(_mm256_load_si256(groups[r / 2] + 2 * p + r % 2), bias);
+                    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(k), _mm256_sign_epi8(b, k));
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+            const __m256 w = _mm256_set1_ps(job->weight[i * job->heads + h]);
+            for (int r = 0; r < 8; r++)
+                score[r] = _mm256_fmadd_ps(_mm256_max_ps(_mm256_cvtepi32_ps(acc[r]), zero), w, score[r]);
+        }
+        float* o = job->out + i * job->out_stride + k0;
+        for (int r = 0; r < 8 && k0 + 8 * r < job->keys; r++) {
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, _mm256_mul_ps(score[r], _mm256_load_ps(key_scale + 8 * r)));
+            std::copy(lanes, lanes + std::min<int64_t>(8, job->keys - k0 - 8 * r), o + 8 * r);
+        }
+    }
+}
+
+void worker_avx2(Job* job) {
+    const int64_t items = (job->keys + kKeysPerItem - 1) / kKeysPerItem;
+    for (int64_t item; (item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < items;)
+        score_item_avx2(job, item);
+}
+#pragma GCC pop_options
+#pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,amx-tile,amx-int8,amx-bf16")
 /* The item's scores with tiles: accumulators 0-3 hold 16 heads × the 4 groups of 16 keys as int32 sums, tile 4
  * the query's 16 heads × 64 rounded columns, tiles 5-7 the key groups' 16 column quads in turn (the cache's
@@ -197,35 +256,41 @@ void worker_tiles(Job* job) {
 // Shapes the tile body takes: whole tiles of heads (16) and of columns (64 bytes).
 bool tiles_fit(int64_t heads, int64_t dim) { return heads % 16 == 0 && dim % 64 == 0; }
 
-bool fits(int64_t heads, int64_t dim) { return dsaserve::use_avx512_vnni() && heads % 4 == 0 && dim % 4 == 0; }
+bool fits(int64_t heads, int64_t dim) {
+    return (dsaserve::use_avx512_vnni() || dsaserve::use_avx2()) && heads % 4 == 0 && dim % 4 == 0;
+}
 
 // The queries' int8 form: per query and head, q / (amax / 127) rounded to nearest even; weights times that scale;
-// the sum's start, -128 · Σ_d q (the keys' bytes are their values + 128).
+// the VNNI sum's start, -128 · Σ_d q (the keys' bytes are their values + 128). q bf16, or fp32 where `f32`.
 struct RoundedQueries {
     std::vector<int8_t> q;
     std::vector<int32_t> offset;
     std::vector<float> weight;
 };
 
-RoundedQueries round_queries(const c10::BFloat16* q, const float* weights, int64_t n, int64_t heads, int64_t dim) {
+template <typename T>
+float value(const T* x, int64_t d) { return static_cast<float>(x[d]); }
+
+template <typename T>
+RoundedQueries round_queries(const T* q, const float* weights, int64_t n, int64_t heads, int64_t dim) {
     RoundedQueries r{std::vector<int8_t>(n * heads * dim), std::vector<int32_t>(n * heads), std::vector<float>(n * heads)};
     for (int64_t row = 0; row < n * heads; ++row) {
-        const c10::BFloat16* x = q + row * dim;
+        const T* x = q + row * dim;
 #if DSASERVE_X86
-        if (dim % 16 == 0) {
+        if (std::is_same_v<T, c10::BFloat16> && dim % 16 == 0 && dsaserve::use_avx512_vnni()) {
             int32_t sum = 0;
-            const float scale = round_row(x, dim, r.q.data() + row * dim, &sum);
+            const float scale = round_row(reinterpret_cast<const c10::BFloat16*>(x), dim, r.q.data() + row * dim, &sum);
             r.offset[row] = -128 * sum;
             r.weight[row] = weights[row] * scale;
             continue;
         }
 #endif
         float amax = 0.f;
-        for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+        for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(value(x, d)));
         const float scale = amax > 0.f ? amax / 127.f : 1.f;
         int32_t sum = 0;
         for (int64_t d = 0; d < dim; ++d) {
-            const float v = std::nearbyint(static_cast<float>(x[d]) / scale);
+            const float v = std::nearbyint(value(x, d) / scale);
             const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
             r.q[row * dim + d] = static_cast<int8_t>(c);
             sum += c;
@@ -240,6 +305,12 @@ void run(Job& job) {
 #if DSASERVE_X86
     const int64_t items = (job.keys + kKeysPerItem - 1) / kKeysPerItem;
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+    if (!dsaserve::use_avx512_vnni()) {  // the AVX2 body (fits() checked one of the two)
+        at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
+            for (int64_t w = a; w < b; ++w) worker_avx2(&job);
+        });
+        return;
+    }
     const auto form = dsaserve::tile_form(tiles_fit(job.heads, job.dim));
     at::parallel_for(0, workers, 1, [&](int64_t a, int64_t b) {
         for (int64_t w = a; w < b; ++w)
@@ -248,10 +319,12 @@ void run(Job& job) {
 #endif
 }
 
-// Scores of n queries against the first `keys` keys of `count` listed blocks (ids checked by the caller).
-void score(const c10::BFloat16* q, const float* weights, int64_t n, int64_t heads, int64_t dim, const at::Tensor& cache,
+// Scores of n queries (bf16, or fp32 where `f32`) against the first `keys` keys of `count` listed blocks (ids checked
+// by the caller).
+void score(const void* q, bool f32, const float* weights, int64_t n, int64_t heads, int64_t dim, const at::Tensor& cache,
            const at::Tensor& scales, const int64_t* blocks, int64_t count, int64_t keys, float* out, int64_t out_stride) {
-    const RoundedQueries r = round_queries(q, weights, n, heads, dim);
+    const RoundedQueries r = f32 ? round_queries(static_cast<const float*>(q), weights, n, heads, dim)
+                                 : round_queries(static_cast<const c10::BFloat16*>(q), weights, n, heads, dim);
     // One group of zero keys (bytes 128), 64-byte aligned as the kernel loads it; never scored into an output.
     thread_local std::vector<uint32_t> zero;
     if (static_cast<int64_t>(zero.size()) < dim / 4 * 16 + 16) zero.assign(dim / 4 * 16 + 16, 0x80808080u);
@@ -274,8 +347,9 @@ void check_cache(const at::Tensor& cache, const at::Tensor& scales, int64_t dim,
 
 void index_scores_int8_blocks(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
                               const at::Tensor& scales, const at::Tensor& blocks, int64_t keys, at::Tensor& out) {
-    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(),
-                "index_scores_int8_blocks: q must be contiguous bf16 [t, heads, dim]");
+    const bool f32 = q.scalar_type() == at::kFloat;
+    TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kBFloat16 || f32) && q.is_contiguous(),
+                "index_scores_int8_blocks: q must be contiguous bf16 or fp32 [t, heads, dim]");
     const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
     TORCH_CHECK(fits(heads, dim), "index_scores_int8_blocks: this shape or CPU is not the kernel's (see "
                 "index_scores_int8_fits)");
@@ -286,7 +360,7 @@ void index_scores_int8_blocks(const at::Tensor& q, const at::Tensor& weights, co
                     out.stride(1) == 1, "index_scores_int8_blocks: out must be fp32 [t, >= keys] with unit column stride");
     check_cache(cache, scales, dim, "index_scores_int8_blocks");
     dsaserve::check_block_list(blocks, keys, cache, "index_scores_int8_blocks");
-    score(q.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), n, heads, dim, cache, scales,
+    score(q.data_ptr(), f32, weights.data_ptr<float>(), n, heads, dim, cache, scales,
           blocks.data_ptr<int64_t>(), blocks.numel(), keys, out.data_ptr<float>(), out.stride(0));
 }
 
@@ -336,10 +410,10 @@ void dsaserve::write_int8_keys(at::Tensor& cache, at::Tensor& scales, const at::
 }
 
 // For decode_selection.cpp (layer_pieces.h): one query's scores against `count` blocks, ids checked by the caller.
-void dsaserve::index_scores_int8_of_blocks(const c10::BFloat16* q, const float* weights, int64_t heads, int64_t dim,
+void dsaserve::index_scores_int8_of_blocks(const void* q, bool f32, const float* weights, int64_t heads, int64_t dim,
                                            const at::Tensor& cache, const at::Tensor& scales, const int64_t* blocks,
                                            int64_t count, int64_t keys, float* out) {
-    score(q, weights, 1, heads, dim, cache, scales, blocks, count, keys, out, keys);
+    score(q, f32, weights, 1, heads, dim, cache, scales, blocks, count, keys, out, keys);
 }
 
 bool dsaserve::index_scores_int8_fits(int64_t heads, int64_t dim) { return fits(heads, dim); }

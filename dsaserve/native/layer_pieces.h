@@ -31,7 +31,7 @@ void index_scores_of_blocks(const c10::BFloat16* q, const float* weights, int64_
                             const at::Tensor& cache, const int64_t* blocks, int64_t count, int64_t keys, float* out);
 bool index_scores_fits(int64_t heads, int64_t dim);
 void check_block_list(const at::Tensor& blocks, int64_t keys, const at::Tensor& cache, const char* op);
-void index_scores_int8_of_blocks(const c10::BFloat16* q, const float* weights, int64_t heads, int64_t dim,
+void index_scores_int8_of_blocks(const void* q, bool f32, const float* weights, int64_t heads, int64_t dim,
                                  const at::Tensor& cache, const at::Tensor& scales, const int64_t* blocks,
                                  int64_t count, int64_t keys, float* out);
 bool index_scores_int8_fits(int64_t heads, int64_t dim);

@@ -62,11 +62,10 @@ AVX512 inline __m512i decode_i16(const uint8_t* block, int64_t kp) {
   if constexpr (Kind == kINT8) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kp * 32)));
   } else {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kp * 16));
-    const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    const __m128i even = _mm_sub_epi8(_mm_and_si128(v, nibble), eight);
-    const __m128i odd = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), nibble), eight);
-    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd)));
+    // A row's byte per 32-bit lane; its high nibble moved up to bit 16, the pair's two values less 8 as int16s.
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kp * 16)));
+    const __m512i pair = _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), _mm512_set1_epi32(0x000F000F));
+    return _mm512_sub_epi16(pair, _mm512_set1_epi16(8));
   }
 }
 

@@ -41,7 +41,7 @@ BODIES = {
     "avx512_bf16": frozenset({"packed_products", "selected_rows", "index_scores", "index_scores_int8",
                               "decode_plan", "mla_projections"}),
     "avx2": frozenset({"packed_products", "mla_projections", "index_scores", "selected_rows", "index_scores_f32",
-                       "decode_plan"}),
+                       "index_scores_int8", "decode_plan"}),
 }
 BODIES["avx512"] = BODIES["avx2"]  # the same operators, the products' blocks 512 bits wide
 AVX2_FAMILY = ("avx2", "avx512")  # the families that run the AVX2 bodies (fp32 activations under dtype auto)

@@ -111,8 +111,8 @@ class KVCache:
 def packs_indexer_keys(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
                        indexer_dtype: str) -> bool:
     """Whether the indexer key caches are kept in a native scoring kernel's layout: where that kernel scores
-    this model's indexer (bf16 models on a CPU with AVX-512 BF16; int8 keys also need AVX-512 VNNI) and the
-    cache holds plain bf16 keys or int8 ones."""
+    this model's indexer (bf16 keys of bf16 models; int8 keys of bf16 or fp32 models) and the cache holds plain
+    bf16 keys or int8 ones."""
     fits = index_scores.fits_int8 if indexer_dtype == "int8" else index_scores.fits
     return (device.type == "cpu" and triton_ops.active_device() is None
             and can_pack(indexer_dtype, dtype, block_size, cfg.index_head_dim)
