@@ -8,9 +8,9 @@
 - indexer scores: 64 queries × 32 heads × 128 against 2,048 keys; torch: mm, fp32 copy, relu and the
   weighted head sum as a bmm (the indexer's fallback); the kernel: the same sum in registers. On the AVX2 body also
   fp32 queries against fp32 keys read in place from a paged cache (an fp32 model's indexer there).
-- indexer scores of int8 keys (`--indexer-cache-dtype int8`, AVX-512 VNNI) against bf16 keys, both read in place
-  from a paged key cache kept in their kernel's layout: a prefill tile (64 queries × 2,048 keys) and a decode
-  query (1 × 32,768 keys); the two kernels take turns.
+- indexer scores of int8 keys (`--indexer-cache-dtype int8`: AVX-512 VNNI, or the AVX2 body's signed byte products)
+  against bf16 keys, both read in place from a paged key cache kept in their kernel's layout: a prefill tile
+  (64 queries × 2,048 keys) and a decode query (1 × 32,768 keys); the two kernels take turns.
 - top-k: 64 rows of 16K fp32 scores, k = 2,048, unsorted.
 - AMX tiles (only on a CPU with AMX-BF16 and AMX-INT8): the tile bodies of the selected rows (GLM-5.2's 64 heads,
   a prefill tile of 64 queries and a decode query, 2,048 rows each) and of the indexer scores (a prefill tile and
@@ -109,7 +109,7 @@ def bench_index_scores_int8(g: torch.Generator) -> None:
 
     heads, dim, block_size = 32, 128, 64
     if not index_scores.fits_int8(heads, dim):
-        print("indexer scores, int8 keys: no AVX-512 VNNI here")
+        print("indexer scores, int8 keys: no int8 body here")
         return
     for t, keys in ((64, 2048), (1, 32768)):
         blocks = keys // block_size

@@ -14,7 +14,8 @@ activations); fp8 twice where the CPU has AVX-512 VBMI: as served (its bytes dec
 beyond). `--cpu-isa avx2` runs every form on
 the AVX2 bodies (on an AVX-512 CPU too: what an AVX2-only server runs; dtype auto then computes in fp32, bf16
 weights kept in bf16; torch-bf16 is then the fp32-widened weights through torch). Any form with `-eager` appended
-(e.g. `bf16-eager`) runs with enforce_eager: every decode step through the modules, no decode plan.
+(e.g. `bf16-eager`) runs with enforce_eager: every decode step through the modules, no decode plan; with `@` and a
+cpu_isa appended (e.g. `int4@avx512,int4@avx2`) it runs under that body family, so families take turns too.
 For each: batch-1 decode (median step, 128-token prompts), batch-16 output tokens/s, a 2,048-token
 prefill, the weight bytes one decode token reads (every projection once, the shared expert, and 4 of
 the 8 routed experts per MoE layer), and the resident bytes. The bound is those bytes ÷ this machine's
@@ -147,9 +148,10 @@ def main() -> None:
     for _ in range(args.rounds):  # the forms take turns, so a slow phase of a shared machine hits them all
         bandwidths.append(copy_bandwidth())
         for form in forms:
-            out = subprocess.run([sys.executable, __file__, "--one", form, "--cpu-isa", args.cpu_isa],
+            name, _, isa = form.partition("@")  # "int4@avx512": that form under that cpu_isa
+            out = subprocess.run([sys.executable, __file__, "--one", name, "--cpu-isa", isa or args.cpu_isa],
                                  capture_output=True, text=True, check=True)
-            runs[form].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[form].append({**json.loads(out.stdout.strip().splitlines()[-1]), "form": form})
     bandwidth = max(bandwidths)
     rows = []
     for form in forms:

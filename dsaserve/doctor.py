@@ -140,7 +140,7 @@ def _mtp_line(cfg: ModelConfig, infos: dict) -> str:
 def _selected_rows_path(cfg: ModelConfig) -> str:
     """Which implementation the sparse backend uses for queries whose selections hardly overlap."""
     avx2 = torch_ops.avx2_family()
-    lanes = selected_rows.AVX2_HEAD_LANES if avx2 else selected_rows.FEW_HEADS_PADDED
+    lanes = selected_rows.head_lanes()
     heads = -(-cfg.num_attention_heads // lanes) * lanes  # padded to the kernel's lanes
     if selected_rows.fits(heads, cfg.kv_cache_dim, cfg.kv_lora_rank):
         return ("native AVX2 kernel (fp32 and bf16 caches)" if avx2 else

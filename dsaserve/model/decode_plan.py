@@ -33,8 +33,8 @@ import torch.fx
 from dsaserve.attention.indexer_selection import QUERY_TILE, chunk_and_window, selects_every_position
 from dsaserve.native import index_scores as native_scores
 from dsaserve.native import torch_ops
-from dsaserve.native.selected_rows import AVX2_HEAD_LANES, FEW_HEADS_PADDED
 from dsaserve.native.selected_rows import fits as attention_fits
+from dsaserve.native.selected_rows import head_lanes
 from dsaserve.native.selected_rows import takes_dtype as attention_takes
 from dsaserve.quantization.quantized_weight import KERNEL_ROWS
 
@@ -76,7 +76,7 @@ class DecodePlan:
             getattr(self.native, f"add_{piece.kind}")(layer, list(piece.reads), list(piece.writes), *args)
         self.selects_at = [i for i, (_, p) in enumerate(pieces) if p.kind == "select"]
         self.attends_at = [i for i, (_, p) in enumerate(pieces) if p.kind == "attend"]
-        lanes = FEW_HEADS_PADDED if torch_ops.cpu_kernels() == "avx512_bf16" else AVX2_HEAD_LANES
+        lanes = head_lanes()
         self.attends_natively = attention_takes(dtype) and all(
             attention_fits(-(-p.binding.heads // lanes) * lanes, p.binding.row_width, p.binding.value_dim)
             for _, p in pieces if p.kind == "attend")

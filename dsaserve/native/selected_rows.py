@@ -19,6 +19,11 @@ def takes_dtype(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 or (dtype == torch.float32 and torch_ops.avx2_family())
 
 
+def head_lanes() -> int:
+    """The kernel's heads per register in the family this process runs: fewer heads are padded to a multiple."""
+    return FEW_HEADS_PADDED if torch_ops.cpu_kernels() == "avx512_bf16" else AVX2_HEAD_LANES
+
+
 def fits(heads: int, dim: int, value_dim: int) -> bool:
     """Whether the kernel takes this shape on this machine."""
     return has_bf16_kernel() and _kernel_takes(torch_ops.cpu_kernels(), heads, dim, value_dim)
@@ -41,8 +46,7 @@ def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.T
     if not (query.dtype == rows.dtype == out.dtype and takes_dtype(query.dtype) and query.device.type == "cpu"):
         return False
     n, heads, dim = query.shape
-    lanes = FEW_HEADS_PADDED if torch_ops.cpu_kernels() == "avx512_bf16" else AVX2_HEAD_LANES
-    padded = -(-heads // lanes) * lanes
+    padded = -(-heads // head_lanes()) * head_lanes()
     if not fits(padded, dim, out.shape[-1]):
         return False
     if rows.shape[1] != dim or slots.shape[0] != n or out.shape[:2] != (n, heads) or out.stride(-1) != 1:
