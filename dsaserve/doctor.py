@@ -160,8 +160,9 @@ def _index_scores_path(cfg: ModelConfig) -> str:
     if index_scores.fits_f32(cfg.index_n_heads, cfg.index_head_dim):
         scores += "; fp32 models (dtype auto here) by the AVX2 kernel, fp32 keys read in place"
     if index_scores.fits_int8(cfg.index_n_heads, cfg.index_head_dim):
-        scores += ("; int8 key caches (--indexer-cache-dtype int8) by int8 products on AVX-512 VNNI, the queries "
-                   "rounded to int8 per head")
+        products = "signed byte products on AVX2" if torch_ops.avx2_family() else "int8 products on AVX-512 VNNI"
+        scores += (f"; int8 key caches (--indexer-cache-dtype int8) by {products}, the queries rounded to int8 per "
+                   "head")
     return f"scores: {scores}; top-k: {'native radix select' if torch_ops.load() else 'torch'}"
 
 
@@ -183,8 +184,8 @@ def _amx_line(cfg: ModelConfig) -> str:
 
 
 def _native_line() -> str:
-    return (f"{torch_ops.summary()} (--cpu-isa auto | amx | avx512_bf16 | avx2 | none; --native-kernels auto | "
-            "avx512: the AVX-512 bodies alone | off: torch's operators)")
+    return (f"{torch_ops.summary()} (--cpu-isa auto | amx | avx512_bf16 | avx512 | avx2 | none; --native-kernels "
+            "auto | avx512: the AVX-512 bodies alone | off: torch's operators)")
 
 
 def _triton_line() -> str:

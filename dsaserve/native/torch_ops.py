@@ -173,7 +173,7 @@ def summary() -> str:
         wide = ", their blocks in 512-bit registers" if cpu_kernels() == "avx512" else ""
         return (f"{family} ({why}): the packed-weight products{wide} (bf16 and fp8 widened in registers, int8 and "
                 "int4 by int16 products), the sparse and dense attention over selected rows (fp32 or bf16), the "
-                "indexer's scores (bf16, or fp32 keys read in place), and the decode plan")
+                "indexer's scores (bf16 or int8 keys, or fp32 keys read in place), and the decode plan")
     if cpu_kernels() == "none" and _isa == "none":
         return ("none (chosen by cpu_isa): no native body runs, as on a CPU without AVX2; packed weights are "
                 "dequantized a slab at a time for torch's products")
