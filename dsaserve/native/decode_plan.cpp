@@ -22,7 +22,6 @@
 
 namespace {
 
-
 // A packed weight: its bytes, its scales and the operators' (kind, group, col_offset, N, K).
 struct Packed {
   at::Tensor q, s;
@@ -334,7 +333,7 @@ class DecodePlan : public torch::CustomClassHolder {
       groups.view({-1, groups.size(-1)}).index_copy_(0, slots, roped.to(at::kFloat));
       return;
     }
-    if (key_scales_[p.layer].has_value()) {  // int8 keys (index_scores_int8.cpp's layout), rounded from the plan's dtype
+    if (key_scales_[p.layer].has_value()) {  // int8 keys (index_scores_int8.cpp's layout), from the plan's dtype
       at::Tensor scales = *key_scales_[p.layer];
       dsaserve::write_int8_keys(groups, scales, slots, roped.contiguous());
     } else {

@@ -2,12 +2,12 @@
 // attention/indexer_selection.py's select() computes for them through its Python loop, tile by tile, with the same pieces in
 // the same order, so the same positions in the same order:
 //   a query that sees at most `width` tokens selects all of them (0 .. seq_len - 1, then -1);
-//   otherwise its visible blocks are scored `chunk_blocks` at a time in place in the packed key cache
-//   (index_scores.cpp; index_scores_int8.cpp where `scales` come with int8 keys, for bf16 or fp32 queries;
-//   index_scores_f32_avx2.cpp for fp32 queries against an fp32 cache [num_blocks, block_size, dim]), keys past its position set to
-//   -inf, and a running top-k (topk.cpp) is merged after every window of `window_blocks` (the first window ranked
-//   alone when it holds at least `width` keys; one chunk holding the whole context is ranked directly); positions
-//   whose score is -inf become -1.
+//   otherwise its visible blocks are scored `chunk_blocks` at a time in place in the key cache (index_scores.cpp
+//   for packed bf16 keys; index_scores_int8.cpp where `scales` come with int8 keys, for bf16 or fp32 queries;
+//   index_scores_f32_avx2.cpp for fp32 queries against an fp32 cache [num_blocks, block_size, dim]), keys past its
+//   position set to -inf, and a running top-k (topk.cpp) is merged after every window of `window_blocks` (the
+//   first window ranked alone when it holds at least `width` keys; one chunk holding the whole context is ranked
+//   directly); positions whose score is -inf become -1.
 // Scratch is one chunk window and one top-k per thread: bounded by the window, never by the context. Where the
 // batch has at least as many queries as threads, each thread takes whole queries; otherwise each query's scoring
 // is shared out. AVX-512 BF16 or AVX2 (index_scores_fits, index_scores_f32_fits) or VNNI (index_scores_int8_fits)

@@ -321,8 +321,9 @@ void run(Job& job) {
 
 // Scores of n queries (bf16, or fp32 where `f32`) against the first `keys` keys of `count` listed blocks (ids checked
 // by the caller).
-void score(const void* q, bool f32, const float* weights, int64_t n, int64_t heads, int64_t dim, const at::Tensor& cache,
-           const at::Tensor& scales, const int64_t* blocks, int64_t count, int64_t keys, float* out, int64_t out_stride) {
+void score(const void* q, bool f32, const float* weights, int64_t n, int64_t heads, int64_t dim,
+           const at::Tensor& cache, const at::Tensor& scales, const int64_t* blocks, int64_t count, int64_t keys,
+           float* out, int64_t out_stride) {
     const RoundedQueries r = f32 ? round_queries(static_cast<const float*>(q), weights, n, heads, dim)
                                  : round_queries(static_cast<const c10::BFloat16*>(q), weights, n, heads, dim);
     // One group of zero keys (bytes 128), 64-byte aligned as the kernel loads it; never scored into an output.

@@ -71,7 +71,8 @@ AVX512 inline __m512i decode_i16(const uint8_t* block, int64_t kp) {
 
 // The weight's 16 scales of block b, scale column `column`, times the decode's factor.
 AVX512 inline __m512 block_scales(const Problem& p, int64_t b, int64_t column) {
-  return _mm512_mul_ps(_mm512_loadu_ps(p.scale + (b * p.G + column) * 16), _mm512_set1_ps(p.kind == kFP8 ? 256.f : 1.f));
+  const __m512 factor = _mm512_set1_ps(p.kind == kFP8 ? 256.f : 1.f);
+  return _mm512_mul_ps(_mm512_loadu_ps(p.scale + (b * p.G + column) * 16), factor);
 }
 
 // A block's 16 outputs of one row at element `index` of y (`rows` < 16 for a last, partial block): fp32, or bf16
