@@ -139,6 +139,13 @@ def test_a_decode_batch_selects_in_one_native_call_what_the_tile_loop_selects(mo
         selects_in_one_call(monkeypatch, threads, kind)
 
 
+@pytest.fixture
+def default_family_after():
+    """The process's body family back to the default after a test whose engine chose another."""
+    yield
+    torch_ops.configure("auto", "auto")
+
+
 @contextlib.contextmanager
 def body_family(cpu_isa: str):
     torch_ops.configure("auto", cpu_isa)
@@ -449,13 +456,17 @@ def test_page_backend_with_every_page_reproduces_dense(make_checkpoint):
 
 
 @pytest.mark.skipif(not native_scores.fits_int8(8, 32), reason="no int8 index-score kernel here (needs the operators "
-                    "built and AVX-512 VNNI): int8 indexer key caches stay plain")
-def test_a_bf16_engine_scores_int8_indexer_keys_in_place_and_generates_what_plain_int8_keys_give(make_checkpoint,
-                                                                                               monkeypatch):
-    """`indexer_cache_dtype="int8"` in a bf16 model on a CPU with VNNI: the key caches are in the int8 kernel's
-    layout, which scores them in prefill and in decode (one native selection per full layer). The prompts'
-    selections agree with those of the plain int8 cache (dequantized keys against bf16 queries) but for the
-    queries' rounding to int8: at least 95% of the positions, in every full layer."""
+                    "built): int8 indexer key caches stay plain")
+@pytest.mark.parametrize("family, dtype", [("auto", "bfloat16"), pytest.param("avx2", "auto", marks=pytest.mark.skipif(
+    "avx2" not in native_bodies(), reason="no AVX2 body here"))])
+def test_an_engine_scores_int8_indexer_keys_in_place_and_generates_what_plain_int8_keys_give(make_checkpoint,
+                                                                                            monkeypatch, family, dtype,
+                                                                                            default_family_after):
+    """`indexer_cache_dtype="int8"` in a bf16 model (VNNI on this CPU, or the AVX2 body), or an fp32 one (dtype auto
+    on the AVX2 body): the key caches are in the int8 kernel's layout, which scores them in prefill and in decode
+    (one native selection per full layer). The prompts' selections agree with those of the plain int8 cache
+    (dequantized keys against the model's queries) but for the queries' rounding to int8: at least 95% of the
+    positions, in every full layer."""
     import dsaserve.engine.workers.kv_cache as kv_cache
 
     path = make_checkpoint("bf16", seed=0, dtype=torch.bfloat16)
@@ -473,7 +484,9 @@ def test_a_bf16_engine_scores_int8_indexer_keys_in_place_and_generates_what_plai
                         lambda *a: selected.append(a[-1] is not None) or real_selection(*a))
 
     def run():
-        llm = LLM(path, dtype="bfloat16", block_size=16, max_model_len=256, indexer_cache_dtype="int8", progress=False)
+        llm = LLM(path, dtype=dtype, block_size=16, max_model_len=256, indexer_cache_dtype="int8", progress=False,
+                  cpu_isa=family)
+        assert llm.engine.dtype == (torch.float32 if dtype == "auto" else torch.bfloat16)
         layouts = {cache.int8_groups is not None for cache in llm.engine.kv_cache.indexer.values()}
         chosen = {}  # the prompts' selections (the indexers' forward), per full layer
         for i, layer in enumerate(llm.engine.model.model.layers):
