@@ -20,8 +20,8 @@ Which body family runs is the engine's `cpu_isa` option, chosen once at load: au
 avx512_bf16, avx512 (AVX-512 without BF16: the AVX2 family's operators, its packed-weight products' blocks in 512-bit
 registers, quant_linear_avx512f.cpp), avx2 (runs on any AVX-512 CPU too: how its bodies are tested there), none (no
 body: what a CPU without AVX2 gets, torch's operators, the library's portable code converting weights while
-loading). Operators without a
-body in the chosen family run torch's operators (`runs(operator)` says which have one: BODIES).
+loading). Operators without a body in the chosen family run torch's operators (`runs(operator)` says which have
+one: BODIES).
 """
 
 from __future__ import annotations
