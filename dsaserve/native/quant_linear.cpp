@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "fp8_decode_avx512.h"
 #include "packed_problem.h"
 #include "packed_product.h"
 #include "layer_pieces.h"
@@ -125,20 +126,7 @@ AVX512BF16 inline __m512i decode32(const uint8_t* block, int64_t kp) {
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
   } else if constexpr (Kind == kFP8) {
-    // bf16 bits of the e4m3 value times 2^-8 straight from byte seeeemmm: the byte in the high half of its lane,
-    // shifted right 4 with its sign, gives s|ssss|eeee|mmm|0000, and masking bits 11-14 leaves sign, exponent and
-    // mantissa in place; exponent + 112 rebiases 7 - 8 to bf16's 127. Exponent 0 keeps s|0|mmm0000: zero for
-    // mantissa 0; a subnormal (mantissa > 0, rare) takes its value, m · 2^-17, from a table.
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kp * 32)));
-    const __m512i z = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 4), _mm512_set1_epi16(short(0x87F0)));
-    const __mmask32 normal = _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x78));
-    const __m512i r = _mm512_mask_add_epi16(z, normal, z, _mm512_set1_epi16(0x3800));
-    const __mmask32 subnormal = _mm512_mask_test_epi16_mask(static_cast<__mmask32>(~normal), v, _mm512_set1_epi16(7));
-    if (__builtin_expect(subnormal == 0, 1)) return r;
-    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                           0x3860, 0x3840, 0x3820, 0x3800, 0x37C0, 0x3780, 0x3700, 0);
-    const __m512i sign = _mm512_and_si512(z, _mm512_set1_epi16(short(0x8000)));
-    return _mm512_mask_mov_epi16(r, subnormal, _mm512_or_si512(_mm512_permutexvar_epi16(v, table), sign));
+    return fp8_bf16_bits(block + kp * 32);  // bf16 bits of the e4m3 values times 2^-8 (fp8_decode_avx512.h)
   } else {  // int4: lane r = (low nibble, high nibble) of byte r; a table maps each to bf16(nibble - 8)
     // The lookup reads the low 5 bits of each 16-bit index: with the table written twice, byte b | b << 12
     // indexes its low nibble in the lane's low half (bit 4, the high nibble's, selects the copy) and its

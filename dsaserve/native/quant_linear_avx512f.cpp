@@ -11,6 +11,7 @@
 // One body serves CPUs with and without AVX-512 VNNI (its vpdpwssd would fuse each product with its sum: left
 // until a measurement shows it pays beside the weights' decode and the memory).
 #include "cpu_features.h"
+#include "fp8_decode_avx512.h"
 #include "packed_problem.h"
 
 #include <cstring>
@@ -30,28 +31,8 @@ namespace {
 // A column pair's 16 rows as fp32 even and odd columns (fp8 values times 2^-8: the scale takes 256).
 template <int64_t Kind>
 AVX512 inline void decode_f32(const uint8_t* block, int64_t kp, __m512& even, __m512& odd) {
-  __m512i r;
-  if constexpr (Kind == kBF16) {
-    r = _mm512_loadu_si512(block + kp * 64);
-  } else {
-    // As the AVX2 decode: byte seeeemmm into bf16 bits s|0…|eeee|mmm|0000, exponent + 112 where it is not 0;
-    // exponent 0 is zero, or a subnormal (rare) whose bits come from a table.
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kp * 32)));
-    const __m512i z = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 4), _mm512_set1_epi16(short(0x87F0)));
-    const __mmask32 exp_zero = _mm512_testn_epi16_mask(v, _mm512_set1_epi16(0x78));
-    r = _mm512_mask_add_epi16(z, ~exp_zero, z, _mm512_set1_epi16(0x3800));
-    const __mmask32 subnormal = exp_zero & _mm512_test_epi16_mask(v, _mm512_set1_epi16(7));
-    if (__builtin_expect(subnormal != 0, 0)) {
-      static constexpr uint16_t kSubnormal[8] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
-      alignas(64) uint16_t bits[32], bytes[32];
-      _mm512_store_si512(bits, r);
-      _mm512_store_si512(bytes, v);
-      for (int i = 0; i < 32; ++i)
-        if ((bytes[i] & 0x78) == 0 && (bytes[i] & 7) != 0)
-          bits[i] = static_cast<uint16_t>(kSubnormal[bytes[i] & 7] | ((bytes[i] & 0x80) << 8));
-      r = _mm512_load_si512(bits);
-    }
-  }
+  // bf16 as stored; fp8 by the AVX-512 BF16 body's decode (fp8_decode_avx512.h)
+  const __m512i r = Kind == kBF16 ? _mm512_loadu_si512(block + kp * 64) : fp8_bf16_bits(block + kp * 32);
   even = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
   odd = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
