@@ -49,6 +49,7 @@ class BoundCaches:
     count: int
     indexer: list  # per layer its indexer key cache (None: no selection of its own)
     keys_here: set[int] | None  # the layers whose keys the plan writes (packed caches); None: not the plan's dtype
+    scored_here: bool = False  # every selecting layer's keys have a scoring kernel for the plan's queries
 
 
 @dataclass(frozen=True)
@@ -165,23 +166,28 @@ class DecodePlan:
     def _selection_in_call(self, meta) -> list[int] | None:
         """run's (width, chunk_blocks, window_blocks, block_size) where the step's selections can all be made in one
         call: a decode batch whose every request is past the selection's width, every attention by the kernel, and
-        every full layer's queries bound with its keys written here; else None."""
+        every full layer's queries bound with its keys written and scored here; else None."""
         keys_here = self.caches.keys_here
         if (not self.selects_at or not self.queries_bound or not self.attends_natively
-                or meta.num_tokens != meta.num_reqs
+                or meta.num_tokens != meta.num_reqs or not self.caches.scored_here
                 or any(self.pieces[i][0] not in keys_here for i in self.selects_at)):
             return None
         width = self.selection.width(meta.block_size)
         if min(meta.seq_lens_host) <= width:
             return None
-        binding = self.pieces[self.selects_at[0]][1].binding
-        heads = binding.heads
-        if self.dtype == torch.float32 and not all(  # fp32 queries: int8 keys, or fp32 ones the AVX2 body scores
-                self.caches.indexer[self.pieces[i][0]].int8_groups is not None
-                or native_scores.fits_f32(heads, binding.head_dim) for i in self.selects_at):
-            return None
+        heads = self.pieces[self.selects_at[0]][1].binding.heads
         chunk_blocks, window_blocks = chunk_and_window(min(QUERY_TILE, meta.num_tokens), heads, meta.block_size)
         return [width, chunk_blocks, window_blocks, meta.block_size]
+
+    def _scores_keys(self, cache) -> bool:
+        """Whether a native kernel scores this plan's queries against the cache's keys in place: bf16 queries take
+        the packed caches the plan binds; fp32 ones int8 keys, or fp32 keys where the AVX2 body fits the shape."""
+        if cache is None:
+            return False
+        if self.dtype != torch.float32 or cache.int8_groups is not None:
+            return True
+        binding = self.pieces[self.selects_at[0]][1].binding
+        return native_scores.fits_f32(binding.heads, binding.head_dim)
 
     def _set_caches(self, kv_caches: list, indexer_caches) -> bool:
         """Hands the caches to the native plan the first time they are seen; False where their dtype is not the
@@ -205,7 +211,8 @@ class DecodePlan:
         keys_here = {i for i in layers if groups[i] is not None}
         scales = [scale if group is not None else None for group, scale in zip(groups, scales)]
         self.native.set_caches([kv_caches[i].view(-1, kv_caches[i].shape[-1]) for i in layers], groups, scales)
-        self.caches = BoundCaches(kv_caches[0], len(kv_caches), key_caches, keys_here)
+        self.caches = BoundCaches(kv_caches[0], len(kv_caches), key_caches, keys_here,
+                                  all(self._scores_keys(key_caches[self.pieces[i][0]]) for i in self.selects_at))
         return True
 
 
