@@ -1,7 +1,8 @@
 """dsaserve against llama.cpp on the same checkpoint, thread count and machine: batch-1 decode per weight form and
 a 2,048-token prefill.
 
-    python benchmarks/llama_cpp_side_by_side.py --llama-cpp DIR [--cpu-isa avx2] [--rounds 3] [--out F]
+    python benchmarks/llama_cpp_side_by_side.py --llama-cpp DIR [--cpu-isa avx2] [--dtype bfloat16] [--rounds 3]
+        [--out F]
 
 DIR is a llama.cpp source tree (for instance the one vendored in the llama-cpp-python sdist: `pip download
 --no-deps --no-binary :all: llama-cpp-python`, unpacked, vendor/llama.cpp) with llama-bench and llama-quantize built
@@ -17,8 +18,9 @@ not recognise by hash; the weights convert as they are) and quantized to Q8_0 an
 Pairs at equal bytes per weight: bf16 / BF16, int8 / Q8_0, int4 / Q4_0 (fp8 has no llama.cpp form: dsaserve's
 alone). llama.cpp: `llama-bench -t T -p 0 -n 64 -d 128` (64 tokens after 128 of context) and `-p 2048 -n 0`;
 dsaserve: benchmarks/quantized_decode.py's measurement of one form (median step at batch 1 after a 128-token
-prompt, batch 16, a 2,048-token prefill) with the same cpu_isa. The tools take turns for `--rounds` rounds;
-medians and each round are reported.
+prompt, batch 16, a 2,048-token prefill) with the same cpu_isa and the engine dtype `--dtype` (default auto: fp32
+on a CPU without bf16 instructions; bfloat16 rounds activations to int8 for int4 weights, as Q4_0's products do).
+The tools take turns for `--rounds` rounds; medians and each round are reported.
 """
 
 from __future__ import annotations
@@ -67,9 +69,9 @@ def llama_bench(llama_cpp: str, model: str, threads: int, args: list[str]) -> fl
     return float(json.loads(out)[0]["avg_ts"])
 
 
-def dsaserve_form(form: str, cpu_isa: str) -> dict:
+def dsaserve_form(form: str, cpu_isa: str, dtype: str) -> dict:
     script = os.path.join(os.path.dirname(__file__), "quantized_decode.py")
-    out = subprocess.run([sys.executable, script, "--one", form, "--cpu-isa", cpu_isa], check=True,
+    out = subprocess.run([sys.executable, script, "--one", form, "--cpu-isa", cpu_isa, "--dtype", dtype], check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -78,6 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--llama-cpp", required=True, help="llama.cpp source tree with build/bin/llama-bench")
     parser.add_argument("--cpu-isa", default="auto")
+    parser.add_argument("--dtype", default="auto", help="dsaserve's engine dtype (e.g. bfloat16)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gguf-dir", default="/tmp/dsaserve-bench/gguf")
     parser.add_argument("--out", default=None)
@@ -89,7 +92,7 @@ def main() -> None:
     runs: dict[str, list] = {}
     for _ in range(args.rounds):
         for form, gguf in PAIRS:
-            ours = dsaserve_form(form, args.cpu_isa)
+            ours = dsaserve_form(form, args.cpu_isa, args.dtype)
             runs.setdefault(f"dsaserve {form} decode", []).append(ours["tok_s_batch1"])
             runs.setdefault(f"dsaserve {form} batch16", []).append(ours["tok_s_batch16"])
             runs.setdefault(f"dsaserve {form} prefill", []).append(2048 / ours["prefill_2048_s"])
@@ -107,7 +110,7 @@ def main() -> None:
                   f"{medians[f'dsaserve {form} decode'] / medians[f'llama.cpp {gguf} decode']:.2f}×")
     prefill = medians["dsaserve bf16 prefill"] / medians["llama.cpp BF16 prefill"]
     print(f"bf16 prefill 2K / llama.cpp BF16: {prefill:.2f}×")
-    result = {"cpu_isa": args.cpu_isa, "threads": threads, "runs": runs, "medians": medians}
+    result = {"cpu_isa": args.cpu_isa, "dtype": args.dtype, "threads": threads, "runs": runs, "medians": medians}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

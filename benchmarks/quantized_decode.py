@@ -1,6 +1,7 @@
 """Decode with weights in 16, 8 and 4 bits against the memory-bandwidth bound.
 
-    python benchmarks/quantized_decode.py [--out docs/quantized_decode.json] [--cpu-isa avx2] [--forms ...]
+    python benchmarks/quantized_decode.py [--out docs/quantized_decode.json] [--cpu-isa avx2] [--dtype bfloat16]
+        [--forms ...]
 
 On the checkpoint benchmarks/model_core.py builds (GLM-5.2 per-head geometry, 214M parameters, bf16),
 each weight form in its own process, the forms taking turns for three rounds (medians reported): bf16 through
@@ -16,6 +17,8 @@ the AVX2 bodies (on an AVX-512 CPU too: what an AVX2-only server runs; dtype aut
 weights kept in bf16; torch-bf16 is then the fp32-widened weights through torch). Any form with `-eager` appended
 (e.g. `bf16-eager`) runs with enforce_eager: every decode step through the modules, no decode plan; with `@` and a
 cpu_isa appended (e.g. `int4@avx512,int4@avx2`) it runs under that body family, so families take turns too.
+`--dtype` is every form's engine dtype (default auto; `bfloat16` on the AVX2 bodies: bf16 activations, int4's
+products then by activations rounded to int8).
 For each: batch-1 decode (median step, 128-token prompts), batch-16 output tokens/s, a 2,048-token
 prefill, the weight bytes one decode token reads (every projection once, the shared expert, and 4 of
 the 8 routed experts per MoE layer), and the resident bytes. The bound is those bytes ÷ this machine's
@@ -83,7 +86,7 @@ def active_bytes(engine) -> tuple[int, int, int]:
     return int(read), resident, params
 
 
-def measure(form: str, cpu_isa: str) -> dict:
+def measure(form: str, cpu_isa: str, dtype: str = "auto") -> dict:
     from model_core import checkpoint_dir
     from parallel import decode_steps
 
@@ -103,7 +106,7 @@ def measure(form: str, cpu_isa: str) -> dict:
                     "int4-bf16act": "int4", "int8-nobody": "int8"}.get(form)
     engine = LLMEngine(EngineArgs(model=checkpoint_dir(), kv_cache_memory="512MiB", max_model_len=4096,
                                   progress=False, quantization=quantization, native_kernels=native_kernels,
-                                  cpu_isa=cpu_isa, enforce_eager=eager))
+                                  cpu_isa=cpu_isa, enforce_eager=eager, dtype=dtype))
     decode_steps(engine, 1, steps=4)  # warm-up
     copy_before = copy_bandwidth()
     step_1, _ = decode_steps(engine, 1, steps=32)
@@ -134,10 +137,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--forms", default=",".join(FORMS), help="which forms, comma-separated (default: all)")
     parser.add_argument("--cpu-isa", default="auto", help="the engine's cpu_isa for every form (e.g. avx2)")
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype for every form (e.g. bfloat16)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one form in this process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.cpu_isa)))
+        print(json.dumps(measure(args.one, args.cpu_isa, args.dtype)))
         return
     from model_core import checkpoint_dir
 
@@ -149,7 +153,8 @@ def main() -> None:
         bandwidths.append(copy_bandwidth())
         for form in forms:
             name, _, isa = form.partition("@")  # "int4@avx512": that form under that cpu_isa
-            out = subprocess.run([sys.executable, __file__, "--one", name, "--cpu-isa", isa or args.cpu_isa],
+            out = subprocess.run([sys.executable, __file__, "--one", name, "--cpu-isa", isa or args.cpu_isa,
+                                  "--dtype", args.dtype],
                                  capture_output=True, text=True, check=True)
             runs[form].append({**json.loads(out.stdout.strip().splitlines()[-1]), "form": form})
     bandwidth = max(bandwidths)
@@ -168,7 +173,7 @@ def main() -> None:
               f"{row['prefill_2048_s']:.2f} s, {row['bytes_per_token'] / 2**20:.0f} MiB/token, "
               f"{row['bytes_per_parameter']:.3f} B/param", flush=True)
     flags = open("/proc/cpuinfo").read()
-    result = {"cpu_isa": args.cpu_isa, "copy_bandwidth_GBps": bandwidth / 1e9,
+    result = {"cpu_isa": args.cpu_isa, "dtype": args.dtype, "copy_bandwidth_GBps": bandwidth / 1e9,
               "copy_bandwidth_rounds_GBps": [b / 1e9 for b in bandwidths], "rows": rows,
               "cpu": {f: f in flags for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")}}
     print(json.dumps(result, indent=2))

@@ -19,20 +19,28 @@ KINDS = ("bf16", "fp8", "int8", "int4")
 SHAPES = [(37, 301, 0), (16, 128, 0), (5, 45, 0), (33, 200, 64), (70, 388, 0)]
 
 
-def vnni(kind: str) -> bool:
-    """Whether `kind` ("int4", "int8") weights meet bf16 activations on the VNNI path here."""
-    return (torch_ops.cpu_kernels() == "avx512_bf16"
-            and getattr(torch.ops.dsaserve, f"{kind}_bf16_path")() == "avx512_vnni")
+def int8_activations_here(kind: str) -> bool:
+    """Whether `kind` ("int4", "int8") weights meet bf16 activations rounded to int8 under the body family now
+    configured: the VNNI path (AVX-512 BF16 family) or the AVX2 families' int4 path (vpmaddubsw)."""
+    return kind in ("int4", "int8") and getattr(torch.ops.dsaserve, f"{kind}_bf16_path")() in ("avx512_vnni",
+                                                                                               "avx2_int8")
 
 
-def needs_vnni(kind: str):
-    return pytest.mark.skipif(
-        not vnni(kind), reason=f"the {kind} VNNI path needs AVX-512 VNNI and VBMI besides the kernels' AVX-512 BF16 "
-                               f"(this CPU's kernels: {torch_ops.cpu_kernels()})")
+def int8_activation_cases() -> list:
+    """(kind, body family) of every int8-activation path this host runs (the VNNI ones need AVX-512 VNNI and VBMI;
+    the AVX2 family's is int4's alone), as parameters; none here: one skipped case saying why."""
+    cases = []
+    for family in native_bodies():
+        torch_ops.configure("auto", family)
+        cases += [pytest.param(kind, family, id=f"{kind}-{family}") for kind in ("int4", "int8")
+                  if int8_activations_here(kind)]
+    torch_ops.configure("auto", "auto")
+    return cases or [pytest.param(None, None, marks=pytest.mark.skip(
+        reason=f"no int8-activation path here (this CPU's families: {native_bodies()})"))]
 
 
 def activation_group(kind: str, k: int) -> int:
-    """The VNNI path's activation groups: int4's weight scale groups; 128 columns for int8 (one scale per row)."""
+    """The int8 paths' activation groups: int4's weight scale groups; 128 columns for int8 (one scale per row)."""
     return formats.group_of(kind, k) if kind == "int4" else 128
 
 
@@ -55,7 +63,8 @@ def activation_rounding_bound(x: torch.Tensor, weight: torch.Tensor, group: int,
 
 def int16_rounding(body: str, kind: str, x: torch.Tensor, weight: torch.Tensor):
     """What the AVX2 body's int16 activations (per row and 128 columns) may add to an int8 or int4 product."""
-    if body in torch_ops.AVX2_FAMILY and kind in ("int8", "int4"):
+    if body in torch_ops.AVX2_FAMILY and kind in ("int8", "int4") and not (
+            x.dtype == torch.bfloat16 and int8_activations_here(kind)):
         return activation_rounding_bound(x, weight, 128, 32767)
     return 0
 
@@ -94,13 +103,13 @@ def test_kernel_equals_dequantize_then_matmul(kind, n, k, col_offset, body):
         bound = 1e-5 * expected.abs().max() + 1e-6 + int16_rounding(body, kind, x, weight)
         assert ((y - expected).abs() <= bound).all()
         # bf16 activations: the same products of bf16 values, then the output rounded to bf16 (int4 and int8 on
-        # the VNNI path: the activations rounded to int8 first, off by at most half a step each)
+        # the int8-activation paths: the activations rounded to int8 first, off by at most half a step each)
         xb = x.bfloat16()
         yb = torch.ops.dsaserve.quant_linear(xb, m.qweight, m.scale, *args)
         exact = xb.float() @ weight.T
         assert yb.dtype == torch.bfloat16
-        on_vnni = kind in ("int4", "int8") and vnni(kind)
-        rounding = activation_rounding_bound(xb, weight, activation_group(kind, k)) if on_vnni else 0
+        on_int8 = int8_activations_here(kind)
+        rounding = activation_rounding_bound(xb, weight, activation_group(kind, k)) if on_int8 else 0
         rounding = rounding + int16_rounding(body, kind, xb, weight)
         assert ((yb.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-3 * exact.abs().max() + rounding).all()
 
@@ -154,13 +163,21 @@ def test_more_than_eight_rows_sweep_spans_of_blocks_with_the_bits_of_eight(kind,
                                parts.view(torch.int16) if dtype == torch.bfloat16 else parts), (dtype, rows)
 
 
-@pytest.mark.parametrize("kind", [pytest.param(kind, marks=needs_vnni(kind)) for kind in ("int4", "int8")])
+@pytest.fixture
+def family_of_case(request):
+    """Configures the body family of an int8_activation_cases() case, back to the default after."""
+    torch_ops.configure("auto", request.param or "auto")
+    yield request.param
+    torch_ops.configure("auto", "auto")
+
+
+@pytest.mark.parametrize("kind, family_of_case", int8_activation_cases(), indirect=["family_of_case"])
 @pytest.mark.parametrize("n, k", [(37, 301), (16, 128), (5, 45), (70, 388), (33, 1031)])
-def test_vnni_path_is_exact_in_its_int8_activations(kind, n, k):
-    """int4 and int8 weights by bf16 activations on the VNNI path equal, up to the bf16 output's rounding, the
-    exact products of the int8-rounded activations (int8_activations) and the integer weights, activation group
-    by group, each scaled by its weight scale: partial last row blocks and chunks, odd column counts, several
-    groups, single and batched weights."""
+def test_int8_activation_paths_are_exact_in_their_int8_activations(kind, family_of_case, n, k):
+    """int4 and int8 weights by bf16 activations on an int8-activation path (VNNI; the AVX2 families' int4) equal,
+    up to the bf16 output's rounding, the exact products of the int8-rounded activations (int8_activations) and
+    the integer weights, activation group by group, each scaled by its weight scale: partial last row blocks and
+    chunks, odd column counts, several groups, single and batched weights."""
     q, scale = stored(kind, n, k, 0)
     packed_q, packed_s = formats.pack(kind, q, scale)
     args = (formats.KINDS[kind], formats.group_of(kind, k), 0, n, k)
@@ -185,8 +202,49 @@ def test_vnni_path_is_exact_in_its_int8_activations(kind, n, k):
         assert torch.equal(batched[b], torch.ops.dsaserve.quant_linear(x[b], heads[b], scales[b], *args))
 
 
-@pytest.mark.parametrize("kind", [pytest.param(kind, marks=needs_vnni(kind)) for kind in ("int4", "int8")])
-def test_vnni_path_keeps_a_non_finite_row_to_itself(kind):
+def int4_paths_of(family: str) -> str:
+    torch_ops.configure("auto", family)
+    try:
+        return torch.ops.dsaserve.int4_bf16_path()
+    finally:
+        torch_ops.configure("auto", "auto")
+
+
+@pytest.mark.skipif(not ("avx512_bf16" in native_bodies() and int4_paths_of("avx512_bf16") == "avx512_vnni"
+                         and "avx2" in native_bodies()),
+                    reason="needs a CPU running both the AVX-512 VNNI int4 path and the AVX2 body")
+def test_the_avx2_int4_int8_products_are_the_vnni_paths_bits():
+    """int4 weights by bf16 activations: the AVX2 families' vpmaddubsw path rounds the activations as the VNNI path
+    does and sums the same integers in the same float steps, so its outputs are the VNNI path's bits: partial row
+    blocks, odd columns and an odd last column pair, several groups, 1-16 rows, activations near a group's largest
+    (the int8 bytes at +-127), a non-finite row, stacked weights."""
+    results = {}
+    try:
+        for family in ("avx512_bf16", "avx2", *(["avx512"] if "avx512" in native_bodies() else [])):
+            torch_ops.configure("auto", family)
+            results[family] = []
+            for n, k in [(37, 301), (16, 128), (5, 45), (70, 388), (33, 1031), (21, 2)]:
+                packed = formats.pack("int4", *stored("int4", n, k, 0, seed=n))
+                args = (formats.KINDS["int4"], formats.group_of("int4", k), 0, n, k)
+                g = torch.Generator().manual_seed(k)
+                for rows in (1, 2, 3, 5, 16):
+                    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4
+                    x[:, ::7] = x[:, ::7].sign() * 9  # the groups' largest, each rounded to +-127
+                    if rows == 3:
+                        x[1, -1] = float("nan")
+                    results[family].append(torch.ops.dsaserve.quant_linear(x.bfloat16(), *packed, *args))
+                stacked = torch.stack([packed[0], packed[0].flip(0)]), torch.stack([packed[1], packed[1]])
+                x = torch.randn(2, 3, k, generator=g).bfloat16()
+                results[family].append(torch.ops.dsaserve.quant_linear(x, *stacked, *args))
+    finally:
+        torch_ops.configure("auto", "auto")
+    for family in results:
+        for ours, vnni in zip(results[family], results["avx512_bf16"]):
+            assert torch.equal(ours.view(torch.int16), vnni.view(torch.int16)), family
+
+
+@pytest.mark.parametrize("kind, family_of_case", int8_activation_cases(), indirect=["family_of_case"])
+def test_int8_activation_paths_keep_a_non_finite_row_to_itself(kind, family_of_case):
     """A row holding NaN or infinity gives NaN outputs (the engine then ends that request alone); the other
     rows' outputs are what they are without it."""
     n, k = 40, 300

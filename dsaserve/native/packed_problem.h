@@ -62,6 +62,10 @@ struct Int16Rows {
   int64_t K2, chunks;
 };
 
+// Whether the bodies may take their faster paths that round activations (native_kernels 'auto'; 'avx512' keeps
+// the products exact in bf16 activations, for comparing: set_isa_extensions in quant_linear.cpp).
+bool isa_extensions_allowed();
+
 // Blocks [b0, b1) of p against p.M <= 4 prepared activation rows into y (rows y_row bytes apart): the AVX2 body's
 // arithmetic lane for lane, a block's 16 rows in one 512-bit register (quant_linear_avx512f.cpp).
 void avx512f_blocks(const Problem& p, const FloatRows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row);

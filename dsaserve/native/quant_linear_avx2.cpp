@@ -11,6 +11,10 @@
 //                       chunk's largest) is far below bf16's own. fp32 activations: two, the value and its
 //                       remainder in 2^-15 steps, so the product is as exact as fp32's own rounding (30 bits
 //                       of the chunk's largest) and greedy decoding follows the float weights' (the tests).
+//   int4 weights, bf16  the activations rounded to int8 per row and weight scale group instead (absmax / 127), the
+//   activations         nibbles kept unsigned and multiplied by vpmaddubsw: the AVX-512 VNNI path's integers and
+//                       arithmetic (quant_linear.cpp), so its bits, at a third of the int16 products' instructions.
+//                       native_kernels 'avx512' keeps the int16 products (set_isa_extensions).
 //
 // Rows of activations are taken four at a time per sweep of the weights (the registers: two 8-row halves per
 // row, and for one or two rows separate even and odd sums to shorten the dependency chains). The avx2 family
@@ -236,10 +240,73 @@ AVX2 void block_int(const Problem& p, const Int16Rows& x, int64_t b, uint8_t* y,
   for (int m = 0; m < M; ++m) store16(p, y + m * y_row, b * 16, total[m][0], total[m][1], rows);
 }
 
+// Rows of bf16 activations rounded to int8 per weight scale group for int4 weights: each column pair's two bytes
+// twice over in a 32-bit word (what vpmaddubsw multiplies a row's nibble pair by, broadcast by one load).
+struct Int8Pairs {
+  const uint32_t* pairs;  // row m's pair kp at pairs[m * stride + kp] (a zero word past the row's last pair)
+  const int32_t* sums;    // row m's group g: the sum of its int8 values, at sums[m * G + g]
+  const float* scales;    // its scale, absmax / 127 (NaN where the group holds a NaN or an infinity)
+  int64_t stride, G;
+};
+
+// One 16-row block of an int4 weight against M <= 4 rows of int8 pairs: per two column pairs, the 32 packed bytes'
+// quarters reordered so one 128-bit lane holds rows 0-7 and the other rows 8-15, the nibbles (0-15, unsigned)
+// split and interleaved into each row's byte pair, and vpmaddubsw by the rows' int8 pairs. Four such steps add in
+// int16 (a step's two products are at most 2 x 2 x 15 x 127 = 7,620), then widen into the group's int32 sums;
+// each group's sum less 8 x the activations' sum is scaled by the weight's scale times the activation's.
+template <int M>
+AVX2 void block_int4_int8(const Problem& p, const Int8Pairs& x, int64_t b, uint8_t* y, int64_t y_row) {
+  const uint8_t* block = p.w + b * p.block_bytes;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 total[M][2];
+  for (int m = 0; m < M; ++m) total[m][0] = total[m][1] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = group_end(p, k0), g = scale_column(p, k0), kp1 = (k1 + 1) / 2;
+    __m256i sum[M][2];
+    for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
+    for (int64_t kp = k0 / 2; kp < kp1;) {
+      __m256i acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
+      for (const int64_t run_end = std::min(kp1, kp + 8); kp < run_end; kp += 2) {
+        // Quarters: pair kp rows 0-7, rows 8-15, pair kp + 1 rows 0-7, rows 8-15 (a last, odd pair: zeros).
+        const __m256i raw = kp + 1 < kp1
+            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kp * 16))
+            : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kp * 16)));
+        const __m256i v = _mm256_permute4x64_epi64(raw, 0xD8);
+        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        const __m256i first = _mm256_unpacklo_epi8(lo, hi), second = _mm256_unpackhi_epi8(lo, hi);
+        for (int m = 0; m < M; ++m) {
+          const uint32_t* xm = x.pairs + m * x.stride + kp;
+          const __m256i a = _mm256_maddubs_epi16(first, _mm256_set1_epi32(static_cast<int>(xm[0])));
+          const __m256i c = _mm256_maddubs_epi16(second, _mm256_set1_epi32(static_cast<int>(xm[1])));
+          acc[m] = _mm256_add_epi16(acc[m], _mm256_add_epi16(a, c));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        sum[m][0] = _mm256_add_epi32(sum[m][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[m])));
+        sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[m], 1)));
+      }
+    }
+    __m256 s[2];
+    block_scales(p, b, g, s);
+    for (int m = 0; m < M; ++m) {
+      const __m256i offset = _mm256_set1_epi32(8 * x.sums[m * x.G + g]);
+      const __m256 sx = _mm256_set1_ps(x.scales[m * x.G + g]);
+      for (int h = 0; h < 2; ++h)
+        total[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[m][h], offset)),
+                                      _mm256_mul_ps(s[h], sx), total[m][h]);
+    }
+    k0 = k1;
+  }
+  const int64_t rows = std::min<int64_t>(16, p.N - b * 16);
+  for (int m = 0; m < M; ++m) store16(p, y + m * y_row, b * 16, total[m][0], total[m][1], rows);
+}
+
 template <int64_t Kind, int M, typename Rows>
 AVX2 void blocks_m(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
   for (int64_t b = b0; b < b1; ++b) {
-    if constexpr (!std::is_same_v<Rows, Int16Rows>) block_float<Kind, M>(p, x, b, y, y_row);
+    if constexpr (std::is_same_v<Rows, Int8Pairs>) block_int4_int8<M>(p, x, b, y, y_row);
+    else if constexpr (!std::is_same_v<Rows, Int16Rows>) block_float<Kind, M>(p, x, b, y, y_row);
     else if (x.rest) block_int<Kind, M, true>(p, x, b, y, y_row);
     else block_int<Kind, M, false>(p, x, b, y, y_row);
   }
@@ -247,7 +314,8 @@ AVX2 void blocks_m(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint
 
 template <int64_t Kind, typename Rows>
 AVX2 void blocks(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
-  if (use_avx512f()) return avx512f_blocks(p, x, b0, b1, y, y_row);  // the same sums, a block per register
+  if constexpr (!std::is_same_v<Rows, Int8Pairs>)  // the same sums, a block per register
+    if (use_avx512f()) return avx512f_blocks(p, x, b0, b1, y, y_row);
   switch (p.M) {
     case 1: return blocks_m<Kind, 1>(p, x, b0, b1, y, y_row);
     case 2: return blocks_m<Kind, 2>(p, x, b0, b1, y, y_row);
@@ -356,11 +424,95 @@ AVX2 void quantize_rows(const Problem& p, const uint8_t* x, int64_t x_row, std::
   }
 }
 
+// Whether int4 weights meet p's activations as int8 (Int8Pairs): bf16 activations, scale groups of whole chunks
+// of 8 columns (the VNNI path's rule, so both round the same groups), and the process allows it.
+bool int8_pairs_apply(const Problem& p) {
+  return p.kind == kINT4 && p.out_bf16 && p.group % 8 == 0 && p.col_offset % 8 == 0 && isa_extensions_allowed();
+}
+
+// M bf16 rows of x rounded to int8 per weight scale group, as quant_linear.cpp's quantize_row rounds them (v times
+// 127 / absmax in fp32, to nearest even; a group with a NaN or an infinity: zeros and a NaN scale), laid out as
+// Int8Pairs.
+AVX2 void quantize_pairs(const Problem& p, const uint8_t* x, int64_t x_row, std::vector<uint32_t>& pairs,
+                         std::vector<int32_t>& sums, std::vector<float>& scales, int64_t stride) {
+  pairs.assign(p.M * stride, 0);
+  sums.assign(p.M * p.G, 0);
+  scales.assign(p.M * p.G, 0.f);
+  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+  // Each 32-bit lane's low byte, in pairs: (x0, x1, x0, x1), (x2, x3, x2, x3) per 128-bit lane.
+  const __m256i gather = _mm256_setr_epi8(0, 4, 0, 4, 8, 12, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 0, 4, 8, 12, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int64_t m = 0; m < p.M; ++m) {
+    const uint8_t* row = x + m * x_row;
+    uint8_t* bytes = reinterpret_cast<uint8_t*>(pairs.data() + m * stride);
+    for (int64_t k0 = 0; k0 < p.K;) {
+      const int64_t k1 = group_end(p, k0), g = scale_column(p, k0);
+      __m256 most = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+      int64_t k = k0;
+      for (; k + 8 <= k1; k += 8) {
+        const __m256 a = _mm256_and_ps(load8(row, true, k), sign_off);
+        most = _mm256_max_ps(most, a);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, most);
+      float absmax = 0.f;
+      for (float v : lanes) absmax = std::max(absmax, v);
+      bool finite = _mm256_movemask_ps(bad) == 0;
+      for (; k < k1; ++k) {
+        const float v = value_at(row, true, k);
+        finite = finite && std::isfinite(v);
+        absmax = std::max(absmax, std::fabs(v));
+      }
+      const float inv_scale = finite && absmax > 1e-30f ? 127.f / absmax : 0.f;  // (127 / m overflows below 4e-37)
+      const __m256 inv = _mm256_set1_ps(inv_scale);
+      __m256i total = _mm256_setzero_si256();
+      for (k = k0; k + 8 <= k1; k += 8) {  // k0 even: whole pairs
+        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8(row, true, k), inv));
+        total = _mm256_add_epi32(total, q);
+        const __m256i words = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q, gather), 0x08);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + 2 * k), _mm256_castsi256_si128(words));
+      }
+      alignas(32) int32_t parts[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(parts), total);
+      int32_t sum = 0;
+      for (int32_t v : parts) sum += v;
+      for (; k < k1; ++k) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(value_at(row, true, k) * inv_scale));
+        sum += q;
+        bytes[2 * (k & ~int64_t(1)) + (k & 1)] = bytes[2 * (k & ~int64_t(1)) + 2 + (k & 1)] = static_cast<uint8_t>(q);
+      }
+      sums[m * p.G + g] = sum;
+      scales[m * p.G + g] = finite ? absmax / 127.f : std::numeric_limits<float>::quiet_NaN();
+      k0 = k1;
+    }
+  }
+}
+
 template <int64_t Kind>
 AVX2 void sweep_kind(const Problem& p, const uint8_t* x, int64_t x_row, int64_t b0, int64_t b1, uint8_t* y) {
   const int64_t item = p.out_bf16 ? 2 : 4, y_row = p.N * item;
   // More rows than one sweep takes: spans of blocks small enough to stay in L2 for the next sweep.
   const int64_t span = p.M <= kRowsPerSweep ? b1 - b0 : std::max<int64_t>(1, (int64_t(256) << 10) / p.block_bytes);
+  if constexpr (Kind == kINT4) {
+    if (int8_pairs_apply(p)) {
+      const int64_t stride = p.K2 + 1;  // a zero word past each row's last pair: a last, odd pair's partner
+      std::vector<uint32_t> pairs;
+      std::vector<int32_t> sums;
+      std::vector<float> scales;
+      quantize_pairs(p, x, x_row, pairs, sums, scales, stride);
+      for (int64_t s0 = b0; s0 < b1; s0 += span)
+        for (int64_t m0 = 0; m0 < p.M; m0 += kRowsPerSweep) {
+          Problem part = p;
+          part.M = std::min<int64_t>(kRowsPerSweep, p.M - m0);
+          const Int8Pairs rows{pairs.data() + m0 * stride, sums.data() + m0 * p.G, scales.data() + m0 * p.G, stride,
+                               p.G};
+          blocks<Kind>(part, rows, s0, std::min(b1, s0 + span), y + m0 * y_row, y_row);
+        }
+      return;
+    }
+  }
   if constexpr (Kind == kINT8 || Kind == kINT4) {
     const int64_t chunks = (2 * p.K2 + kActChunk - 1) / kActChunk;
     std::vector<int16_t> q, rest;

@@ -103,8 +103,10 @@ def _body_family(cpu_isa: str) -> str:
 def _apply_choice() -> None:
     family = _body_family(_isa)
     torch.ops.dsaserve.set_cpu_isa(family)
+    # The paths that round activations to int8 (VNNI, and the AVX2 family's int4 products by bf16 activations)
+    # run unless native_kernels asks for the exact bodies alone.
+    torch.ops.dsaserve.set_isa_extensions(_choice == "auto")
     extensions = _choice == "auto" and family == "avx512_bf16"
-    torch.ops.dsaserve.set_isa_extensions(extensions)
     why_not = "native_kernels 'avx512'" if _choice != "auto" else f"cpu_isa '{_isa}'"
     amx.allow(extensions and _isa in ("auto", "amx"), why_not)
 
@@ -171,9 +173,12 @@ def summary() -> str:
         family = "AVX-512 without BF16" if cpu_kernels() == "avx512" else "AVX2"
         why = "chosen by cpu_isa" if _isa in AVX2_FAMILY else "this CPU has no AVX-512 BF16"
         wide = ", their blocks in 512-bit registers" if cpu_kernels() == "avx512" else ""
+        int4 = (", int4 by bf16 activations rounded to int8 (vpmaddubsw)"
+                if torch.ops.dsaserve.int4_bf16_path() == "avx2_int8" else "")
         return (f"{family} ({why}): the packed-weight products{wide} (bf16 and fp8 widened in registers, int8 and "
-                "int4 by int16 products), the sparse and dense attention over selected rows (fp32 or bf16), the "
-                "indexer's scores (bf16 or int8 keys, or fp32 keys read in place), and the decode plan")
+                f"int4 by int16 products of the activations{int4}), the sparse and dense attention over selected "
+                "rows (fp32 or bf16), the indexer's scores (bf16 or int8 keys, or fp32 keys read in place), and the "
+                "decode plan")
     if cpu_kernels() == "none" and _isa == "none":
         return ("none (chosen by cpu_isa): no native body runs, as on a CPU without AVX2; packed weights are "
                 "dequantized a slab at a time for torch's products")
