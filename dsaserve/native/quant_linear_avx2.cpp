@@ -13,7 +13,7 @@
 //                       of the chunk's largest) and greedy decoding follows the float weights' (the tests).
 //   int4 weights, bf16  the activations rounded to int8 per row and weight scale group instead (absmax / 127), the
 //   activations         nibbles kept unsigned and multiplied by vpmaddubsw: the AVX-512 VNNI path's integers and
-//                       arithmetic (quant_linear.cpp), so its bits, at a third of the int16 products' instructions.
+//                       arithmetic (quant_linear.cpp), so its bits, in fewer instructions than the int16 products.
 //                       native_kernels 'avx512' keeps the int16 products (set_isa_extensions).
 //
 // Rows of activations are taken four at a time per sweep of the weights (the registers: two 8-row halves per
