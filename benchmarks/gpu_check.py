@@ -40,8 +40,8 @@ def sizes(device: str) -> dict:
         return dict(batches=[1, 16, 64], input_len=128, output_len=128, contexts=[8192, 32768, 65536],
                     parity_prompts=(90, 41), parity_steps=32, rows_batch=64, rows_cache=65536, score_context=65536,
                     heads=64, index_heads=32)
-    return dict(batches=[1, 4], input_len=32, output_len=8, contexts=[256, 512], parity_prompts=(40, 20),
-                parity_steps=6, rows_batch=2, rows_cache=512, score_context=256, heads=4, index_heads=4)
+    return dict(batches=[1, 4], input_len=32, output_len=8, contexts=[256, 512], parity_prompts=(24, 20),
+                parity_steps=3, rows_batch=2, rows_cache=512, score_context=256, heads=4, index_heads=4)
 
 
 def small_checkpoint(device: str) -> str:
