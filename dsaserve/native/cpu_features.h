@@ -81,6 +81,17 @@ inline bool use_avx2() { return (chosen_isa() == Isa::avx2 || chosen_isa() == Is
 // Whether the AVX-512F bodies run (the avx512 family: AVX-512 without BF16, or cpu_isa 'avx512' asking for it).
 inline bool use_avx512f() { return chosen_isa() == Isa::avx512 && cpu_has_avx512f(); }
 
+// The avx512 family on a CPU with AVX-512 VNNI (Cascade Lake, Ice Lake): int4 weights by int8-rounded activations
+// take vpdpbusd.
+inline bool use_avx512f_vnni() {
+#if DSASERVE_X86
+    static const bool has = __builtin_cpu_supports("avx512vnni");
+    return has && use_avx512f();
+#else
+    return false;
+#endif
+}
+
 // int8 dot products (vpdpbusd): the int8 indexer keys' scores.
 inline bool use_avx512_vnni() {
 #if DSASERVE_X86

@@ -62,6 +62,16 @@ struct Int16Rows {
   int64_t K2, chunks;
 };
 
+// Rows of bf16 activations rounded to int8 per weight scale group for int4 weights (the AVX2 families' path, the
+// AVX-512 VNNI one's rounding): each column pair's two bytes twice over in a 32-bit word (what vpmaddubsw multiplies
+// a row's nibble pair by, broadcast by one load), zero words past a row's last pair.
+struct Int8Pairs {
+  const uint32_t* pairs;  // row m's pair kp at pairs[m * stride + kp]
+  const int32_t* sums;    // row m's group g: the sum of its int8 values, at sums[m * G + g]
+  const float* scales;    // its scale, absmax / 127 (NaN where the group holds a NaN or an infinity)
+  int64_t stride, G;
+};
+
 // Whether the bodies may take their faster paths that round activations (native_kernels 'auto'; 'avx512' keeps
 // the products exact in bf16 activations, for comparing: set_isa_extensions in quant_linear.cpp).
 bool isa_extensions_allowed();
@@ -70,6 +80,8 @@ bool isa_extensions_allowed();
 // arithmetic lane for lane, a block's 16 rows in one 512-bit register (quant_linear_avx512f.cpp).
 void avx512f_blocks(const Problem& p, const FloatRows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row);
 void avx512f_blocks(const Problem& p, const Int16Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row);
+// int4 weights by Int8Pairs with AVX-512 VNNI (use_avx512f_vnni): the AVX2 body's integers by vpdpbusd, its bits.
+void avx512f_blocks(const Problem& p, const Int8Pairs& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row);
 
 // The bodies' entry for blocks [b0, b1) of p against p.M <= 16 activation rows (x_row bytes apart; bf16 when
 // p.out_bf16, else fp32) into y [p.M, N] in the same dtype.

@@ -240,15 +240,6 @@ AVX2 void block_int(const Problem& p, const Int16Rows& x, int64_t b, uint8_t* y,
   for (int m = 0; m < M; ++m) store16(p, y + m * y_row, b * 16, total[m][0], total[m][1], rows);
 }
 
-// Rows of bf16 activations rounded to int8 per weight scale group for int4 weights: each column pair's two bytes
-// twice over in a 32-bit word (what vpmaddubsw multiplies a row's nibble pair by, broadcast by one load).
-struct Int8Pairs {
-  const uint32_t* pairs;  // row m's pair kp at pairs[m * stride + kp] (a zero word past the row's last pair)
-  const int32_t* sums;    // row m's group g: the sum of its int8 values, at sums[m * G + g]
-  const float* scales;    // its scale, absmax / 127 (NaN where the group holds a NaN or an infinity)
-  int64_t stride, G;
-};
-
 // One 16-row block of an int4 weight against M <= 4 rows of int8 pairs: per two column pairs, the 32 packed bytes'
 // quarters reordered so one 128-bit lane holds rows 0-7 and the other rows 8-15, the nibbles (0-15, unsigned)
 // split and interleaved into each row's byte pair, and vpmaddubsw by the rows' int8 pairs. Four such steps add in
@@ -314,8 +305,11 @@ AVX2 void blocks_m(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint
 
 template <int64_t Kind, typename Rows>
 AVX2 void blocks(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
-  if constexpr (!std::is_same_v<Rows, Int8Pairs>)  // the same sums, a block per register
-    if (use_avx512f()) return avx512f_blocks(p, x, b0, b1, y, y_row);
+  if constexpr (std::is_same_v<Rows, Int8Pairs>) {
+    if (use_avx512f_vnni()) return avx512f_blocks(p, x, b0, b1, y, y_row);  // vpdpbusd: the same integers
+  } else if (use_avx512f()) {
+    return avx512f_blocks(p, x, b0, b1, y, y_row);  // the same sums, a block per register
+  }
   switch (p.M) {
     case 1: return blocks_m<Kind, 1>(p, x, b0, b1, y, y_row);
     case 2: return blocks_m<Kind, 2>(p, x, b0, b1, y, y_row);
@@ -497,7 +491,7 @@ AVX2 void sweep_kind(const Problem& p, const uint8_t* x, int64_t x_row, int64_t 
   const int64_t span = p.M <= kRowsPerSweep ? b1 - b0 : std::max<int64_t>(1, (int64_t(256) << 10) / p.block_bytes);
   if constexpr (Kind == kINT4) {
     if (int8_pairs_apply(p)) {
-      const int64_t stride = p.K2 + 1;  // a zero word past each row's last pair: a last, odd pair's partner
+      const int64_t stride = p.K2 + 3;  // zero words past each row's last pair: a last step's partners
       std::vector<uint32_t> pairs;
       std::vector<int32_t> sums;
       std::vector<float> scales;

@@ -1,15 +1,18 @@
 // The packed-weight products' blocks for the avx512 family (AVX-512F/BW/VL/DQ without BF16: Skylake-SP to Ice
 // Lake, Zen 4 under cpu_isa 'avx512'): quant_linear_avx2.cpp's arithmetic, lane for lane, with a 16-row block in
 // one 512-bit register instead of two 256-bit halves, so each product has the AVX2 body's bits in half the
-// instructions. The activations (fp32 rows, or int16 values, remainders and scales) and the sweeps over blocks are
-// the AVX2 body's; only the innermost block loops are here.
+// instructions. The activations (fp32 rows, int16 values, remainders and scales, or int8 pairs) and the sweeps over
+// blocks are the AVX2 body's; only the innermost block loops are here.
 //
 //   bf16, fp8 weights   widened to fp32 in registers, FMA with the fp32 activations (even and odd columns apart
 //                       for one or two rows, as the AVX2 body sums them).
 //   int8, int4 weights  widened to int16 pairs, multiplied by the int16 activations (vpmaddwd: both columns of a
 //                       pair in one instruction) and summed in int32.
-// One body serves CPUs with and without AVX-512 VNNI (its vpdpwssd would fuse each product with its sum: left
-// until a measurement shows it pays beside the weights' decode and the memory).
+//   int4 weights, bf16  where the CPU has AVX-512 VNNI: the AVX2 body's int8-rounded activations (Int8Pairs) and
+//   activations         unsigned nibbles, four columns of a row per 32-bit lane, multiplied and summed by vpdpbusd:
+//                       the same integers, so the same bits (without VNNI the AVX2 body's vpmaddubsw blocks run).
+// The exact int16 products do not use VNNI (its vpdpwssd would fuse each product with its sum: left until a
+// measurement shows it pays beside the weights' decode and the memory).
 #include "cpu_features.h"
 #include "fp8_decode_avx512.h"
 #include "packed_problem.h"
@@ -148,6 +151,66 @@ AVX512 void block_int(const Problem& p, const Int16Rows& x, int64_t b, uint8_t* 
   for (int m = 0; m < M; ++m) store16(p, y + m * y_row, b * 16, total[m], rows);
 }
 
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+
+// One 16-row block of an int4 weight against M <= 4 rows of int8 pairs: per step of four column pairs (64 packed
+// bytes), the quarters reordered so each 128-bit lane holds one pair's 8 rows next to the following pair's, the
+// nibbles split and interleaved twice, so that a 32-bit lane holds four consecutive columns of one row: rows 0-3
+// and 8-11 (c) or 4-7 and 12-15 (d) of the step's first four columns in lanes 0-1, of its last four in lanes 2-3.
+// vpdpbusd multiplies them by each lane's four activation bytes; at the group's end the lanes' halves are added
+// and put in row order, and the sum less 8 x the activations' is scaled as the AVX2 body scales it.
+template <int M>
+AVX512VNNI void block_int4_vnni(const Problem& p, const Int8Pairs& x, int64_t b, uint8_t* y, int64_t y_row) {
+  alignas(64) static const int8_t pick_bytes[64] = {
+      0, 1, 4, 5, 0, 1, 4, 5, 0, 1, 4, 5, 0, 1, 4, 5, 0, 1, 4, 5, 0, 1, 4, 5, 0, 1, 4, 5, 0, 1, 4, 5,
+      8, 9, 12, 13, 8, 9, 12, 13, 8, 9, 12, 13, 8, 9, 12, 13, 8, 9, 12, 13, 8, 9, 12, 13, 8, 9, 12, 13, 8, 9, 12, 13};
+  const __m512i pick = _mm512_load_si512(pick_bytes);  // a lane's four activation bytes from its pairs' words
+  const __m512i order = _mm512_setr_epi64(0, 2, 1, 3, 4, 6, 5, 7);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* block = p.w + b * p.block_bytes;
+  __m512 total[M];
+  for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < p.K;) {
+    const int64_t k1 = group_end(p, k0), g = scale_column(p, k0), kp1 = (k1 + 1) / 2;
+    __m512i c_sum[M], d_sum[M];
+    for (int m = 0; m < M; ++m) c_sum[m] = d_sum[m] = _mm512_setzero_si512();
+    for (int64_t kp = k0 / 2; kp < kp1; kp += 4) {
+      const int64_t pairs = std::min<int64_t>(4, kp1 - kp);  // fewer only at the weight's last columns
+      const __m512i raw = pairs == 4 ? _mm512_loadu_si512(block + kp * 16)
+                                     : _mm512_maskz_loadu_epi8((__mmask64(1) << (pairs * 16)) - 1, block + kp * 16);
+      const __m512i v = _mm512_permutexvar_epi64(order, raw);
+      const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      const __m512i first = _mm512_unpacklo_epi8(lo, hi), second = _mm512_unpackhi_epi8(lo, hi);
+      const __m512i c = _mm512_unpacklo_epi16(first, second), d = _mm512_unpackhi_epi16(first, second);
+      for (int m = 0; m < M; ++m) {
+        const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.pairs + m * x.stride + kp));
+        const __m512i xv = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(words), pick);
+        c_sum[m] = _mm512_dpbusd_epi32(c_sum[m], c, xv);
+        d_sum[m] = _mm512_dpbusd_epi32(d_sum[m], d, xv);
+      }
+    }
+    const __m512 s = block_scales(p, b, g);
+    for (int m = 0; m < M; ++m) {
+      const __m256i cs = _mm256_add_epi32(_mm512_castsi512_si256(c_sum[m]), _mm512_extracti64x4_epi64(c_sum[m], 1));
+      const __m256i ds = _mm256_add_epi32(_mm512_castsi512_si256(d_sum[m]), _mm512_extracti64x4_epi64(d_sum[m], 1));
+      const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(cs), ds, 1);  // rows 0-3, 8-11, 4-7, 12-15
+      const __m512i sum = _mm512_shuffle_i64x2(lanes, lanes, _MM_SHUFFLE(3, 1, 2, 0));
+      const __m512i offset = _mm512_set1_epi32(8 * x.sums[m * x.G + g]);
+      total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, offset)),
+                                 _mm512_mul_ps(s, _mm512_set1_ps(x.scales[m * x.G + g])), total[m]);
+    }
+    k0 = k1;
+  }
+  const int64_t rows = std::min<int64_t>(16, p.N - b * 16);
+  for (int m = 0; m < M; ++m) store16(p, y + m * y_row, b * 16, total[m], rows);
+}
+
+template <int M>
+AVX512VNNI void blocks_int4_vnni(const Problem& p, const Int8Pairs& x, int64_t b0, int64_t b1, uint8_t* y,
+                                 int64_t y_row) {
+  for (int64_t b = b0; b < b1; ++b) block_int4_vnni<M>(p, x, b, y, y_row);
+}
+
 template <int64_t Kind, int M, typename Rows>
 AVX512 void blocks_m(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
   for (int64_t b = b0; b < b1; ++b) {
@@ -179,8 +242,18 @@ void avx512f_blocks(const Problem& p, const Int16Rows& x, int64_t b0, int64_t b1
   else blocks<kINT4>(p, x, b0, b1, y, y_row);
 }
 
+void avx512f_blocks(const Problem& p, const Int8Pairs& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
+  switch (p.M) {
+    case 1: return blocks_int4_vnni<1>(p, x, b0, b1, y, y_row);
+    case 2: return blocks_int4_vnni<2>(p, x, b0, b1, y, y_row);
+    case 3: return blocks_int4_vnni<3>(p, x, b0, b1, y, y_row);
+    default: return blocks_int4_vnni<4>(p, x, b0, b1, y, y_row);
+  }
+}
+
 #else  // not x86: use_avx512f() is never true
 
+void avx512f_blocks(const Problem&, const Int8Pairs&, int64_t, int64_t, uint8_t*, int64_t) {}
 void avx512f_blocks(const Problem&, const FloatRows&, int64_t, int64_t, uint8_t*, int64_t) {}
 void avx512f_blocks(const Problem&, const Int16Rows&, int64_t, int64_t, uint8_t*, int64_t) {}
 
