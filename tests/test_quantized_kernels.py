@@ -21,9 +21,10 @@ SHAPES = [(37, 301, 0), (16, 128, 0), (5, 45, 0), (33, 200, 64), (70, 388, 0)]
 
 def int8_activations_here(kind: str) -> bool:
     """Whether `kind` ("int4", "int8") weights meet bf16 activations rounded to int8 under the body family now
-    configured: the VNNI path (AVX-512 BF16 family) or the AVX2 families' int4 path (vpmaddubsw)."""
-    return kind in ("int4", "int8") and getattr(torch.ops.dsaserve, f"{kind}_bf16_path")() in ("avx512_vnni",
-                                                                                               "avx2_int8")
+    configured: the VNNI path (AVX-512 BF16 family) or the AVX2 families' int4 path (vpmaddubsw, or vpdpbusd in the
+    avx512 family where the CPU has VNNI)."""
+    return kind in ("int4", "int8") and getattr(torch.ops.dsaserve, f"{kind}_bf16_path")() in (
+        "avx512_vnni", "avx512_int8", "avx2_int8")
 
 
 def int8_activation_cases() -> list:

@@ -1108,13 +1108,15 @@ at::Tensor dequantize_t(const at::Tensor& qweight, const at::Tensor& scale, int6
 
 std::string cpu_kernels() { return dsaserve::isa_name(dsaserve::chosen_isa()); }  // (cpu_isa.cpp's operator)
 
-// How int4 weights meet bf16 activations here: "avx512_vnni" or "avx2_int8" (activations quantized to int8 per row
-// and group, integer dot products: vpdpbusd, or vpmaddubsw on the AVX2 family), the family's name (exact in the
-// activations: "avx512_bf16", "avx2", "avx512"), or "none". (Scale groups of whole chunks of 8 columns.)
+// How int4 weights meet bf16 activations here: "avx512_vnni", "avx512_int8" or "avx2_int8" (activations quantized to
+// int8 per row and group, integer dot products: vpdpbusd in the AVX-512 BF16 family, and in the avx512 family where
+// the CPU has VNNI; else vpmaddubsw), the family's name (exact in the activations: "avx512_bf16", "avx2",
+// "avx512"), or "none". (Scale groups of whole chunks of 8 columns.)
 std::string int4_bf16_path() {
 #if DSASERVE_X86
   if (int4_vnni_enabled()) return "avx512_vnni";
-  if (dsaserve::use_avx2() && g_extensions_allowed.load(std::memory_order_relaxed)) return "avx2_int8";
+  if (dsaserve::use_avx2() && g_extensions_allowed.load(std::memory_order_relaxed))
+    return dsaserve::use_avx512f_vnni() ? "avx512_int8" : "avx2_int8";
 #endif
   return cpu_kernels();
 }

@@ -173,8 +173,9 @@ def summary() -> str:
         family = "AVX-512 without BF16" if cpu_kernels() == "avx512" else "AVX2"
         why = "chosen by cpu_isa" if _isa in AVX2_FAMILY else "this CPU has no AVX-512 BF16"
         wide = ", their blocks in 512-bit registers" if cpu_kernels() == "avx512" else ""
-        int4 = (", int4 by bf16 activations rounded to int8 (vpmaddubsw)"
-                if torch.ops.dsaserve.int4_bf16_path() == "avx2_int8" else "")
+        int4 = {"avx2_int8": ", int4 by bf16 activations rounded to int8 (vpmaddubsw)",
+                "avx512_int8": ", int4 by bf16 activations rounded to int8 (AVX-512 VNNI)"}.get(
+            torch.ops.dsaserve.int4_bf16_path(), "")
         return (f"{family} ({why}): the packed-weight products{wide} (bf16 and fp8 widened in registers, int8 and "
                 f"int4 by int16 products of the activations{int4}), the sparse and dense attention over selected "
                 "rows (fp32 or bf16), the indexer's scores (bf16 or int8 keys, or fp32 keys read in place), and the "
