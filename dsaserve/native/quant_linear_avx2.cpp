@@ -350,6 +350,31 @@ AVX2 void widen_rows(const Problem& p, const uint8_t* x, int64_t x_row, std::vec
 // Eight int32 lanes as eight int16 (saturating).
 AVX2 inline __m128i pack(__m256i v) { return _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)); }
 
+// The largest magnitude among columns [c0, c1) of a row (bf16 or fp32) into absmax, and whether none is a NaN or an
+// infinity (unordered or above the largest finite float: max_ps alone would drop a NaN).
+AVX2 bool largest_magnitude(const uint8_t* row, bool bf16, int64_t c0, int64_t c1, float& absmax) {
+  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 most = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  int64_t k = c0;
+  for (; k + 8 <= c1; k += 8) {
+    const __m256 a = _mm256_and_ps(load8(row, bf16, k), sign_off);
+    most = _mm256_max_ps(most, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, most);
+  absmax = 0.f;
+  for (float v : lanes) absmax = std::max(absmax, v);
+  bool finite = _mm256_movemask_ps(bad) == 0;
+  for (; k < c1; ++k) {
+    const float v = value_at(row, bf16, k);
+    finite = finite && std::isfinite(v);
+    absmax = std::max(absmax, std::fabs(v));
+  }
+  return finite;
+}
+
 // M rows of x quantized to int16 per kActChunk columns (absmax / 32767, rounded to nearest even); for fp32 rows
 // also each value's remainder in 2^-15 steps (rest).
 AVX2 void quantize_rows(const Problem& p, const uint8_t* x, int64_t x_row, std::vector<int16_t>& q,
@@ -359,31 +384,12 @@ AVX2 void quantize_rows(const Problem& p, const uint8_t* x, int64_t x_row, std::
   q.assign(p.M * K, 0);
   rest.assign(with_rest ? p.M * K : 0, 0);
   scales.resize(p.M * chunks);
-  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t m = 0; m < p.M; ++m) {
     const uint8_t* row = x + m * x_row;
     for (int64_t j = 0; j < chunks; ++j) {
       const int64_t c0 = j * kActChunk, c1 = std::min(K, c0 + kActChunk);
-      // The chunk's largest magnitude, and whether it holds a NaN or an infinity (unordered or above the largest
-      // finite float: max_ps alone would drop a NaN).
-      const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
-      __m256 most = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-      int64_t k = c0;
-      for (; k + 8 <= c1; k += 8) {
-        const __m256 a = _mm256_and_ps(load8(row, p.out_bf16, k), sign_off);
-        most = _mm256_max_ps(most, a);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));
-      }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, most);
-      float absmax = 0.f;
-      for (float v : lanes) absmax = std::max(absmax, v);
-      bool finite = _mm256_movemask_ps(bad) == 0;
-      for (; k < c1; ++k) {
-        const float v = value_at(row, p.out_bf16, k);
-        finite = finite && std::isfinite(v);
-        absmax = std::max(absmax, std::fabs(v));
-      }
+      float absmax;
+      const bool finite = largest_magnitude(row, p.out_bf16, c0, c1, absmax);
       if (!finite) {
         scales[m * chunks + j] = std::numeric_limits<float>::quiet_NaN();
         continue;  // the chunk's values stay 0; its NaN scale makes every output of the row NaN, as in torch
@@ -432,8 +438,6 @@ AVX2 void quantize_pairs(const Problem& p, const uint8_t* x, int64_t x_row, std:
   pairs.assign(p.M * stride, 0);
   sums.assign(p.M * p.G, 0);
   scales.assign(p.M * p.G, 0.f);
-  const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
   // Each 32-bit lane's low byte, in pairs: (x0, x1, x0, x1), (x2, x3, x2, x3) per 128-bit lane.
   const __m256i gather = _mm256_setr_epi8(0, 4, 0, 4, 8, 12, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
                                           0, 4, 0, 4, 8, 12, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1);
@@ -442,27 +446,13 @@ AVX2 void quantize_pairs(const Problem& p, const uint8_t* x, int64_t x_row, std:
     uint8_t* bytes = reinterpret_cast<uint8_t*>(pairs.data() + m * stride);
     for (int64_t k0 = 0; k0 < p.K;) {
       const int64_t k1 = group_end(p, k0), g = scale_column(p, k0);
-      __m256 most = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-      int64_t k = k0;
-      for (; k + 8 <= k1; k += 8) {
-        const __m256 a = _mm256_and_ps(load8(row, true, k), sign_off);
-        most = _mm256_max_ps(most, a);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));
-      }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, most);
-      float absmax = 0.f;
-      for (float v : lanes) absmax = std::max(absmax, v);
-      bool finite = _mm256_movemask_ps(bad) == 0;
-      for (; k < k1; ++k) {
-        const float v = value_at(row, true, k);
-        finite = finite && std::isfinite(v);
-        absmax = std::max(absmax, std::fabs(v));
-      }
+      float absmax;
+      const bool finite = largest_magnitude(row, true, k0, k1, absmax);
       const float inv_scale = finite && absmax > 1e-30f ? 127.f / absmax : 0.f;  // (127 / m overflows below 4e-37)
       const __m256 inv = _mm256_set1_ps(inv_scale);
       __m256i total = _mm256_setzero_si256();
-      for (k = k0; k + 8 <= k1; k += 8) {  // k0 even: whole pairs
+      int64_t k = k0;
+      for (; k + 8 <= k1; k += 8) {  // k0 even: whole pairs
         const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8(row, true, k), inv));
         total = _mm256_add_epi32(total, q);
         const __m256i words = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q, gather), 0x08);
@@ -484,11 +474,22 @@ AVX2 void quantize_pairs(const Problem& p, const uint8_t* x, int64_t x_row, std:
   }
 }
 
+// Blocks [b0, b1) against p.M prepared rows, kRowsPerSweep rows per sweep of the weights (rows_at(m0): the rows
+// from m0 on); more rows than one sweep takes go over spans of blocks small enough to stay in L2 for the next sweep.
+template <int64_t Kind, typename RowsAt>
+AVX2 void sweeps(const Problem& p, int64_t b0, int64_t b1, uint8_t* y, const RowsAt& rows_at) {
+  const int64_t y_row = p.N * (p.out_bf16 ? 2 : 4);
+  const int64_t span = p.M <= kRowsPerSweep ? b1 - b0 : std::max<int64_t>(1, (int64_t(256) << 10) / p.block_bytes);
+  for (int64_t s0 = b0; s0 < b1; s0 += span)
+    for (int64_t m0 = 0; m0 < p.M; m0 += kRowsPerSweep) {
+      Problem part = p;
+      part.M = std::min<int64_t>(kRowsPerSweep, p.M - m0);
+      blocks<Kind>(part, rows_at(m0), s0, std::min(b1, s0 + span), y + m0 * y_row, y_row);
+    }
+}
+
 template <int64_t Kind>
 AVX2 void sweep_kind(const Problem& p, const uint8_t* x, int64_t x_row, int64_t b0, int64_t b1, uint8_t* y) {
-  const int64_t item = p.out_bf16 ? 2 : 4, y_row = p.N * item;
-  // More rows than one sweep takes: spans of blocks small enough to stay in L2 for the next sweep.
-  const int64_t span = p.M <= kRowsPerSweep ? b1 - b0 : std::max<int64_t>(1, (int64_t(256) << 10) / p.block_bytes);
   if constexpr (Kind == kINT4) {
     if (int8_pairs_apply(p)) {
       const int64_t stride = p.K2 + 3;  // zero words past each row's last pair: a last step's partners
@@ -496,15 +497,9 @@ AVX2 void sweep_kind(const Problem& p, const uint8_t* x, int64_t x_row, int64_t 
       std::vector<int32_t> sums;
       std::vector<float> scales;
       quantize_pairs(p, x, x_row, pairs, sums, scales, stride);
-      for (int64_t s0 = b0; s0 < b1; s0 += span)
-        for (int64_t m0 = 0; m0 < p.M; m0 += kRowsPerSweep) {
-          Problem part = p;
-          part.M = std::min<int64_t>(kRowsPerSweep, p.M - m0);
-          const Int8Pairs rows{pairs.data() + m0 * stride, sums.data() + m0 * p.G, scales.data() + m0 * p.G, stride,
-                               p.G};
-          blocks<Kind>(part, rows, s0, std::min(b1, s0 + span), y + m0 * y_row, y_row);
-        }
-      return;
+      return sweeps<Kind>(p, b0, b1, y, [&](int64_t m0) {
+        return Int8Pairs{pairs.data() + m0 * stride, sums.data() + m0 * p.G, scales.data() + m0 * p.G, stride, p.G};
+      });
     }
   }
   if constexpr (Kind == kINT8 || Kind == kINT4) {
@@ -512,24 +507,14 @@ AVX2 void sweep_kind(const Problem& p, const uint8_t* x, int64_t x_row, int64_t 
     std::vector<int16_t> q, rest;
     std::vector<float> scales;
     quantize_rows(p, x, x_row, q, rest, scales, chunks);
-    for (int64_t s0 = b0; s0 < b1; s0 += span)
-      for (int64_t m0 = 0; m0 < p.M; m0 += kRowsPerSweep) {
-        Problem part = p;
-        part.M = std::min<int64_t>(kRowsPerSweep, p.M - m0);
-        const Int16Rows rows{q.data() + m0 * 2 * p.K2, rest.empty() ? nullptr : rest.data() + m0 * 2 * p.K2,
-                             scales.data() + m0 * chunks, p.K2, chunks};
-        blocks<Kind>(part, rows, s0, std::min(b1, s0 + span), y + m0 * y_row, y_row);
-      }
+    sweeps<Kind>(p, b0, b1, y, [&](int64_t m0) {
+      return Int16Rows{q.data() + m0 * 2 * p.K2, rest.empty() ? nullptr : rest.data() + m0 * 2 * p.K2,
+                       scales.data() + m0 * chunks, p.K2, chunks};
+    });
   } else {
     std::vector<float> widened;
     widen_rows(p, x, x_row, widened);
-    for (int64_t s0 = b0; s0 < b1; s0 += span)
-      for (int64_t m0 = 0; m0 < p.M; m0 += kRowsPerSweep) {
-        Problem part = p;
-        part.M = std::min<int64_t>(kRowsPerSweep, p.M - m0);
-        const FloatRows rows{widened.data() + m0 * 2 * p.K2, 2 * p.K2};
-        blocks<Kind>(part, rows, s0, std::min(b1, s0 + span), y + m0 * y_row, y_row);
-      }
+    sweeps<Kind>(p, b0, b1, y, [&](int64_t m0) { return FloatRows{widened.data() + m0 * 2 * p.K2, 2 * p.K2}; });
   }
 }
 
