@@ -36,18 +36,25 @@ uint32_t bucket_of(const uint32_t *hist, uint32_t bins, int64_t *need) {
 }
 
 void topk_row(const float *x, int64_t n, int64_t k, uint32_t *candidates, float *values, int64_t *indices) {
-    uint32_t hist[2048];
+    /* The first histogram in four, element c counted in the (c % 4)-th: scores crowd into a few buckets, and
+     * increments of one counter in a row would each wait for the previous one's store. The keys are kept. */
+    uint32_t hists[4][2048];
     int64_t need = k;
-    memset(hist, 0, sizeof hist);
-    for (int64_t c = 0; c < n; c++) hist[key_of(x[c]) >> 21]++;
+    memset(hists, 0, sizeof hists);
+    for (int64_t c = 0; c < n; c++) {
+        candidates[c] = key_of(x[c]);
+        hists[c & 3][candidates[c] >> 21]++;
+    }
+    uint32_t *hist = hists[0];
+    for (int b = 0; b < 2048; b++) hist[b] += hists[1][b] + hists[2][b] + hists[3][b];
     uint32_t top = bucket_of(hist, 2048, &need);
     int64_t m = 0;
-    for (int64_t c = 0; c < n; c++) {
-        uint32_t key = key_of(x[c]);
+    for (int64_t c = 0; c < n; c++) {  /* in place: m <= c */
+        uint32_t key = candidates[c];
         candidates[m] = key;
         m += (key >> 21) == top;
     }
-    memset(hist, 0, sizeof hist);
+    memset(hist, 0, 2048 * sizeof(uint32_t));
     for (int64_t c = 0; c < m; c++) hist[(candidates[c] >> 10) & 2047]++;
     uint32_t middle = bucket_of(hist, 2048, &need);
     memset(hist, 0, 1024 * sizeof(uint32_t));
