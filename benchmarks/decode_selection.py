@@ -2,6 +2,7 @@
 
     python benchmarks/decode_selection.py [--context 8192] [--batch 1] [--steps 300] [--checkpoint DIR]
                                           [--indexer-cache-dtype auto|int8] [--enforce-eager] [--cpu-isa avx2]
+                                          [--quantization fp8]
 
 `batch` requests (1 by default) on the benchmark model (benchmarks/model_core.py) whose first `context` tokens are
 cached synthetically each (as `dsaserve bench longctx` does for its decode points), decoded greedily with the sparse
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--indexer-cache-dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no decode plan: the modules one by one")
     parser.add_argument("--cpu-isa", default="auto", help="the native kernels' body family (avx2: what such CPUs run)")
+    parser.add_argument("--quantization", default=None, help="the weights' form (fp8: as DeepSeek-V3.2 ships)")
     args = parser.parse_args()
     from model_core import checkpoint_dir
 
@@ -50,7 +52,7 @@ def main() -> None:
                                   max_model_len=32768, progress=False, attention_backend="sparse",
                                   max_num_batched_tokens=4096, enable_prefix_caching=False,
                                   indexer_cache_dtype=args.indexer_cache_dtype, enforce_eager=args.enforce_eager,
-                                  cpu_isa=args.cpu_isa))
+                                  cpu_isa=args.cpu_isa, quantization=args.quantization))
     g = torch.Generator().manual_seed(0)
     for r in range(args.batch):
         ids = torch.randint(10, 1000, (args.context,), generator=g).tolist()
