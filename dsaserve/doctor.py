@@ -185,7 +185,8 @@ def _amx_line(cfg: ModelConfig) -> str:
 
 def _native_line() -> str:
     return (f"{torch_ops.summary()} (--cpu-isa auto | amx | avx512_bf16 | avx512 | avx2 | none; --native-kernels "
-            "auto | avx512: the AVX-512 bodies alone | off: torch's operators)")
+            "auto | avx512: the exact bodies alone, no AMX, int8-rounded activations or VBMI lookups | off: torch's "
+            "operators)")
 
 
 def _triton_line() -> str:

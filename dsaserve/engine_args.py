@@ -97,8 +97,9 @@ class EngineArgs:
         "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'"))
     native_kernels: str = field(default="auto", metadata=_help(
         "CPU kernels this process uses: auto (the best bodies this CPU has: AMX tiles where they pass their check at "
-        "load, VNNI int8 weight products, VBMI fp8 lookups), avx512 (the same without the AMX tiles and the VNNI and "
-        "VBMI weight-product paths, for comparing) or off (torch's operators only)", choices=NATIVE_KERNELS))
+        "load, int8-rounded activations for int8 and int4 weights (VNNI; int4 on the AVX2 families too), VBMI fp8 "
+        "lookups), avx512 (the same without the AMX tiles, the int8-rounded activations and the VBMI lookups: the "
+        "exact bodies, for comparing) or off (torch's operators only)", choices=NATIVE_KERNELS))
     cpu_isa: str = field(default="auto", metadata=_help(
         "which body family the CPU kernels run, chosen once at load: auto (the best this CPU has), amx, avx512_bf16, "
         "avx512 (AVX-512 without BF16: the AVX2 family with its weight products 512 bits wide), avx2 (also on "
