@@ -217,9 +217,9 @@ def int4_paths_of(family: str) -> str:
 def test_the_avx2_int4_int8_products_are_the_vnni_paths_bits():
     """int4 weights by bf16 activations: the AVX2 families' path (vpmaddubsw; the avx512 family's blocks by vpdpbusd
     where the CPU has AVX-512 VNNI) rounds the activations as the VNNI path does and sums the same integers in the
-    same float steps, so its outputs are the VNNI path's bits: partial row
-    blocks, odd columns and an odd last column pair, several groups, 1-16 rows, activations near a group's largest
-    (the int8 bytes at +-127), a non-finite row, stacked weights."""
+    same float steps, so its outputs are the VNNI path's bits: partial row blocks, odd columns and an odd last column
+    pair, several groups, 1-16 rows, activations near a group's largest (the int8 bytes at +-127), a non-finite row,
+    stacked weights."""
     results = {}
     try:
         for family in ("avx512_bf16", "avx2", *(["avx512"] if "avx512" in native_bodies() else [])):
