@@ -205,16 +205,11 @@ AVX512VNNI void block_int4_vnni(const Problem& p, const Int8Pairs& x, int64_t b,
   for (int m = 0; m < M; ++m) store16(p, y + m * y_row, b * 16, total[m], rows);
 }
 
-template <int M>
-AVX512VNNI void blocks_int4_vnni(const Problem& p, const Int8Pairs& x, int64_t b0, int64_t b1, uint8_t* y,
-                                 int64_t y_row) {
-  for (int64_t b = b0; b < b1; ++b) block_int4_vnni<M>(p, x, b, y, y_row);
-}
-
 template <int64_t Kind, int M, typename Rows>
 AVX512 void blocks_m(const Problem& p, const Rows& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
   for (int64_t b = b0; b < b1; ++b) {
-    if constexpr (std::is_same_v<Rows, FloatRows>) block_float<Kind, M>(p, x, b, y, y_row);
+    if constexpr (std::is_same_v<Rows, Int8Pairs>) block_int4_vnni<M>(p, x, b, y, y_row);
+    else if constexpr (std::is_same_v<Rows, FloatRows>) block_float<Kind, M>(p, x, b, y, y_row);
     else if (x.rest) block_int<Kind, M, true>(p, x, b, y, y_row);
     else block_int<Kind, M, false>(p, x, b, y, y_row);
   }
@@ -243,12 +238,7 @@ void avx512f_blocks(const Problem& p, const Int16Rows& x, int64_t b0, int64_t b1
 }
 
 void avx512f_blocks(const Problem& p, const Int8Pairs& x, int64_t b0, int64_t b1, uint8_t* y, int64_t y_row) {
-  switch (p.M) {
-    case 1: return blocks_int4_vnni<1>(p, x, b0, b1, y, y_row);
-    case 2: return blocks_int4_vnni<2>(p, x, b0, b1, y, y_row);
-    case 3: return blocks_int4_vnni<3>(p, x, b0, b1, y, y_row);
-    default: return blocks_int4_vnni<4>(p, x, b0, b1, y, y_row);
-  }
+  blocks<kINT4>(p, x, b0, b1, y, y_row);
 }
 
 #else  // not x86: use_avx512f() is never true
