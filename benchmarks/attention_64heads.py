@@ -21,6 +21,7 @@ import time
 import torch
 
 from dsaserve.attention import make_attention_backend
+from dsaserve.attention.indexer_cache import KEY_KINDS
 from dsaserve.attention.indexer_selection import Selection, select
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.config import ModelConfig
@@ -60,7 +61,7 @@ def build_layers(cfg: ModelConfig, backend_name: str):
 
 
 def step_ms(cfg: ModelConfig, backend_name: str, context: int, steps: int,
-            indexer_dtype: str = "auto") -> tuple[float, float]:
+            indexer_dtype: str = "model") -> tuple[float, float]:
     layers = build_layers(cfg, backend_name)
     nblocks = context // BLOCK + 2
     cache = KVCache(cfg, nblocks, BLOCK, torch.bfloat16, torch.device("cpu"), with_indexer=backend_name != "dense",
@@ -108,7 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--indexer-cache-dtype", default="auto", help="the indexer keys' cache: auto, int8 or fp8")
+    parser.add_argument("--indexer-cache-dtype", default="model", choices=KEY_KINDS,
+                        help="the indexer keys' cache: model (the model dtype), int8 or fp8")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = glm52_attention_config()

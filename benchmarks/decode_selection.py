@@ -1,7 +1,7 @@
 """What a sparse decode step spends on its selections, past index_topk.
 
     python benchmarks/decode_selection.py [--context 8192] [--batch 1] [--steps 300] [--checkpoint DIR]
-                                          [--indexer-cache-dtype auto|int8] [--enforce-eager] [--cpu-isa avx2]
+                                          [--indexer-cache-dtype auto|model|int8] [--enforce-eager] [--cpu-isa avx2]
                                           [--quantization fp8]
 
 `batch` requests (1 by default) on the benchmark model (benchmarks/model_core.py) whose first `context` tokens are
@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 
@@ -33,7 +35,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--checkpoint", default=None)
-    parser.add_argument("--indexer-cache-dtype", default="auto")
+    parser.add_argument("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES)
     parser.add_argument("--enforce-eager", action="store_true", help="no decode plan: the modules one by one")
     parser.add_argument("--cpu-isa", default="auto", help="the native kernels' body family (avx2: what such CPUs run)")
     parser.add_argument("--quantization", default=None, help="the weights' form (fp8: as DeepSeek-V3.2 ships)")

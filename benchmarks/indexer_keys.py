@@ -32,8 +32,8 @@ def kernel_alone(rounds: int = 4) -> dict:
 
     blocks_total, block_size, dim, heads, per_request = 9000, 64, 128, 32, 128
     g = torch.Generator().manual_seed(0)
-    packed = IndexerKeyCache(blocks_total, block_size, dim, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
-    plain = IndexerKeyCache(blocks_total, block_size, dim, "auto", torch.bfloat16, torch.device("cpu"))
+    packed = IndexerKeyCache(blocks_total, block_size, dim, "model", torch.bfloat16, torch.device("cpu"), packed=True)
+    plain = IndexerKeyCache(blocks_total, block_size, dim, "model", torch.bfloat16, torch.device("cpu"))
     for cache in (packed, plain):
         cache.data.normal_(generator=g)
     keys = per_request * block_size
@@ -64,8 +64,8 @@ def write_alone(repeats: int = 200) -> dict:
     from dsaserve.native import torch_ops
 
     blocks, block_size, dim = 9000, 64, 128
-    packed = IndexerKeyCache(blocks, block_size, dim, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
-    plain = IndexerKeyCache(blocks, block_size, dim, "auto", torch.bfloat16, torch.device("cpu"))
+    packed = IndexerKeyCache(blocks, block_size, dim, "model", torch.bfloat16, torch.device("cpu"), packed=True)
+    plain = IndexerKeyCache(blocks, block_size, dim, "model", torch.bfloat16, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     result = {}
     for n in (1, 2048):

@@ -89,7 +89,7 @@ def bench_index_scores_f32(g: torch.Generator) -> None:
     t, heads, dim, keys, block = 64, 32, 128, 2048, 64
     q = torch.randn(t, heads, dim, generator=g)
     weights = torch.randn(t, heads, generator=g) * 0.03
-    cache = IndexerKeyCache(keys // block, block, dim, "auto", torch.float32, torch.device("cpu"))
+    cache = IndexerKeyCache(keys // block, block, dim, "model", torch.float32, torch.device("cpu"))
     cache.write(torch.arange(keys), torch.randn(keys, dim, generator=g))
     blocks = torch.randperm(keys // block, generator=g)
     out, per_head = torch.empty(t, keys), torch.empty(t * heads, keys)
@@ -114,7 +114,7 @@ def bench_index_scores_int8(g: torch.Generator) -> None:
     for t, keys in ((64, 2048), (1, 32768)):
         blocks = keys // block_size
         caches = {kind: IndexerKeyCache(blocks, block_size, dim, kind, torch.bfloat16, torch.device("cpu"), packed=True)
-                  for kind in ("auto", "int8")}
+                  for kind in ("model", "int8")}
         key_rows = torch.randn(keys, dim, generator=g).bfloat16()
         for cache in caches.values():
             cache.write(torch.arange(keys), key_rows)
@@ -123,7 +123,7 @@ def bench_index_scores_int8(g: torch.Generator) -> None:
         table = torch.randperm(blocks, generator=g)
         out = torch.empty(t, keys)
         paths = {
-            "bf16": lambda: index_scores.index_scores_blocks(q, weights, caches["auto"].groups, table, keys, out),
+            "bf16": lambda: index_scores.index_scores_blocks(q, weights, caches["model"].groups, table, keys, out),
             "int8": lambda: index_scores.index_scores_int8_blocks(q, weights, caches["int8"].int8_groups,
                                                                   caches["int8"].scale, table, keys, out),
         }
@@ -161,7 +161,7 @@ def bench_amx_tiles(g: torch.Generator) -> None:
             n, lambda q=q, slots=slots, out=out: selected_rows.attend_selected_rows(q, rows, slots, 0.04, out))
     index_heads, index_dim, block_size = 32, 128, 64
     for t, keys in ((64, 2048), (1, 32768)):
-        cache = IndexerKeyCache(keys // block_size, block_size, index_dim, "auto", torch.bfloat16, torch.device("cpu"),
+        cache = IndexerKeyCache(keys // block_size, block_size, index_dim, "model", torch.bfloat16, torch.device("cpu"),
                                 packed=True)
         cache.write(torch.arange(keys), torch.randn(keys, index_dim, generator=g).bfloat16())
         q = torch.randn(t, index_heads, index_dim, generator=g).bfloat16()

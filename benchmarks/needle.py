@@ -2,7 +2,7 @@
 the indexer's recall of the needle.
 
     python benchmarks/needle.py [--lengths 1024,2048,4096,8192,16384] [--docs 4] [--questions 25]
-                                [--backends sparse,dense,page] [--indexer-cache-dtype auto|int8|fp8]
+                                [--backends sparse,dense,page] [--indexer-cache-dtype auto|model|int8|fp8]
                                 [--plot docs/needle.png] [--output-json F]
 
 Each length gets `docs` documents of filler with `questions` facts ("The code for amber-falcon is
@@ -26,6 +26,7 @@ import time
 from contextlib import contextmanager
 
 from dsaserve import LLM, SamplingParams
+from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES
 from dsaserve.chat_template import ChatTemplate
 from dsaserve.demo import demo_model_dir
 from dsaserve.demo.tasks import codes, distinct_keys, document, question
@@ -115,7 +116,8 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--questions", type=int, default=25, help="questions per document")
     parser.add_argument("--backends", default="sparse,dense,page")
-    parser.add_argument("--indexer-cache-dtype", default="auto", help="the indexer keys' cache: auto, int8 or fp8")
+    parser.add_argument("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES,
+                        help="the indexer keys' cache (as the engine option)")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     args = parser.parse_args()

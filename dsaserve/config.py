@@ -119,6 +119,11 @@ class ModelConfig:
         return self.indexer_schedule.types
 
     @property
+    def fp8_checkpoint(self) -> bool:
+        """The checkpoint ships FP8 weights (block-scaled, `weight_scale_inv`)."""
+        return (self.quantization_config or {}).get("quant_method") == "fp8"
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 

@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch
 
 from dsaserve import triton_ops
+from dsaserve.attention.indexer_cache import indexer_key_kind
 from dsaserve.byte_sizes import human
 from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_device
@@ -119,7 +120,8 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
     if parallel is not None and (parallel.distributed or device_memory):  # one device: its plan when memory is given
         parallel.check_model(cfg, "sparse")
         dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.checkpoint_dtype, torch.bfloat16)
-        layout = KVCacheLayout.of(cfg, dtype, tp_size=parallel.tensor_parallel_size)
+        layout = KVCacheLayout.of(cfg, dtype, indexer_key_kind("auto", cfg.fp8_checkpoint),
+                                  tp_size=parallel.tensor_parallel_size)
         lines += plan_lines(cfg, parallel, stored, torch.empty((), dtype=dtype).element_size(),
                             str(dtype).removeprefix("torch."), layout.bytes_per_token,
                             device_memory, utilization, layout.state_bytes_per_request)
@@ -283,16 +285,19 @@ def _weight_form_lines(cfg: ModelConfig, files: int) -> list[str]:
 
 def _kv_lines(cfg: ModelConfig, max_model_len: int | None) -> list[str]:
     dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.checkpoint_dtype, torch.bfloat16)
-    layout = KVCacheLayout.of(cfg, dtype)
+    key_kind = indexer_key_kind("auto", cfg.fp8_checkpoint)
+    layout = KVCacheLayout.of(cfg, dtype, key_kind)
     item = torch.empty((), dtype=dtype).element_size()
     length = max_model_len or cfg.max_position_embeddings
     d = cfg.index_head_dim
-    keys = f"{d}" if cfg.hybrid is None else f"(2 × {d} + {d} / {cfg.hybrid.index_kpool})"  # key, gate | pool key
+    keys = f"{d} × {item} B" if cfg.hybrid is None else f"(2 × {d} + {d} / {cfg.hybrid.index_kpool}) × {item} B"
+    if cfg.hybrid is None and key_kind == "int8":  # what indexer_cache_dtype auto keeps for FP8 weights
+        keys = f"({d} × 1 B + a 2 B scale: int8 keys, as FP8 weights get by default)"
     lines = [
         f"KV cache per token ({str(dtype).removeprefix('torch.')}): {human(layout.bytes_per_token)}",
         f"  latent: {len(cfg.attention_layers)} layers × {cfg.kv_cache_dim} × {item} B = "
         f"{human(layout.latent_bytes_per_token)}",
-        f"  indexer keys: {len(cfg.full_layers)} full layers × {keys} × {item} B = "
+        f"  indexer keys: {len(cfg.full_layers)} full layers × {keys} = "
         f"{human(layout.indexer_bytes_per_token)}",
         f"  one sequence of {length} tokens: {human(layout.bytes_per_token * length)}",
     ]

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from dsaserve.attention import ATTENTION_BACKENDS
-from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES
+from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES, indexer_key_kind
 from dsaserve.distributed.parallel_config import ParallelConfig
 from dsaserve.native.torch_ops import CPU_ISAS, NATIVE_KERNELS, check_cpu_isa
 from dsaserve.quantization.formats import QUANTIZATION_MODES
@@ -53,7 +53,8 @@ class EngineArgs:
     page_budget: int | None = field(default=None, metadata=_help(
         "pages per query for --attention-backend page (default: index_topk / block size)"))
     indexer_cache_dtype: str = field(default="auto", metadata=_help(
-        "indexer key cache: auto (model dtype), int8 (+fp16 scale per token) or fp8 (+fp32 scale)",
+        "indexer key cache: auto (int8 where the weights are FP8, as FP8 releases are served; the model dtype "
+        "otherwise), model (the model dtype), int8 (+fp16 scale per token) or fp8 (+fp32 scale)",
         choices=INDEXER_CACHE_DTYPES))
     max_model_len: int | None = field(default=None, metadata=_help("longest prompt + output, in tokens"))
     block_size: int = field(default=64, metadata=_help("tokens per KV cache block"))
@@ -143,6 +144,7 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
                              f"{', '.join(QUANTIZATION_MODES)} (or leave it unset)")
+        indexer_key_kind(self.indexer_cache_dtype, fp8_weights=False)  # a bad kind fails here, before anything loads
         parse_bytes(self.kv_cache_memory)  # a bad size fails here, before anything loads
         parse_bytes(self.load_scratch_memory, "load_scratch_memory")
         SpeculativeConfig.parse(self.speculative_config)  # and so does a bad speculative config

@@ -130,11 +130,9 @@ def stored_items(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
     """Bytes per element of each tensor of a config-only checkpoint: FP8 weights where the config says
     the checkpoint is FP8 (scales added per 128×128 block), the checkpoint dtype elsewhere."""
 
-    qc = cfg.quantization_config or {}
-    fp8 = qc.get("quant_method") == "fp8"
-    skip = tuple(qc.get("modules_to_not_convert") or ())
+    skip = tuple((cfg.quantization_config or {}).get("modules_to_not_convert") or ())
 
     def stored(name: str) -> int:
-        return 1 if fp8 and is_fp8_quantizable(name) and not any(m in name for m in skip) else item
+        return 1 if cfg.fp8_checkpoint and is_fp8_quantizable(name) and not any(m in name for m in skip) else item
 
     return {name: (shape, stored(name)) for name, shape in shapes.items()}

@@ -44,7 +44,8 @@ def test_doctor_on_config_only_glm52(tmp_path):
 
 def test_doctor_on_config_only_deepseek_v32(tmp_path):
     """tests/data/deepseek-v3.2-config.json (DeepSeek-V3.2's published config.json; its fields equal the
-    transformers defaults): every layer runs its indexer, so every layer also caches indexer keys."""
+    transformers defaults): every layer runs its indexer, so every layer also caches indexer keys, in int8 (the
+    checkpoint is FP8, and indexer_cache_dtype auto keeps 8-bit keys for FP8 weights)."""
     shutil.copy(os.path.join(os.path.dirname(REFERENCE_CONFIG), "deepseek-v3.2-config.json"),
                 tmp_path / "config.json")
     result = run("doctor", str(tmp_path))
@@ -56,8 +57,9 @@ def test_doctor_on_config_only_deepseek_v32(tmp_path):
     assert "rope: yarn, theta 10000, factor 40" in out
     assert "671.88B params" in out  # DeepSeek-V3's 671B without its MTP layer
     assert "latent: 61 layers × 576 × 2 B = 68.6 KiB" in out
-    assert "indexer keys: 61 full layers × 128 × 2 B = 15.2 KiB" in out
-    assert "KV cache per token (bfloat16): 83.9 KiB" in out
+    assert "indexer keys: 61 full layers × (128 × 1 B + a 2 B scale: int8 keys, as FP8 weights get by default) = " \
+        "7.7 KiB" in out
+    assert "KV cache per token (bfloat16): 76.4 KiB" in out
 
 
 def test_doctor_on_config_only_glm53(tmp_path):

@@ -90,7 +90,7 @@ PROMPTS = {"past index_topk": (70, 41), "within index_topk": (4, 3), "one past, 
 
 
 @pytest.mark.parametrize("quantization, indexer_keys", [(None, "auto"), ("int4", "auto"), ("int8", "auto"),
-                                                         ("fp8", "auto"), (None, "int8")])
+                                                         ("fp8", "model"), (None, "int8")])
 @pytest.mark.parametrize("lengths", PROMPTS)
 def test_the_plan_gives_the_modules_tokens_and_logprobs(make_checkpoint, monkeypatch, quantization, indexer_keys,
                                                         lengths, plan_case):

@@ -299,9 +299,10 @@ def test_an_fp8_checkpoint_kept_in_fp8_on_the_triton_path_under_tp2_matches_one_
     slice starts. One CPU rank's greedy tokens, logprobs within the CUDA-vs-CPU bound."""
     path = make_checkpoint("fp8-split", seed=0, fp8=True, intermediate_size=384, moe_intermediate_size=96)
     prompts = batch(ModelConfig.from_pretrained(path).vocab_size)[:1]
-    with engine(path) as llm:
+    # Indexer keys in the model dtype: auto's 8-bit keys are scored with int8-rounded queries on the CPU path alone.
+    with engine(path, indexer_cache_dtype="model") as llm:
         expected = run_batch(llm, prompts)
-    with engine(path, tensor_parallel_size=2, triton_kernels="on") as llm:
+    with engine(path, tensor_parallel_size=2, triton_kernels="on", indexer_cache_dtype="model") as llm:
         tokens, logprobs = run_batch(llm, prompts)
     assert tokens == expected[0]
     assert max(abs(a - b) for mine, theirs in zip(logprobs, expected[1]) for a, b in zip(mine, theirs)) < 1e-3

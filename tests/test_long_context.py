@@ -16,13 +16,14 @@ from dsaserve.attention.indexer_selection import Selection, select, stream_selec
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.bench.longctx import HeapSampler
 from dsaserve.engine.workers.kv_cache import KVCacheLayout
+from dsaserve.engine_args import EngineArgs
 from dsaserve.native import index_scores as native_scores
 from dsaserve.native import torch_ops
 
 HEADS, DIM, BS = 4, 16, 16
 
 
-def random_context(seed: int, context: int, new: int, kind: str = "auto", heads: int = HEADS, dim: int = DIM):
+def random_context(seed: int, context: int, new: int, kind: str = "model", heads: int = HEADS, dim: int = DIM):
     """A request with `context` cached tokens and `new` queries, keys in a scrambled paged cache."""
     g = torch.Generator().manual_seed(seed)
     total = context + new
@@ -105,7 +106,7 @@ def test_decode_selections_reuse_one_scratch_and_keep_nothing_between_calls(monk
         assert [set(x for x in row.tolist() if x >= 0) for row in out] == expected, seed
 
 
-def decode_batch(seed: int, contexts: list[int], heads: int = 8, kind: str = "auto"):
+def decode_batch(seed: int, contexts: list[int], heads: int = 8, kind: str = "model"):
     """Single-query requests over `contexts` cached tokens each, keys (bf16, or int8) in one packed cache, or fp32
     queries and keys in a plain fp32 cache (kind "fp32": an fp32 model's), or fp32 queries and int8 keys ("int8-fp32":
     an fp32 model's int8 cache), scrambled tables."""
@@ -113,7 +114,7 @@ def decode_batch(seed: int, contexts: list[int], heads: int = 8, kind: str = "au
     lens = [c + 1 for c in contexts]
     counts = [-(-n // BS) for n in lens]
     dtype = torch.float32 if kind in ("fp32", "int8-fp32") else torch.bfloat16
-    cache = IndexerKeyCache(sum(counts) + 3, BS, DIM, {"fp32": "auto", "int8-fp32": "int8"}.get(kind, kind), dtype,
+    cache = IndexerKeyCache(sum(counts) + 3, BS, DIM, {"fp32": "model", "int8-fp32": "int8"}.get(kind, kind), dtype,
                             torch.device("cpu"), packed=kind != "fp32")
     order = torch.randperm(sum(counts) + 3, generator=g).tolist()
     tables = [order[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(lens))]
@@ -126,7 +127,7 @@ def decode_batch(seed: int, contexts: list[int], heads: int = 8, kind: str = "au
 
 @pytest.mark.skipif(not native_scores.fits(8, DIM), reason="no native index-scores kernel here (needs AVX-512 BF16)")
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("kind", ["auto", pytest.param("int8", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("kind", ["model", pytest.param("int8", marks=pytest.mark.skipif(
     not native_scores.fits_int8(8, DIM), reason="no int8 index-scores kernel here (needs AVX-512 VNNI)")),
     pytest.param("fp32", marks=pytest.mark.skipif("avx2" not in native_bodies(), reason="no AVX2 body here")),
     pytest.param("int8-fp32", marks=pytest.mark.skipif(not native_scores.fits_int8(8, DIM), reason="no int8 body"))])
@@ -202,7 +203,7 @@ def test_bf16_scoring_selects_within_rounding_of_fp32_scores(native_kernel, monk
     monkeypatch.setattr(native_scores, "index_scores", lambda *a: kernel_calls.append(1) or real_kernel(*a))
     cache, meta, keys, q, weights = random_context(3, 600, 40, heads=8)
     q, keys = q.bfloat16(), keys.bfloat16()
-    bf16_cache = IndexerKeyCache(cache.data.shape[0], BS, DIM, "auto", torch.bfloat16, torch.device("cpu"))
+    bf16_cache = IndexerKeyCache(cache.data.shape[0], BS, DIM, "model", torch.bfloat16, torch.device("cpu"))
     bf16_cache.write(meta.slots(0, torch.arange(keys.shape[0])), keys)
     assert indexer.score_dtype(q) == torch.bfloat16
     k = 64
@@ -254,7 +255,7 @@ def test_streaming_indexer_scratch_memory_does_not_grow_with_context():
 def page_query(scores: list[float], query_pos: int):
     """One query, one head, weight 1: key s scores exactly scores[s] (relu of q·k with q = e0)."""
     n = len(scores)
-    cache = IndexerKeyCache(-(-n // 8), 8, 4, "auto", torch.float32, torch.device("cpu"))
+    cache = IndexerKeyCache(-(-n // 8), 8, 4, "model", torch.float32, torch.device("cpu"))
     meta = BatchMetadata.build([[1]], [query_pos], [list(range(-(-n // 8)))], 8, [])
     keys = torch.zeros(n, 4)
     keys[:, 0] = torch.tensor(scores)
@@ -405,10 +406,29 @@ def test_cache_accounting_with_odd_widths(make_checkpoint):
     assert engine.kv_layout.bytes_per_token == per_token
     assert live == per_token * cache.num_blocks * cache.block_size == cache.nbytes()
     assert cache.num_blocks == (1 << 20) // (per_token * 16)  # admission sizes the pool with the same bytes
-    bf16 = KVCacheLayout.of(cfg, torch.bfloat16, "auto").indexer_bytes_per_token
+    bf16 = KVCacheLayout.of(cfg, torch.bfloat16, "model").indexer_bytes_per_token
     assert engine.kv_layout.indexer_bytes_per_token <= 0.6 * bf16
     out = llm.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("fp8_weights, asked, kept", [(True, "auto", "int8"), (False, "auto", "model"),
+                                                       (True, "model", "model"), (False, "fp8", "fp8")])
+def test_indexer_cache_dtype_auto_keeps_8bit_keys_for_fp8_weights_alone(make_checkpoint, fp8_weights, asked, kept):
+    """As FP8 releases are served: an FP8 checkpoint's indexer keys are int8 unless `model` asks for its dtype; other
+    checkpoints keep the model dtype unless told otherwise. The cache, its bytes per token and the engine agree."""
+    path = make_checkpoint("fp8-split" if fp8_weights else "parity_mixed_FFSS", seed=0, fp8=fp8_weights)
+    llm = LLM(path, dtype="float32", block_size=16, max_model_len=256, indexer_cache_dtype=asked, progress=False)
+    caches = list(llm.engine.kv_cache.indexer.values())
+    assert caches and {c.kind for c in caches} == {kept}
+    dim = llm.engine.config.index_head_dim
+    assert llm.engine.kv_layout.indexer_bytes_per_token == len(caches) * IndexerKeyCache.bytes_per_token(
+        dim, kept, torch.float32)
+
+
+def test_indexer_cache_dtype_names_its_choices(make_checkpoint):
+    with pytest.raises(ValueError, match="indexer_cache_dtype='bf16' is not supported; use one of auto, model"):
+        EngineArgs(model=make_checkpoint("parity_mixed_FFSS", seed=0), indexer_cache_dtype="bf16")
 
 
 def test_int8_indexer_on_glm52_is_under_055_of_bf16():
@@ -420,7 +440,7 @@ def test_int8_indexer_on_glm52_is_under_055_of_bf16():
 
     cfg = ModelConfig.from_dict(json.load(open(REFERENCE_CONFIG)))
     int8 = KVCacheLayout.of(cfg, torch.bfloat16, "int8").indexer_bytes_per_token
-    bf16 = KVCacheLayout.of(cfg, torch.bfloat16, "auto").indexer_bytes_per_token
+    bf16 = KVCacheLayout.of(cfg, torch.bfloat16, "model").indexer_bytes_per_token
     assert int8 / bf16 <= 0.55  # (128 + 2) / 256
 
 

@@ -257,7 +257,7 @@ def test_fp32_index_scores_on_the_avx2_body_read_the_key_cache_in_place(heads, d
     along a scrambled block list, the last block partial and a key range not in fours; the torch path's values."""
     g = torch.Generator().manual_seed(heads + dim)
     block_size, num_blocks = 16, 9
-    cache = IndexerKeyCache(num_blocks, block_size, dim, "auto", torch.float32, torch.device("cpu"))
+    cache = IndexerKeyCache(num_blocks, block_size, dim, "model", torch.float32, torch.device("cpu"))
     cache.write(torch.arange(num_blocks * block_size), torch.randn(num_blocks * block_size, dim, generator=g))
     blocks = torch.tensor([6, 1, 8, 3])
     keys = len(blocks) * block_size - 7
@@ -287,7 +287,7 @@ def test_an_fp32_models_indexer_selects_through_the_avx2_kernel_what_torch_selec
     blocks = [-(-n // block_size) for n in lengths]
     order = torch.randperm(sum(blocks) + 2, generator=g).tolist()
     tables = [order[:blocks[0]], order[blocks[0]:sum(blocks)]]
-    cache = IndexerKeyCache(sum(blocks) + 2, block_size, dim, "auto", torch.float32, torch.device("cpu"))
+    cache = IndexerKeyCache(sum(blocks) + 2, block_size, dim, "model", torch.float32, torch.device("cpu"))
     for n, table in zip(lengths, tables):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
         cache.write(slots, torch.randn(n, dim, generator=g))
@@ -314,7 +314,7 @@ def test_index_scores_read_in_place_from_a_packed_key_cache_equal_the_gathered_k
     kernel's 64-key items, and keys ending inside a block."""
     g = torch.Generator().manual_seed(block_size)
     heads, dim, num_blocks = 8, 128, 11
-    cache = IndexerKeyCache(num_blocks, block_size, dim, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
+    cache = IndexerKeyCache(num_blocks, block_size, dim, "model", torch.bfloat16, torch.device("cpu"), packed=True)
     cache.write(torch.arange(num_blocks * block_size), torch.randn(num_blocks * block_size, dim, generator=g))
     blocks = torch.tensor([7, 2, 9, 0, 5])
     keys = len(blocks) * block_size - 5
@@ -335,8 +335,8 @@ def test_index_scores_read_in_place_from_a_packed_key_cache_equal_the_gathered_k
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_a_packed_key_cache_gives_back_the_keys_written_at_their_slots(block_size):
     g = torch.Generator().manual_seed(3)
-    plain = IndexerKeyCache(6, block_size, 32, "auto", torch.bfloat16, torch.device("cpu"))
-    packed = IndexerKeyCache(6, block_size, 32, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
+    plain = IndexerKeyCache(6, block_size, 32, "model", torch.bfloat16, torch.device("cpu"))
+    packed = IndexerKeyCache(6, block_size, 32, "model", torch.bfloat16, torch.device("cpu"), packed=True)
     slots = torch.randperm(6 * block_size, generator=g)[: 3 * block_size]  # scattered over every block
     keys = torch.randn(len(slots), 32, generator=g)
     for cache in (plain, packed):
@@ -353,7 +353,7 @@ def test_a_packed_key_cache_gives_back_the_keys_written_at_their_slots(block_siz
 def test_packed_keys_written_in_one_call_equal_the_torch_indexing(monkeypatch):
     g = torch.Generator().manual_seed(6)
     slots, keys = torch.randperm(4 * 32, generator=g)[:40], torch.randn(40, 24, generator=g)
-    native, python = (IndexerKeyCache(4, 32, 24, "auto", torch.bfloat16, torch.device("cpu"), packed=True)
+    native, python = (IndexerKeyCache(4, 32, 24, "model", torch.bfloat16, torch.device("cpu"), packed=True)
                       for _ in range(2))
     native.write(slots, keys)
     monkeypatch.setattr(torch_ops, "load", lambda: False)

@@ -35,8 +35,10 @@ def float_llm(path, monkeypatch, **kwargs):
 
 
 def twin_of(quantized: LLM, path, monkeypatch) -> LLM:
-    """A float model holding exactly the quantized model's weights, dequantized from its buffers in torch."""
-    twin = float_llm(path, monkeypatch)
+    """A float model holding exactly the quantized model's weights, dequantized from its buffers in torch, and
+    keeping its indexer keys as the quantized one does (auto gives FP8 weights 8-bit keys)."""
+    keys = getattr(next(iter(quantized.engine.kv_cache.indexer.values())), "kind", "auto")  # pooled keys: one kind
+    twin = float_llm(path, monkeypatch, indexer_cache_dtype=keys)
     params = dict(twin.engine.model.named_parameters())
     with torch.no_grad():
         for name, module in quantized.engine.model.named_modules():
@@ -84,10 +86,12 @@ def test_without_a_native_body_int8_weights_keep_torchs_row_layout(tiny_checkpoi
 
 def test_fp8_checkpoint_read_as_shipped_equals_dequantizing_it_at_load(make_checkpoint, monkeypatch):
     path = make_checkpoint("fp8-split", seed=0, fp8=True, intermediate_size=384, moe_intermediate_size=96)
-    shipped = LLM(path, **BASE)
+    # Indexer keys in the model dtype on both sides: 8-bit keys (auto's choice for FP8 weights) round each query to
+    # int8, which turns the two weight paths' last-bit differences into whole steps of a score.
+    shipped = LLM(path, **BASE, indexer_cache_dtype="model")
     kinds = {m.kind for m in shipped.engine.model.modules() if isinstance(m, QuantizedWeight)}
     assert kinds == ({"fp8"} if apply.kernels_here(torch.device("cpu")) else set())
-    assert_same_outputs(generate(shipped), generate(float_llm(path, monkeypatch)))
+    assert_same_outputs(generate(shipped), generate(float_llm(path, monkeypatch, indexer_cache_dtype="model")))
 
 
 def test_what_is_packed_and_what_stays(tiny_checkpoint):

@@ -145,12 +145,13 @@ def test_doctor_prints_the_glm52_fp8_plan_with_and_without_dcp(tmp_path):
     assert tp.returncode == dcp.returncode == 0, tp.stderr + dcp.stderr
     assert "parallel plan: tensor parallel 8 (8 ranks)" in tp.stdout
     assert "parallel plan: tensor parallel 8, decode context parallel 8 (8 ranks)" in dcp.stdout
-    # MLA's one latent head is on every rank: 93.0 KiB per token each; DCP 8 stores an eighth of the tokens.
-    assert "KV cache per token per rank: 93.0 KiB" in tp.stdout
-    assert "KV cache per token per rank: 11.6 KiB" in dcp.stdout
+    # MLA's one latent head is on every rank: 78 × 576 × 2 B of latents + 21 × (128 + 2) B of int8 indexer keys (FP8
+    # weights keep 8-bit keys by default) = 90.4 KiB per token each; DCP 8 stores an eighth of the tokens.
+    assert "KV cache per token per rank: 90.4 KiB" in tp.stdout
+    assert "KV cache per token per rank: 11.3 KiB" in dcp.stdout
     assert "heads 56-63, vocab rows 135520-154879" in tp.stdout
     assert "88.2 GiB     91.2 GiB" in tp.stdout  # FP8 weights as stored, and held with a scale per row and block
-    assert "(× 0.9): 26.9 GiB left for the KV cache = 303,694 tokens" in tp.stdout
+    assert "(× 0.9): 26.9 GiB left for the KV cache = 312,374 tokens" in tp.stdout
     assert "the weights alone need 175.9 GiB per rank" in tp.stdout  # dequantized to bf16 at load
 
 

@@ -80,7 +80,7 @@ def paged_keys(kind: str, lengths: list[int], dim: int, seed: int):
     return cache, tables, keys
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8", "fp8", "fp8-integer-decode"])
+@pytest.mark.parametrize("kind", ["model", "int8", "fp8", "fp8-integer-decode"])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 def test_index_scores_kernel_reads_each_key_where_the_paged_cache_keeps_it(interpreter, kind, qdtype, monkeypatch):
     """Scores of queries of two requests against their own blocks (scrambled, the last one partial): the weighted
@@ -114,7 +114,7 @@ def test_index_scores_kernel_reads_each_key_where_the_paged_cache_keeps_it(inter
         assert (out[row, visible:] == float("-inf")).all()
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("kind", ["model", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_write_kernel_stores_the_bytes_and_scales_the_torch_path_stores(kind, dtype):
     """Keys written at scattered slots, quantized per token: the same bytes and scales as IndexerKeyCache's torch
@@ -135,9 +135,9 @@ def test_cache_write_kernel_stores_the_bytes_and_scales_the_torch_path_stores(ki
     slots = torch.randperm(96, generator=g)[:30]
     caches = [IndexerKeyCache(6, BS, dim, kind, dtype, torch.device("cpu")) for _ in range(2)]
     caches[0].write(slots, keys)
-    write_rows(caches[1].data.view(-1, dim), None if kind == "auto" else caches[1].scale.view(-1), slots, keys)
+    write_rows(caches[1].data.view(-1, dim), None if kind == "model" else caches[1].scale.view(-1), slots, keys)
     assert torch.equal(caches[0].data.view(torch.uint8), caches[1].data.view(torch.uint8))
-    assert kind == "auto" or torch.equal(caches[0].scale, caches[1].scale)
+    assert kind == "model" or torch.equal(caches[0].scale, caches[1].scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -288,7 +288,7 @@ def test_scored_selection_selects_what_the_streaming_selection_does(interpreter,
     the streaming torch selection's, for token top-k and for pages (Triton off for the reference)."""
     heads, dim = 4, 16
     lengths, new = [75, 40], [6, 1]
-    cache, tables, _ = paged_keys("auto", lengths, dim, seed=7)
+    cache, tables, _ = paged_keys("model", lengths, dim, seed=7)
     meta = batch_of(lengths, new, tables)
     g = torch.Generator().manual_seed(8)
     q = torch.randn(7, heads, dim, generator=g)
@@ -394,8 +394,9 @@ def test_an_fp8_checkpoint_on_the_triton_path_stays_fp8_and_generates_what_the_c
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     outs = {}
     for mode in ("on", "off"):
+        # Indexer keys in the model dtype: auto's 8-bit keys are scored with int8-rounded queries on the CPU path alone.
         llm = LLM(path, dtype="float32", block_size=16, max_model_len=256, max_num_batched_tokens=64,
-                  triton_kernels=mode, progress=False)
+                  triton_kernels=mode, indexer_cache_dtype="model", progress=False)
         if mode == "on":
             model = llm.engine.model
             held = {name for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
@@ -428,7 +429,7 @@ def test_a_float_checkpoint_quantized_to_fp8_on_the_triton_path_generates_what_t
     outs = {}
     for mode in ("on", "off"):
         llm = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=128, quantization="fp8",
-                  triton_kernels=mode, progress=False)
+                  triton_kernels=mode, indexer_cache_dtype="model", progress=False)  # (as above: model-dtype keys)
         weights = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, QuantizedWeight)}
         assert "model.layers.1.self_attn.w_uk" in weights and "model.layers.1.self_attn.w_uv" in weights
         weights = list(weights.values())

@@ -1,9 +1,10 @@
 """The indexer's paged key cache (full layers only), plain or quantized.
 
 `int8`: one int8 per dimension plus one fp16 scale per token (amax / 127). `fp8`: float8 e4m3 plus one
-fp32 scale per token (amax / 448). Scoring (attention/indexer_selection.py) reads whole blocks and dequantizes
-only those, tile by tile. The engine allocates one per full layer (engine/workers/kv_cache.py); the model only
-hands it through to the scoring.
+fp32 scale per token (amax / 448). `model`: the model dtype. The engine option `indexer_cache_dtype` auto
+resolves to int8 for FP8 weights and to `model` otherwise (indexer_key_kind). Scoring
+(attention/indexer_selection.py) reads whole blocks and dequantizes only those, tile by tile. The engine
+allocates one per full layer (engine/workers/kv_cache.py); the model only hands it through to the scoring.
 
 `packed` (bf16 keys where the native scoring kernel runs): each block holds its keys in the layout that
 kernel reads, 16 keys at a time as pairs of columns (`groups[block][g][p][lane]` is key 16g + lane's
@@ -21,27 +22,49 @@ import torch
 from dsaserve import triton_ops
 from dsaserve.native import torch_ops
 
-INDEXER_CACHE_DTYPES = ("auto", "int8", "fp8")
+INDEXER_CACHE_DTYPES = ("auto", "model", "int8", "fp8")  # what a user may ask for
+KEY_KINDS = ("model", "int8", "fp8")  # what a cache holds: auto resolved
 _FP8_MAX = 448.0
+
+
+def indexer_key_kind(choice: str, fp8_weights: bool) -> str:
+    """The key kind `indexer_cache_dtype` asks for. auto: 8-bit keys (int8) where the weights are FP8, as
+    DeepSeek-V3.2's and GLM-5's FP8 releases are served (their indexers keep FP8 keys with a scale per 128
+    values; int8 with one per key here), the model dtype otherwise."""
+    if choice not in INDEXER_CACHE_DTYPES:
+        raise ValueError(f"indexer_cache_dtype={choice!r} is not supported; "
+                         f"use one of {', '.join(INDEXER_CACHE_DTYPES)}")
+    if choice == "auto":
+        return "int8" if fp8_weights else "model"
+    return choice
+
+
+def describe_indexer_keys(kind: str, choice: str, dtype: torch.dtype) -> str:
+    """The startup log's line: what the indexer key cache holds and why."""
+    what = {"model": str(dtype).removeprefix("torch."), "int8": "int8 + an fp16 scale per key",
+            "fp8": "fp8 e4m3 + an fp32 scale per key"}[kind]
+    if choice == "auto" and kind == "int8":
+        return f"{what} (indexer_cache_dtype auto with FP8 weights; 'model' keeps them in the model dtype)"
+    return f"{what} (indexer_cache_dtype {choice})"
 
 
 class IndexerKeyCache:
     def __init__(self, num_blocks: int, block_size: int, dim: int, kind: str, dtype: torch.dtype,
                  device: torch.device, packed: bool = False):
-        if kind not in INDEXER_CACHE_DTYPES:
-            raise ValueError(f"indexer_cache_dtype={kind!r} is not supported; "
-                             f"use one of {', '.join(INDEXER_CACHE_DTYPES)}")
+        if kind not in KEY_KINDS:
+            raise ValueError(f"indexer key kind {kind!r} is not one of {', '.join(KEY_KINDS)} "
+                             "(indexer_key_kind resolves indexer_cache_dtype auto)")
         if packed and not can_pack(kind, dtype, block_size, dim):
             raise ValueError(f"a packed indexer key cache holds bf16 keys with an even dim or int8 keys with a dim in "
-                             f"4s (indexer_cache_dtype 'auto' or 'int8' in a bf16 model), in blocks of a multiple of "
+                             f"4s (indexer_cache_dtype 'model' or 'int8' in a bf16 model), in blocks of a multiple of "
                              f"16 tokens; got {kind!r}, {dtype}, block_size {block_size}, dim {dim}")
         self.kind = kind
         self.dim = dim
         self.block_size = block_size
         self.compute_dtype = dtype
-        storage = {"auto": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
+        storage = {"model": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
         self.data = torch.zeros(num_blocks, block_size, dim, dtype=storage, device=device)
-        self.packed = packed and kind == "auto"  # bf16 keys in the bf16 kernel's layout (`groups`)
+        self.packed = packed and kind == "model"  # bf16 keys in the bf16 kernel's layout (`groups`)
         # The same bytes as [num_blocks, groups of 16 keys, column pairs, 16 keys] (int32: a pair of bf16 columns).
         self.groups = (self.data.view(torch.int32).view(num_blocks, block_size // 16, dim // 2, 16)
                        if self.packed else None)
@@ -49,7 +72,7 @@ class IndexerKeyCache:
         self.int8_groups = (self.data.view(torch.int32).view(num_blocks, block_size // 16, dim // 4, 16)
                             if packed and kind == "int8" else None)
         self.scale = None
-        if kind != "auto":
+        if kind != "model":
             scale_dtype = torch.float16 if kind == "int8" else torch.float32
             self.scale = torch.zeros(num_blocks, block_size, dtype=scale_dtype, device=device)
 
@@ -80,7 +103,7 @@ class IndexerKeyCache:
             self.groups[slots // self.block_size, offsets // 16, :, offsets % 16] = keys.view(torch.int32)
             return
         rows = self.data.view(-1, self.dim)
-        if self.kind == "auto":
+        if self.kind == "model":
             rows.index_copy_(0, slots, keys.to(self.data.dtype))
             return
         if (self.int8_groups is not None and keys.is_cpu and keys.dtype in (torch.bfloat16, torch.float32)
@@ -108,7 +131,7 @@ class IndexerKeyCache:
         if self.packed:  # back to one key per row
             groups = torch.index_select(self.groups, 0, blocks)  # [n, block_size / 16, dim / 2, 16]
             return groups.transpose(2, 3).contiguous().view(self.data.dtype).reshape(-1, self.dim).to(dtype)
-        if self.kind == "auto":
+        if self.kind == "model":
             return torch.index_select(self.data, 0, blocks).reshape(-1, self.dim).to(dtype)
         if self.int8_groups is not None:  # back to one key per row, bytes back to values
             groups = torch.index_select(self._int8_bytes(), 0, blocks)  # [n, block_size / 16, dim / 4, 16, 4]
@@ -130,5 +153,5 @@ def can_pack(kind: str, dtype: torch.dtype, block_size: int, dim: int) -> bool:
     kernel, in bf16 models; int8 keys for the int8 one, in bf16 or fp32 models)."""
     if block_size % 16:
         return False
-    return ((kind == "auto" and dtype == torch.bfloat16 and dim % 2 == 0)
+    return ((kind == "model" and dtype == torch.bfloat16 and dim % 2 == 0)
             or (kind == "int8" and dtype in (torch.bfloat16, torch.float32) and dim % 4 == 0))

@@ -134,7 +134,7 @@ def decodes_natively(q: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMet
     if key_cache.int8_groups is not None:  # bf16 or fp32 queries
         return native_scores.fits_int8(q.shape[1], q.shape[2])
     if q.dtype == torch.float32:
-        return (key_cache.kind == "auto" and not key_cache.packed and key_cache.data.dtype == torch.float32
+        return (key_cache.kind == "model" and not key_cache.packed and key_cache.data.dtype == torch.float32
                 and native_scores.fits_f32(q.shape[1], q.shape[2]))
     return key_cache.packed and native_scores.fits(q.shape[1], q.shape[2])
 
@@ -354,7 +354,7 @@ def score_chunk(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCac
         native_scores.index_scores_int8_blocks(q.view(t, heads, -1), weights, key_cache.int8_groups, key_cache.scale,
                                                table[b0:b1], c, scores)
         return scores
-    if (q.dtype == torch.float32 and key_cache.kind == "auto" and not key_cache.packed and q.is_cpu
+    if (q.dtype == torch.float32 and key_cache.kind == "model" and not key_cache.packed and q.is_cpu
             and key_cache.data.dtype == torch.float32 and native_scores.fits_f32(heads, key_cache.dim)):
         c = (b1 - b0) * block_size  # an fp32 model on the AVX2 body: fp32 keys scored where they are
         scores = scratch.scores[: t * c].view(t, c)

@@ -287,5 +287,5 @@ def norm_tensors(pieces: list[tuple[int, Piece]]) -> list[torch.Tensor]:
 
 def plain_f32_keys(cache, dtype: torch.dtype) -> bool:
     """An fp32 plan's key cache kept as fp32 rows (what the AVX2 body scores in place: index_scores_f32_avx2.cpp)."""
-    return (dtype == torch.float32 and cache.kind == "auto" and not cache.packed
+    return (dtype == torch.float32 and cache.kind == "model" and not cache.packed
             and cache.data.dtype == torch.float32)

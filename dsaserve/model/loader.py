@@ -335,7 +335,7 @@ def _share(info: TensorInfo, part: TensorSlice) -> float:
 
 def fp8_params(cfg: ModelConfig, model_dir: str) -> set[str]:
     """The model parameters that receive FP8 tensors from this checkpoint (none if it is not FP8)."""
-    if (cfg.quantization_config or {}).get("quant_method") != "fp8":
+    if not cfg.fp8_checkpoint:
         return set()
     infos = read_tensor_infos(checkpoint_files(model_dir))
     def model_param(name: str) -> str:

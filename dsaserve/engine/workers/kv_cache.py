@@ -38,7 +38,7 @@ class KVCacheLayout:
         return self.latent_bytes_per_token + self.indexer_bytes_per_token
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype: torch.dtype, indexer_dtype: str = "auto", with_indexer: bool = True,
+    def of(cls, cfg: ModelConfig, dtype: torch.dtype, indexer_dtype: str = "model", with_indexer: bool = True,
            with_mtp: bool = False, tp_size: int = 1) -> "KVCacheLayout":
         """tp_size: a rank's share of a hybrid model's KDA state (its heads); the latent cache is every rank's."""
         item = torch.empty((), dtype=dtype).element_size()
@@ -61,7 +61,7 @@ class KVCache:
     shard.size × block_size tokens; `self.block_size` is then the scheduler's tokens per block."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, with_indexer: bool = True, indexer_dtype: str = "auto", with_mtp: bool = False,
+                 device: torch.device, with_indexer: bool = True, indexer_dtype: str = "model", with_mtp: bool = False,
                  shard: ContextShard | None = None, state_slots: int = 0, state_snapshots: int = 0,
                  tp_size: int = 1, draft_states: int = 0):
         """state_slots: requests a hybrid model's KDA layers hold state for (the running ones, max_num_seqs);

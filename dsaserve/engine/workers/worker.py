@@ -14,6 +14,7 @@ import torch
 
 from dsaserve import triton_ops
 from dsaserve.attention.context_shard import ContextShard
+from dsaserve.attention.indexer_cache import describe_indexer_keys, indexer_key_kind
 from dsaserve.config import ModelConfig
 from dsaserve.device import widened_for_cpu
 from dsaserve.distributed.parallel_context import ParallelContext
@@ -56,8 +57,11 @@ class Worker:
                                 weight_forms=forms, decode_plan=not args.enforce_eager, huge_pages=args.huge_pages,
                                 scratch_budget=parse_bytes(args.load_scratch_memory, "load_scratch_memory"))
         self.with_indexer = self.model.backend.uses_indexer
+        self.indexer_keys = indexer_key_kind(args.indexer_cache_dtype, cfg.fp8_checkpoint or args.quantization == "fp8")
+        if self.with_indexer and cfg.hybrid is None and self.parallel.tp.rank == 0:
+            logger.info("indexer keys: %s", describe_indexer_keys(self.indexer_keys, args.indexer_cache_dtype, dtype))
         # Bytes per token this rank stores (under DCP, per token it holds: 1/N of a request's tokens).
-        self.kv_layout = KVCacheLayout.of(cfg, dtype, args.indexer_cache_dtype, self.with_indexer, self.with_mtp,
+        self.kv_layout = KVCacheLayout.of(cfg, dtype, self.indexer_keys, self.with_indexer, self.with_mtp,
                                           self.parallel.tp.size)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
@@ -67,7 +71,7 @@ class Worker:
         dcp = self.parallel.dcp
         shard = ContextShard(dcp.rank, dcp.size, self.args.block_size, dcp) if dcp.size > 1 else None
         self.kv_cache = KVCache(self.cfg, num_blocks, self.args.block_size, self.dtype, self.device,
-                                with_indexer=self.with_indexer, indexer_dtype=self.args.indexer_cache_dtype,
+                                with_indexer=self.with_indexer, indexer_dtype=self.indexer_keys,
                                 with_mtp=self.with_mtp, shard=shard, state_slots=states.slots,
                                 state_snapshots=states.snapshots, tp_size=self.parallel.tp.size,
                                 draft_states=self.args.num_draft_states)
