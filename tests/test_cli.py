@@ -233,3 +233,4 @@ def test_bench_longctx_prefills_demo_documents(tiny_checkpoint):
                  "--prefill-lens", "96", "--prompt-source", "document", "--dtype", "float32")
     assert result.returncode == 0, result.stderr
     assert "prefill time to first token" in result.stdout and "sparse" in result.stdout
+    assert "decode ms/token" not in result.stdout  # no decode lengths asked for: no empty section

@@ -178,9 +178,12 @@ def run(engine_args: EngineArgs, backends: list[str], decode_lens: list[int], pr
 
 
 def print_results(results: dict) -> None:
-    print(f"decode ms/token ({results['note']}):")
-    for backend, points in results["decode_ms_per_token"].items():
-        print(f"  {backend:<7}" + "".join(f"{n:>9}: {ms:8.1f}" for n, ms in points.items()))
+    if any(results["decode_ms_per_token"].values()):  # (a section with no lengths asked for is left out)
+        print(f"decode ms/token ({results['note']}):")
+        for backend, points in results["decode_ms_per_token"].items():
+            print(f"  {backend:<7}" + "".join(f"{n:>9}: {ms:8.1f}" for n, ms in points.items()))
+    if not any(results["prefill_ttft_s"].values()):
+        return
     print("prefill time to first token, s (peak scratch MiB):")
     for backend, points in results["prefill_ttft_s"].items():
         scratch = results["prefill_peak_scratch_mib"][backend]
