@@ -163,8 +163,8 @@ def _index_scores_path(cfg: ModelConfig) -> str:
         scores += "; fp32 models (dtype auto here) by the AVX2 kernel, fp32 keys read in place"
     if index_scores.fits_int8(cfg.index_n_heads, cfg.index_head_dim):
         products = "signed byte products on AVX2" if torch_ops.avx2_family() else "int8 products on AVX-512 VNNI"
-        scores += (f"; int8 key caches (--indexer-cache-dtype int8) by {products}, the queries rounded to int8 per "
-                   "head")
+        asked = "auto's choice for this FP8 checkpoint" if cfg.fp8_checkpoint else "--indexer-cache-dtype int8"
+        scores += f"; int8 key caches ({asked}) by {products}, the queries rounded to int8 per head"
     return f"scores: {scores}; top-k: {'native radix select' if torch_ops.load() else 'torch'}"
 
 

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.demo import RANDOM_DEMO_VERSION
+from dsaserve.native import index_scores as native_scores
 
 
 def run(*args, env=None):
@@ -60,6 +61,8 @@ def test_doctor_on_config_only_deepseek_v32(tmp_path):
     assert "indexer keys: 61 full layers × (128 × 1 B + a 2 B scale: int8 keys, as FP8 weights get by default) = " \
         "7.7 KiB" in out
     assert "KV cache per token (bfloat16): 76.4 KiB" in out
+    if native_scores.fits_int8(64, 128):  # where an int8 scoring body runs, doctor names why the keys are int8
+        assert "int8 key caches (auto's choice for this FP8 checkpoint)" in out
 
 
 def test_doctor_on_config_only_glm53(tmp_path):
