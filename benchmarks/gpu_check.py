@@ -11,7 +11,8 @@ Sections: env (versions, device); parity (a generated fp32 checkpoint, 32 greedy
 device, Triton kernels on and off, against the CPU path); kernels (Triton against the torch path at GLM-5.2's
 shapes: sparse MLA decode over 2,048 selected rows, indexer scores at 64K); syncs (host synchronisations inside a
 decode step, counted by torch.cuda.set_sync_debug_mode); profile (a decode step's most expensive kernels); latency
-and throughput (the `small` checkpoint, GLM-5.2 per-head geometry, batch 1, 16, 64); transformers (its `generate` on
+and throughput (the `small` checkpoint, GLM-5.2 per-head geometry, batch 1, 16, 64; with CUDA graphs and with
+--enforce-eager); transformers (its `generate` on
 the same checkpoint and batch); longctx (sparse against dense decode at 8K, 32K, 64K).
 """
 
@@ -93,11 +94,12 @@ def section_env(device: str) -> dict:
     return info
 
 
-def greedy(path: str, device: str, triton: str, prompts, steps: int, native: str = "auto") -> tuple[list, list]:
+def greedy(path: str, device: str, triton: str, prompts, steps: int, native: str = "auto",
+           eager: bool = False) -> tuple[list, list]:
     from dsaserve import LLM, SamplingParams
 
     llm = LLM(path, dtype="float32", device=device, block_size=16, max_model_len=256, triton_kernels=triton,
-              native_kernels=native, progress=False)
+              native_kernels=native, enforce_eager=eager, progress=False)
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
     outs = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
     tokens = [o.token_ids for o in outs]
@@ -106,23 +108,26 @@ def greedy(path: str, device: str, triton: str, prompts, steps: int, native: str
 
 
 def section_parity(device: str) -> dict:
-    """Greedy tokens and logprobs of the device path (Triton kernels on and off) against the CPU path, fp32; and of an
-    FP8 checkpoint, kept in FP8 on the Triton path, against the CPU's dequantized one."""
+    """Greedy tokens and logprobs of the device path (Triton kernels on, their decode steps replayed from CUDA graphs
+    on a GPU; on without graphs, --enforce-eager, on a GPU; off) against the CPU path, fp32; and of an FP8 checkpoint,
+    kept in FP8 on the Triton path, against the CPU's dequantized one."""
     import torch
 
     prompts = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in sizes(device)["parity_prompts"]]  # past the tiny checkpoint's index_topk (16)
     result = {}
-    for fp8, modes in ((False, ("on", "off")), (True, ("on",))):
+    plain = ("on", "on_eager", "off") if device == "cuda" else ("on", "off")  # (no graphs on a CPU)
+    for fp8, modes in ((False, plain), (True, ("on",))):
         path = tiny_checkpoint(fp8)
         # The CPU reference with torch's operators: the native ones would first compile (minutes of the GPU's time).
         steps = sizes(device)["parity_steps"]
         cpu_tokens, cpu_logprobs = greedy(path, "cpu", "off", prompts, steps, native="off")
-        for triton in modes:
-            tokens, logprobs = greedy(path, device, triton, prompts, steps)
+        for mode in modes:
+            tokens, logprobs = greedy(path, device, mode.removesuffix("_eager"), prompts, steps,
+                                      eager=mode.endswith("_eager"))
             diff = max(abs(a - b) for x, y in zip(logprobs, cpu_logprobs) for a, b in zip(x, y))
-            result[f"{'fp8_' if fp8 else ''}triton_{triton}"] = {"tokens_identical": tokens == cpu_tokens,
-                                                                  "max_logprob_diff": diff}
+            result[f"{'fp8_' if fp8 else ''}triton_{mode}"] = {"tokens_identical": tokens == cpu_tokens,
+                                                               "max_logprob_diff": diff}
     return result
 
 
@@ -285,12 +290,18 @@ def section_latency(device: str) -> dict:
     from dsaserve.bench.offline import run_latency, run_throughput
 
     s = sizes(device)
-    result = {"graphs": "not captured (CUDA graphs are not implemented yet): eager"}
-    llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, progress=False,
-              max_num_seqs=max(s["batches"]), kv_cache_memory="4GiB" if device == "cuda" else "256MiB")
-    result["latency_batch_1"] = run_latency(llm, 1, s["input_len"], s["output_len"], 3, 1, 0)
-    for batch in s["batches"][1:]:
-        result[f"throughput_batch_{batch}"] = run_throughput(llm, batch, s["input_len"], s["output_len"], 0)
+    result = {}
+    # With CUDA graphs (the default on a GPU; a CPU has none), then --enforce-eager on a GPU: the same runs.
+    for eager in (False, True) if device == "cuda" else (False,):
+        llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, progress=False, enforce_eager=eager,
+                  max_num_seqs=max(s["batches"]), kv_cache_memory="4GiB" if device == "cuda" else "256MiB")
+        runs = {"graphs": "off" if llm.engine.runner.graphs is None else
+                ",".join(map(str, llm.engine.runner.graphs.sizes))}
+        runs["latency_batch_1"] = run_latency(llm, 1, s["input_len"], s["output_len"], 3, 1, 0)
+        for batch in s["batches"][1:]:
+            runs[f"throughput_batch_{batch}"] = run_throughput(llm, batch, s["input_len"], s["output_len"], 0)
+        result["eager" if eager else "default"] = runs
+        llm.shutdown()
     result.update(peak_memory(device))
     return result
 
@@ -363,6 +374,9 @@ def summary(results: dict, device: str) -> str:
     lines.append(f"| parity, Triton on: tokens identical / max Δlogprob | "
                  f"{get('parity', 'triton_on', 'tokens_identical')} / "
                  f"{get('parity', 'triton_on', 'max_logprob_diff', fmt='{:.2e}')} |")
+    lines.append(f"| parity, Triton on, --enforce-eager: tokens identical / max Δlogprob | "
+                 f"{get('parity', 'triton_on_eager', 'tokens_identical')} / "
+                 f"{get('parity', 'triton_on_eager', 'max_logprob_diff', fmt='{:.2e}')} |")
     lines.append(f"| parity, Triton off: tokens identical / max Δlogprob | "
                  f"{get('parity', 'triton_off', 'tokens_identical')} / "
                  f"{get('parity', 'triton_off', 'max_logprob_diff', fmt='{:.2e}')} |")
@@ -380,10 +394,12 @@ def summary(results: dict, device: str) -> str:
     top = results.get("profile", {}).get("decode_step_top", [])[:4]
     lines.append("| decode step (16 requests), most self time | "
                  + ("; ".join(f"{e['name']} {e['ms']:.2f} ms" for e in top) or "—") + " |")
-    lines.append(f"| batch-1 decode ms/token (TPOT) | {get('latency', 'latency_batch_1', 'tpot_ms_p50')} |")
-    for batch in sizes(device)["batches"][1:]:
-        lines.append(f"| throughput batch {batch}, output tok/s | "
-                     f"{get('latency', f'throughput_batch_{batch}', 'output_tokens_per_s', fmt='{:.0f}')} |")
+    for run, words in (("default", "CUDA graphs"), ("eager", "--enforce-eager")):
+        lines.append(f"| batch-1 decode ms/token (TPOT), {words} (captured: {get('latency', run, 'graphs')}) | "
+                     f"{get('latency', run, 'latency_batch_1', 'tpot_ms_p50')} |")
+        for batch in sizes(device)["batches"][1:]:
+            lines.append(f"| throughput batch {batch}, output tok/s, {words} | "
+                         f"{get('latency', run, f'throughput_batch_{batch}', 'output_tokens_per_s', fmt='{:.0f}')} |")
     lines.append(f"| transformers generate batch {get('transformers', 'batch')}, output tok/s | "
                  f"{get('transformers', 'output_tokens_per_s', fmt='{:.0f}')} |")
     for n in sizes(device)["contexts"]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from dsaserve.attention import ATTENTION_BACKENDS
 from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES, indexer_key_kind
 from dsaserve.distributed.parallel_config import ParallelConfig
+from dsaserve.engine.workers.decode_graphs import capture_sizes, parse_sizes
 from dsaserve.native.torch_ops import CPU_ISAS, NATIVE_KERNELS, check_cpu_isa
 from dsaserve.quantization.formats import QUANTIZATION_MODES
 from dsaserve.speculative_config import SpeculativeConfig
@@ -118,7 +119,12 @@ class EngineArgs:
         "keep the weights out of 2 MiB transparent huge pages (on by default where Linux allows them)"))
     enforce_eager: bool = field(default=False, metadata=_help(
         "run every step through the model's modules: no decode plan (a decode step's layers as one chain of native "
-        "pieces, on CPUs with the kernels); for comparing and debugging"))
+        "pieces, on CPUs with the kernels) and no CUDA graphs (decode steps replayed from captures, on CUDA); for "
+        "comparing and debugging"))
+    cuda_graph_sizes: str | None = field(default=None, metadata=_help(
+        "decode batch sizes captured as CUDA graphs at start-up, e.g. '1,2,4,8' (default: powers of two up to "
+        "max-num-seqs, at most 256, and that bound); a decode step of n requests replays the smallest size ≥ n, "
+        "larger or mixed steps run eagerly"))
     seed: int = field(default=0, metadata=_help("seed of the sampler for requests without their own seed"))
     progress: bool = field(default=True, metadata=_help("show a progress bar while loading weights"))
 
@@ -148,6 +154,7 @@ class EngineArgs:
         parse_bytes(self.kv_cache_memory)  # a bad size fails here, before anything loads
         parse_bytes(self.load_scratch_memory, "load_scratch_memory")
         SpeculativeConfig.parse(self.speculative_config)  # and so does a bad speculative config
+        parse_sizes(self.cuda_graph_sizes)
 
     @property
     def num_state_snapshots(self) -> int:
@@ -171,6 +178,10 @@ class EngineArgs:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        return capture_sizes(parse_sizes(self.cuda_graph_sizes), self.max_num_seqs)
 
     @property
     def kv_cache_bytes(self) -> int | None:

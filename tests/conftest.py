@@ -34,6 +34,16 @@ def body(request):
     torch_ops.configure("auto", "auto")
 
 
+@pytest.fixture
+def interpreter():
+    """The process's Triton kernels on for CPU tensors (Triton's interpreter, chosen above); off after."""
+    from dsaserve import triton_ops
+
+    triton_ops.configure("on", torch.device("cpu"))
+    yield
+    triton_ops.configure("auto", torch.device("cpu"))
+
+
 # The real GLM-5.2 config.json (copied from the project's shared reference data).
 REFERENCE_CONFIG = os.path.join(os.path.dirname(__file__), "data", "glm-5.2-config.json")
 

@@ -24,14 +24,6 @@ if triton_ops.triton_imports() is None:
         tl.store(out + i, e4m3_values(tl.load(raw + i), NATIVE))
 
 
-@pytest.fixture
-def interpreter():
-    """The process's Triton kernels on for CPU tensors (conftest.py chose Triton's interpreter); off after."""
-    triton_ops.configure("on", torch.device("cpu"))
-    yield
-    triton_ops.configure("auto", torch.device("cpu"))
-
-
 def softmax_over_rows(query, rows, slots, scale, value):
     keys = rows[slots.clamp(min=0)].float()  # [n, K, D]
     scores = torch.einsum("nhd,nkd->nhk", query.float(), keys) * scale

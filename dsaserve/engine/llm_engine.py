@@ -64,7 +64,7 @@ class LLMEngine:
             self.max_model_len = fit_max_model_len(max_model_len, num_blocks * tokens_per_block,
                                                    layout.bytes_per_token / dcp,
                                                    explicit=args.max_model_len is not None)
-            self.executor.init_cache(num_blocks, states)
+            self.executor.init_cache(num_blocks, states, self.max_model_len)
         except BaseException:
             self.executor.shutdown()
             raise

@@ -62,8 +62,8 @@ class InProcessExecutor:
     def __init__(self, worker: Worker):
         self.driver = worker
 
-    def init_cache(self, num_blocks: int, states: StateCounts) -> None:
-        self.driver.init_cache(num_blocks, states)
+    def init_cache(self, num_blocks: int, states: StateCounts, max_model_len: int) -> None:
+        self.driver.init_cache(num_blocks, states, max_model_len)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver.execute(scheduler_output)
@@ -163,9 +163,9 @@ class DistributedExecutor:
         """listener(cause) is called (on another thread) when a rank is found dead or failed."""
         self._listeners.append(listener)
 
-    def init_cache(self, num_blocks: int, states: StateCounts) -> None:
-        self._send(("init_cache", num_blocks, states))
-        self.driver.init_cache(num_blocks, states)
+    def init_cache(self, num_blocks: int, states: StateCounts, max_model_len: int) -> None:
+        self._send(("init_cache", num_blocks, states, max_model_len))
+        self.driver.init_cache(num_blocks, states, max_model_len)
         pg.wait_for_ranks(self.store, "ready", range(1, self.world), self._dead_rank)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -15,6 +15,7 @@ from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
 from dsaserve.engine.speculative.mtp_drafter import DraftInput, propose
 from dsaserve.engine.speculative.rejection_sampler import verify_drafts
+from dsaserve.engine.workers.decode_graphs import DecodeGraphs
 from dsaserve.engine.workers.kv_cache import KVCache
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput, TokenLogprobs
 from dsaserve.engine.workers.runner_state import RunnerRequest
@@ -23,8 +24,10 @@ from dsaserve.sampling.sampler import TopLogprobs, top_logprobs
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, device: torch.device, seed: int = 0, share_draft_index: bool = False):
+    def __init__(self, model, kv_cache: KVCache, device: torch.device, seed: int = 0, share_draft_index: bool = False,
+                 graphs: DecodeGraphs | None = None):
         self.model = model
+        self.graphs = graphs  # decode steps replayed from CUDA graphs (engine/workers/decode_graphs.py)
         self.kv_cache = kv_cache
         self.device = device
         self.share_draft_index = share_draft_index  # the config's index_share_for_mtp_iteration
@@ -63,17 +66,10 @@ class ModelRunner:
                 sample_rows.append(list(range(len(logits_rows), len(logits_rows) + k + 1)))
                 logits_rows.extend(range(offset + n - 1 - k, offset + n))
             offset += n
-        meta = BatchMetadata.build(
-            [s.token_ids for s in scheduler_output.scheduled],
-            [s.num_computed_tokens for s in scheduler_output.scheduled],
-            [s.block_table for s in scheduler_output.scheduled],
-            self.kv_cache.block_size, logits_rows, device=self.device, shard=self.kv_cache.shard,
-            state_slots=[s.state_slot for s in scheduler_output.scheduled],
-            state_restore=[s.state_restore for s in scheduler_output.scheduled],
-            state_snapshots=[self._state_snapshots(s) for s in scheduler_output.scheduled],
-        )
-        hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
-        logits = self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices]))
+        if self.graphs is not None and self.graphs.takes(scheduler_output.scheduled, logits_rows):
+            logits, hidden = self.graphs.run(scheduler_output.scheduled), None  # (no MTP layer: nothing drafts)
+        else:
+            hidden, logits = self._forward(scheduler_output, logits_rows)
         for request_id, (first, rows) in prompt_rows.items():
             output.prompt_logprobs[request_id] = self._prompt_logprobs(self.requests[request_id], first,
                                                                        logits[list(rows)])
@@ -88,6 +84,20 @@ class ModelRunner:
         if self.model.mtp is not None:
             self._draft(scheduler_output, offsets, hidden, output)
         return output
+
+    def _forward(self, scheduler_output: SchedulerOutput, logits_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states of every row, logits of `logits_rows`) of the step, run eagerly."""
+        meta = BatchMetadata.build(
+            [s.token_ids for s in scheduler_output.scheduled],
+            [s.num_computed_tokens for s in scheduler_output.scheduled],
+            [s.block_table for s in scheduler_output.scheduled],
+            self.kv_cache.block_size, logits_rows, device=self.device, shard=self.kv_cache.shard,
+            state_slots=[s.state_slot for s in scheduler_output.scheduled],
+            state_restore=[s.state_restore for s in scheduler_output.scheduled],
+            state_snapshots=[self._state_snapshots(s) for s in scheduler_output.scheduled],
+        )
+        hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
+        return hidden, self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices]))
 
     def _state_snapshots(self, s) -> tuple[tuple[int, int], ...]:
         """The KDA state copies a request's rows take (position, snapshot): the prefix-cache snapshots the scheduler

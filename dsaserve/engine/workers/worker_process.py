@@ -95,7 +95,7 @@ def run_worker(rank: int, local_rank: int, master_addr: str, master_port: int, m
             if message[0] == "shutdown":
                 break
             if message[0] == "init_cache":
-                worker.init_cache(message[1], message[2])
+                worker.init_cache(message[1], message[2], message[3])
                 pg.report(store, "ready", rank)
             elif message[0] == "step":
                 worker.execute(grammars.restore(message[1]))

@@ -1,0 +1,179 @@
+"""Decode steps replayed from CUDA graphs (engine/workers/decode_graphs.py), checked without a GPU: the Triton path on
+CPU tensors under Triton's interpreter, with a stand-in for torch.cuda.CUDAGraph that runs the captured forward again
+at each replay. What this checks is everything but the capture itself: the static buffers, the padding rows and
+their block, the capture's host values, which steps replay and which run eagerly, and that the captured forward
+never reads a device value on the host nor makes a tensor from host data (either would break a capture)."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsaserve import LLM, SamplingParams, triton_ops
+from dsaserve.engine.workers import decode_graphs
+
+pytestmark = pytest.mark.skipif(triton_ops.triton_imports() is not None, reason="Triton does not import here")
+
+# Ops that make the host wait for the device, or copy host data to it, inside a forward (nonzero and its kin size
+# their output from the data).
+SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+           "aten.lift_fresh.default", "aten._unique2.default", "aten.unique_consecutive.default",
+           "aten.unique_dim.default"}
+
+
+HOST_VALUE_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+class HostReads(TorchDispatchMode):
+    """Records the operators of SYNCING, a repeat_interleave without its output size and indexing by a bool mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if (name in SYNCING or (name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None)
+                or (name == "aten.index.Tensor" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                                        for i in args[1]))):
+            self.seen.append(name)
+        return func(*args, **kwargs)
+
+
+class ReplayedForward:
+    """torch.cuda.CUDAGraph's stand-in: capture runs the forward, each replay runs it again into the same output
+    tensor, watched for host reads (kept for the whole test)."""
+
+    host_reads: list[str] = []
+
+    def __init__(self, pool=None):
+        self.forward = self.out = None
+        self.replays = 0
+
+    def capture(self, forward):
+        self.forward = forward
+        self.out = forward()
+        return self.out
+
+    def replay(self):
+        self.replays += 1
+        watch = HostReads()
+        # A value read on the host (under inference mode a CPU tensor's item() passes no dispatch mode by).
+        originals = {name: getattr(torch.Tensor, name) for name in HOST_VALUE_METHODS}
+        try:
+            for name, method in originals.items():
+                setattr(torch.Tensor, name, lambda t, *a, _n=name, _m=method: watch.seen.append(f"Tensor.{_n}")
+                        or _m(t, *a))
+            with watch:
+                self.out.copy_(self.forward())
+        finally:
+            for name, method in originals.items():
+                setattr(torch.Tensor, name, method)
+        type(self).host_reads.extend(watch.seen)
+
+    def memory_pool(self):
+        return None
+
+
+@pytest.fixture
+def replayed(monkeypatch):
+    """Graphs on for CPU tensors, replayed by ReplayedForward; context buckets of 32 tokens and max_model_len."""
+    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: True)
+    monkeypatch.setattr(decode_graphs, "CudaGraph", ReplayedForward)
+    monkeypatch.setattr(decode_graphs, "SMALLEST_BUCKET", 32)
+    ReplayedForward.host_reads = []
+    return ReplayedForward
+
+
+def replays(llm) -> dict[tuple[int, int], int]:
+    """Replays so far per captured (batch size, context bucket)."""
+    return {key: step.graph.replays for key, step in llm.engine.runner.graphs.captured.items()}
+
+
+# Prompts past index_topk (16: the full layers score and select) and within it, three decoding together (a size-4
+# graph with one padding row), then two (size 2) after the shortest stops, all in the 128-token bucket; then two
+# short prompts alone (the 32-token bucket).
+PROMPTS = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(8000 + n)).tolist()
+           for n in (45, 9, 30)]
+SHORT = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(9000 + n)).tolist() for n in (12, 5)]
+
+
+def generate(llm, prompts, max_tokens):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in max_tokens]
+    return [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+
+
+def engine(path, **kwargs):
+    return LLM(path, dtype="float32", block_size=16, max_model_len=128, max_num_batched_tokens=64, triton_kernels="on",
+               progress=False, **kwargs)
+
+
+def test_replayed_decode_steps_generate_what_eager_steps_do(interpreter, make_checkpoint, replayed, monkeypatch):
+    """Greedy tokens equal to the eager Triton path's, logprobs within float noise (a capture scores every position
+    of its context bucket, so its selections come in another order); decode batches of 3 and 2 replayed the sizes 4
+    and 2 in the 128-token bucket, short contexts the 32-token one, prefill steps ran eagerly, and the padding rows
+    wrote to the block past the scheduler's."""
+    path = make_checkpoint("parity_mixed_FFSS", seed=0)
+    llm = engine(path, cuda_graph_sizes="1,2,4")
+    graphed = generate(llm, PROMPTS, (8, 4, 8))
+    graphs = llm.engine.runner.graphs
+    assert set(graphs.captured) == {(size, context) for size in (1, 2, 4) for context in (32, 128)}
+    first = replays(llm)
+    assert first[4, 128] >= 2 and first[2, 128] >= 2 and first[2, 32] == 0
+    graphed += generate(llm, SHORT, (4, 4))
+    assert replays(llm)[2, 32] >= 2
+    assert graphs.pad_block == llm.engine.kv_cache.num_blocks - 1 == llm.engine.stats().num_blocks
+    assert llm.engine.kv_cache.latent[0][graphs.pad_block, 0].abs().sum() > 0  # the padding rows wrote there
+    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
+    eager_llm = engine(path, cuda_graph_sizes="1,2,4")
+    eager = generate(eager_llm, PROMPTS, (8, 4, 8)) + generate(eager_llm, SHORT, (4, 4))
+    assert eager_llm.engine.runner.graphs is None
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    diff = max(abs(a[t].logprob - b[t].logprob) for x, y in zip(graphed, eager)
+               for a, b, t in zip(x.logprobs, y.logprobs, x.token_ids))
+    assert diff < 1e-4, diff
+
+
+def test_a_replayed_forward_reads_nothing_back_from_the_device(interpreter, make_checkpoint, replayed):
+    """No item()/tolist()/bool() of a tensor, no data-sized output (nonzero, masking, repeat_interleave without its
+    size) and no tensor made from host data inside the captured forward: each would stop a CUDA graph's capture (or
+    bake one step's values into it)."""
+    llm = engine(make_checkpoint("parity_mixed_FFSS", seed=0), cuda_graph_sizes="4")
+    generate(llm, PROMPTS, (4, 4, 4))
+    assert sum(replays(llm).values()) >= 3
+    assert replayed.host_reads == []
+
+
+def test_graphs_stay_off_where_the_captured_forward_would_not_be_the_step(make_checkpoint, monkeypatch, caplog):
+    """--enforce-eager, or the Triton kernels off: every step eager, no padding block, the reason logged."""
+    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: True)
+    path = make_checkpoint("parity_mixed_FFSS", seed=0)
+    for kwargs, why in [(dict(enforce_eager=True, triton_kernels="on"), "--enforce-eager"),
+                        (dict(triton_kernels="off"), "the Triton kernels are off")]:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="dsaserve.engine.workers.worker"):
+            engine = LLM(path, dtype="float32", block_size=16, max_model_len=128, progress=False, **kwargs).engine
+        assert engine.runner.graphs is None
+        assert engine.kv_cache.num_blocks == engine.stats().num_blocks
+        assert f"CUDA graphs: off ({why}" in caplog.text
+
+
+def test_context_buckets_grow_by_four_up_to_max_model_len():
+    assert decode_graphs.context_buckets(131072) == (4096, 16384, 65536, 131072)
+    assert decode_graphs.context_buckets(65536) == (4096, 16384, 65536)
+    assert decode_graphs.context_buckets(1024) == (1024,)
+
+
+def test_capture_sizes_default_to_powers_of_two_up_to_max_num_seqs():
+    assert decode_graphs.capture_sizes(None, 256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert decode_graphs.capture_sizes(None, 48) == (1, 2, 4, 8, 16, 32, 48)
+    assert decode_graphs.capture_sizes(None, 1000) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert decode_graphs.capture_sizes((8, 2, 2), 256) == (2, 8)
+
+
+@pytest.mark.parametrize("value", ["1,x", "0,4", ""])
+def test_cuda_graph_sizes_name_what_is_wrong(value):
+    from dsaserve.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="cuda_graph_sizes=.* must be"):
+        EngineArgs(model="unused", cuda_graph_sizes=value)
