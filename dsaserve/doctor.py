@@ -18,7 +18,9 @@ from dsaserve.byte_sizes import human
 from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_device
 from dsaserve.distributed.parallel_config import ParallelConfig
+from dsaserve.engine.workers import decode_graphs
 from dsaserve.engine.workers.kv_cache import KVCacheLayout
+from dsaserve.engine_args import EngineArgs
 from dsaserve.model import huge_pages
 from dsaserve.model.checkpoint_layout import checkpoint_shapes, component_of, is_mtp_tensor, text_prefix
 from dsaserve.model.load_memory import available_memory, default_scratch_budget
@@ -73,6 +75,7 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
         lines.append(f"  to pin this schedule: --hf-overrides '{sched.hf_override()}'")
     lines.append(f"native kernels: {_native_line()}")
     lines.append(f"triton kernels: {_triton_line()}")
+    lines.append(f"CUDA graphs: {_graphs_line(cfg, max_model_len or cfg.max_position_embeddings)}")
     lines.append(f"sparse per-query rows: {_selected_rows_path(cfg)}")
     lines.append(f"indexer kernels: {_index_scores_path(cfg)}")
     lines.append(f"AMX tiles for those kernels: {_amx_line(cfg)}")
@@ -200,6 +203,18 @@ def _triton_line() -> str:
     return ("off here (no CUDA device; on CUDA they run the sparse attention and the indexer's scores); "
             "--triton-kernels on runs them on CPU tensors under TRITON_INTERPRET=1"
             + ("" if triton_ops.triton_imports() is None else f" ({triton_ops.triton_imports()})"))
+
+
+def _graphs_line(cfg: ModelConfig, max_model_len: int) -> str:
+    """What a CUDA engine captures at start-up with the default options (engine/workers/decode_graphs.py)."""
+    if cfg.hybrid is not None:
+        return f"none for {cfg.family.name} (its KDA state slots): every step eager"
+    sizes = decode_graphs.capture_sizes(None, EngineArgs.max_num_seqs)
+    contexts = decode_graphs.context_buckets(max_model_len)
+    return (f"on CUDA with the Triton kernels, decode batch sizes {','.join(map(str, sizes))} (--cuda-graph-sizes; "
+            f"the default for --max-num-seqs {EngineArgs.max_num_seqs}) × contexts up to "
+            f"{','.join(map(str, contexts))} tokens (max_model_len {max_model_len}): {len(sizes) * len(contexts)} "
+            "graphs captured at start-up in one memory pool; --enforce-eager or speculative decoding: none")
 
 
 def _weight_pages() -> str:

@@ -35,6 +35,10 @@ def test_doctor_on_config_only_glm52(tmp_path):
     assert "indexer keys: 21 full layers × 128 × 2 B = 5.2 KiB" in out
     assert "KV cache per token (bfloat16): 93.0 KiB" in out
     assert "triton kernels: off here (no CUDA device" in out  # which kernels the default runs, and how to change it
+    # What a CUDA engine would capture: the default batch sizes × context buckets up to the config's longest context.
+    assert ("CUDA graphs: on CUDA with the Triton kernels, decode batch sizes 1,2,4,8,16,32,64,128,256 "
+            "(--cuda-graph-sizes; the default for --max-num-seqs 256) × contexts up to 4096,16384,65536,262144,"
+            "1048576 tokens (max_model_len 1048576): 45 graphs") in out
     # Each form's resident size and, beside it, the peak the load expects (resident + the threads' scratch).
     for form, resident in (("bf16, float", 1.4 * 1024), ("fp8", 714.3), ("int8", 693.4), ("int4", 368.6)):
         line = next(x for x in out.splitlines() if x.strip().startswith(form + " "))
@@ -90,6 +94,7 @@ def test_doctor_on_config_only_glm53_flash(tmp_path):
     assert "latent: 11 layers × 512 × 2 B = 11.0 KiB" in out
     assert "indexer keys: 11 full layers × (2 × 128 + 128 / 16) × 2 B = 5.7 KiB" in out
     assert "KDA state per request (fp32, the same at any context length): 145.6 MiB" in out
+    assert "CUDA graphs: none for GLM-5.3-Flash (its KDA state slots)" in out
     assert "prefix-cache snapshots: 145.6 MiB each, one every 512 tokens" in out
     for form in ("bf16, float     583.7 GiB", "fp8             301.1 GiB", "int8            292.4 GiB",
                  "int4            155.5 GiB"):
