@@ -124,31 +124,54 @@ class CapturedStep:
 
 
 class StaticInputs:
-    """The buffers a captured forward reads, for up to `largest` rows. A step's rows arrive in one copy from a pinned
-    host tensor into `staged` ([largest, 3 + max_blocks]: input id, position, slot, block table; a step's rows are
-    contiguous there); the captured forward starts by copying its rows out into the contiguous fields the kernels
-    read (device to device, inside the graph)."""
+    """The buffers captured forwards read, for up to `largest` rows. A step's rows (input id, position, slot, block
+    table) are written densely for its context bucket's table width w ([rows, 3 + w] at the start of one pinned host
+    buffer) and reach the device in one copy; the captured forward starts by copying them out into the contiguous
+    fields the kernels read (device to device, inside the graph). Only the bucket's columns travel."""
 
     def __init__(self, largest: int, max_blocks: int, device: torch.device):
-        self.largest, self.max_blocks = largest, max_blocks
-        self.host = torch.zeros(largest, 3 + max_blocks, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.staged = torch.zeros(largest, 3 + max_blocks, dtype=torch.int64, device=device)
+        self.largest = largest
+        cells = largest * (3 + max_blocks)
+        self.host = torch.zeros(cells, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.staged = torch.zeros(cells, dtype=torch.int64, device=device)
         self.ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros_like(self.ids)
         self.slots = torch.zeros_like(self.ids)
-        self.tables = torch.zeros(largest, max_blocks, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(largest * max_blocks, dtype=torch.int64, device=device)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None  # the last copy's end
 
-    def stage(self, rows: int) -> None:
-        """The host's first `rows` rows to the device (asynchronously where the host tensor is pinned)."""
-        self.staged[:rows].copy_(self.host[:rows], non_blocking=True)
+    def rows(self, flat: torch.Tensor, width: int) -> torch.Tensor:
+        return flat[: self.largest * (3 + width)].view(self.largest, 3 + width)
 
-    def unstage(self, rows: int) -> None:
+    def table(self, width: int) -> torch.Tensor:
+        """The block tables' field for tables `width` blocks wide: [largest, width], contiguous."""
+        return self.tables[: self.largest * width].view(self.largest, width)
+
+    def fill(self, width: int, rows: list[tuple[int, int, int, list[int]]], size: int, pad_block: int,
+             pad_slot: int) -> None:
+        """Rows (token, position, slot, block table) then padding rows up to `size`, sent to the device."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has left the pinned buffer
+        host = self.rows(self.host, width).numpy()
+        for r, (token, position, slot, table) in enumerate(rows):
+            table = table[:width]  # (blocks past the bucket hold no position the step reads)
+            host[r, :3] = (token, position, slot)
+            host[r, 3:3 + len(table)] = table
+            host[r, 3 + len(table):] = 0
+        host[len(rows):size] = 0  # padding: position 0 of the padding block
+        host[len(rows):size, 2] = pad_slot
+        host[len(rows):size, 3] = pad_block
+        self.rows(self.staged, width)[:size].copy_(self.rows(self.host, width)[:size], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def unstage(self, size: int, width: int) -> None:
         """The staged rows into the fields (a captured forward's first operations)."""
-        staged = self.staged[:rows]
-        self.ids[:rows].copy_(staged[:, 0])
-        self.positions[:rows].copy_(staged[:, 1])
-        self.slots[:rows].copy_(staged[:, 2])
-        self.tables[:rows].copy_(staged[:, 3:])
+        staged = self.rows(self.staged, width)[:size]
+        self.ids[:size].copy_(staged[:, 0])
+        self.positions[:size].copy_(staged[:, 1])
+        self.slots[:size].copy_(staged[:, 2])
+        self.table(width)[:size].copy_(staged[:, 3:])
 
 
 class DecodeGraphs:
@@ -161,9 +184,7 @@ class DecodeGraphs:
         self.sizes, self.contexts = sizes, context_buckets(max_model_len)
         self.block_size = kv_cache.block_size
         self.pad_block, self.pad_slot = pad_block, pad_block * self.block_size
-        self.inputs = StaticInputs(sizes[-1], -(-max_model_len // self.block_size), kv_cache.device)
-        self._pad(0, sizes[-1])  # captured on padding rows alone: their writes go to the padding block
-        self.inputs.stage(sizes[-1])
+        self.inputs = StaticInputs(sizes[-1], self._width(max_model_len), kv_cache.device)
         start = time.perf_counter()
         self.captured: dict[tuple[int, int], CapturedStep] = {}
         pool = None
@@ -172,6 +193,8 @@ class DecodeGraphs:
             for context in reversed(self.contexts):
                 for size in reversed(sizes):
                     graph = make_graph(pool)
+                    # Captured on padding rows alone: their writes go to the padding block.
+                    self.inputs.fill(self._width(context), [], size, self.pad_block, self.pad_slot)
                     meta = self._metadata(size, context)
                     logits = graph.capture(lambda meta=meta: self._forward(meta))
                     pool = graph.memory_pool()
@@ -195,24 +218,18 @@ class DecodeGraphs:
         longest = max(s.num_computed_tokens + 1 for s in scheduled)
         step = self.captured[next(size for size in self.sizes if size >= n),
                              next(context for context in self.contexts if context >= longest)]
-        width = self.inputs.max_blocks
         rows = []
         for s in scheduled:
             position = s.num_computed_tokens
             slot = s.block_table[position // self.block_size] * self.block_size + position % self.block_size
-            rows.append([s.token_ids[0], position, slot, *s.block_table, *[0] * (width - len(s.block_table))])
-        self.inputs.host[:n] = torch.tensor(rows, dtype=torch.int64)
-        self._pad(n, step.size)
-        self.inputs.stage(step.size)
+            rows.append((s.token_ids[0], position, slot, s.block_table))
+        self.inputs.fill(self._width(step.context), rows, step.size, self.pad_block, self.pad_slot)
         step.graph.replay()
         return step.logits[:n]
 
-    def _pad(self, first: int, last: int) -> None:
-        """Host rows first … last - 1 as padding: position 0 of the padding block."""
-        rows = self.inputs.host[first:last]
-        rows.zero_()
-        rows[:, 2] = self.pad_slot
-        rows[:, 3] = self.pad_block
+    def _width(self, context: int) -> int:
+        """Block table entries that cover `context` tokens."""
+        return -(-context // self.block_size)
 
     def _metadata(self, size: int, context: int) -> BatchMetadata:
         """The batch a captured forward of `size` rows reads: the static fields' first rows, and host values that are
@@ -223,14 +240,14 @@ class DecodeGraphs:
             input_ids=inputs.ids[:size], positions=inputs.positions[:size],
             query_start_loc=torch.arange(size + 1, dtype=torch.int64, device=device),
             seq_lens=torch.full((size,), context, dtype=torch.int64, device=device),
-            block_tables=inputs.tables[:size], slot_mapping=inputs.slots[:size],
+            block_tables=inputs.table(self._width(context))[:size], slot_mapping=inputs.slots[:size],
             logits_indices=torch.arange(size, dtype=torch.int64, device=device), block_size=self.block_size,
             query_start_loc_host=tuple(range(size + 1)), seq_lens_host=(context,) * size)
 
     def _forward(self, meta: BatchMetadata) -> torch.Tensor:
         """The captured work: the staged rows into the fields, the model, the logits."""
         size = meta.num_reqs
-        self.inputs.unstage(size)
+        self.inputs.unstage(size, meta.block_tables.shape[1])
         meta.derived.clear()  # a fresh batch each run; what eager steps make from host lengths, made on the device:
         meta.derived[("row requests",)] = meta.logits_indices  # row r is request r
         hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
