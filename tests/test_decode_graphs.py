@@ -144,7 +144,8 @@ def test_a_replayed_forward_reads_nothing_back_from_the_device(interpreter, make
     assert replayed.host_reads == []
 
 
-def test_graphs_stay_off_where_the_captured_forward_would_not_be_the_step(make_checkpoint, monkeypatch, caplog):
+def test_graphs_stay_off_where_the_captured_forward_would_not_be_the_step(interpreter, make_checkpoint, monkeypatch,
+                                                                          caplog):
     """--enforce-eager, or the Triton kernels off: every step eager, no padding block, the reason logged."""
     monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: True)
     path = make_checkpoint("parity_mixed_FFSS", seed=0)
@@ -156,6 +157,22 @@ def test_graphs_stay_off_where_the_captured_forward_would_not_be_the_step(make_c
         assert engine.runner.graphs is None
         assert engine.kv_cache.num_blocks == engine.stats().num_blocks
         assert f"CUDA graphs: off ({why}" in caplog.text
+
+
+class RefusedCapture(ReplayedForward):
+    def capture(self, forward):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_leaves_decode_eager_and_says_why(interpreter, make_checkpoint, monkeypatch, caplog):
+    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: True)
+    monkeypatch.setattr(decode_graphs, "CudaGraph", RefusedCapture)
+    with caplog.at_level("WARNING", logger="dsaserve.engine.workers.decode_graphs"):
+        llm = LLM(make_checkpoint("parity_mixed_FFSS", seed=0), dtype="float32", block_size=16, max_model_len=128,
+                  triton_kernels="on", progress=False)
+    assert llm.engine.runner.graphs is None
+    assert "CUDA graphs: capture failed, so decode steps run eagerly" in caplog.text
+    assert "operation not permitted when stream is capturing" in caplog.text
 
 
 def test_context_buckets_grow_by_four_up_to_max_model_len():

@@ -90,6 +90,17 @@ def graphs_possible(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def capture(model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int) -> "DecodeGraphs | None":
+    """The engine's decode graphs; None, with a warning saying why, where a capture fails (decode then runs eagerly,
+    as with --enforce-eager)."""
+    try:
+        return DecodeGraphs(model, kv_cache, sizes, max_model_len, pad_block, make_graph=CudaGraph)
+    except RuntimeError as error:  # an operation the capture refused
+        logger.warning("CUDA graphs: capture failed, so decode steps run eagerly (--enforce-eager skips the "
+                       "attempt): %s", error)
+        return None
+
+
 class CudaGraph:
     """One captured forward (torch.cuda.CUDAGraph), warmed up on a side stream first as capture requires."""
 
