@@ -12,13 +12,12 @@ from collections import defaultdict
 
 import torch
 
-from dsaserve import triton_ops
+from dsaserve import cuda_graph_sizes, triton_ops
 from dsaserve.attention.indexer_cache import indexer_key_kind
 from dsaserve.byte_sizes import human
 from dsaserve.config import ModelConfig
 from dsaserve.device import resolve_device
 from dsaserve.distributed.parallel_config import ParallelConfig
-from dsaserve.engine.workers import decode_graphs
 from dsaserve.engine.workers.kv_cache import KVCacheLayout
 from dsaserve.engine_args import EngineArgs
 from dsaserve.model import huge_pages
@@ -209,8 +208,8 @@ def _graphs_line(cfg: ModelConfig, max_model_len: int) -> str:
     """What a CUDA engine captures at start-up with the default options (engine/workers/decode_graphs.py)."""
     if cfg.hybrid is not None:
         return f"none for {cfg.family.name} (its KDA state slots): every step eager"
-    sizes = decode_graphs.capture_sizes(None, EngineArgs.max_num_seqs)
-    contexts = decode_graphs.context_buckets(max_model_len)
+    sizes = cuda_graph_sizes.capture_sizes(None, EngineArgs.max_num_seqs)
+    contexts = cuda_graph_sizes.context_buckets(max_model_len)
     return (f"on CUDA with the Triton kernels, decode batch sizes {','.join(map(str, sizes))} (--cuda-graph-sizes; "
             f"the default for --max-num-seqs {EngineArgs.max_num_seqs}) × contexts up to "
             f"{','.join(map(str, contexts))} tokens (max_model_len {max_model_len}): {len(sizes) * len(contexts)} "

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from dsaserve.attention import ATTENTION_BACKENDS
 from dsaserve.attention.indexer_cache import INDEXER_CACHE_DTYPES, indexer_key_kind
+from dsaserve.cuda_graph_sizes import capture_sizes, parse_sizes
 from dsaserve.distributed.parallel_config import ParallelConfig
-from dsaserve.engine.workers.decode_graphs import capture_sizes, parse_sizes
 from dsaserve.native.torch_ops import CPU_ISAS, NATIVE_KERNELS, check_cpu_isa
 from dsaserve.quantization.formats import QUANTIZATION_MODES
 from dsaserve.speculative_config import SpeculativeConfig

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsaserve import LLM, SamplingParams, triton_ops
+from dsaserve import LLM, SamplingParams, cuda_graph_sizes, triton_ops
 from dsaserve.engine.workers import decode_graphs
 
 pytestmark = pytest.mark.skipif(triton_ops.triton_imports() is not None, reason="Triton does not import here")
@@ -80,7 +80,7 @@ def replayed(monkeypatch):
     """Graphs on for CPU tensors, replayed by ReplayedForward; context buckets of 32 tokens and max_model_len."""
     monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: True)
     monkeypatch.setattr(decode_graphs, "CudaGraph", ReplayedForward)
-    monkeypatch.setattr(decode_graphs, "SMALLEST_BUCKET", 32)
+    monkeypatch.setattr(cuda_graph_sizes, "SMALLEST_BUCKET", 32)
     ReplayedForward.host_reads = []
     return ReplayedForward
 
@@ -176,16 +176,16 @@ def test_a_failed_capture_leaves_decode_eager_and_says_why(interpreter, make_che
 
 
 def test_context_buckets_grow_by_four_up_to_max_model_len():
-    assert decode_graphs.context_buckets(131072) == (4096, 16384, 65536, 131072)
-    assert decode_graphs.context_buckets(65536) == (4096, 16384, 65536)
-    assert decode_graphs.context_buckets(1024) == (1024,)
+    assert cuda_graph_sizes.context_buckets(131072) == (4096, 16384, 65536, 131072)
+    assert cuda_graph_sizes.context_buckets(65536) == (4096, 16384, 65536)
+    assert cuda_graph_sizes.context_buckets(1024) == (1024,)
 
 
 def test_capture_sizes_default_to_powers_of_two_up_to_max_num_seqs():
-    assert decode_graphs.capture_sizes(None, 256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    assert decode_graphs.capture_sizes(None, 48) == (1, 2, 4, 8, 16, 32, 48)
-    assert decode_graphs.capture_sizes(None, 1000) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    assert decode_graphs.capture_sizes((8, 2, 2), 256) == (2, 8)
+    assert cuda_graph_sizes.capture_sizes(None, 256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert cuda_graph_sizes.capture_sizes(None, 48) == (1, 2, 4, 8, 16, 32, 48)
+    assert cuda_graph_sizes.capture_sizes(None, 1000) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert cuda_graph_sizes.capture_sizes((8, 2, 2), 256) == (2, 8)
 
 
 @pytest.mark.parametrize("value", ["1,x", "0,4", ""])

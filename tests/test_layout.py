@@ -62,7 +62,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 # units in lower layers; units in the same layer do not import each other.
 LAYERS = (
     ("model_family", "hybrid_config", "byte_sizes"),
-    ("config", "device", "outputs", "speculative_config", "chat_template", "tokenizer", "prepared_calls"),
+    ("config", "device", "outputs", "speculative_config", "cuda_graph_sizes", "chat_template", "tokenizer",
+     "prepared_calls"),
     ("native", "triton_ops", "deepseek_v32_chat"),
     ("quantization", "distributed", "structured_output", "chat_format"),
     ("attention", "sampling_params"),

@@ -5,10 +5,10 @@ A captured forward reads its batch only from those buffers (input ids, positions
 tables) for `size` rows. A batch of n requests replays the smallest captured size ≥ n; its other rows are padding:
 each writes its latent row and indexer key into a block of its own that the scheduler never hands out (the cache's
 last, `pad_block`) and attends to that row alone; their logits are dropped. What an eager step takes from the host
-(the indexer's scoring width: the batch's longest context; the rope table's length) is the capture's context bucket:
-a power of 4 from SMALLEST_BUCKET tokens up to max_model_len, the smallest that holds the step's longest context.
-Positions past each query score -inf and are never selected, so a replay selects what an eager step selects, and
-the buckets keep the scoring and top-k of a short batch from spanning max_model_len. Steps that are not plain
+(the indexer's scoring width: the batch's longest context; the rope table's length) is the capture's context
+bucket: 4,096 tokens × 4^i up to max_model_len (cuda_graph_sizes.py), the smallest that holds the step's longest
+context. Positions past each query score -inf and are never selected, so a replay selects what an eager step
+selects, and the buckets keep the scoring and top-k of a short batch from spanning max_model_len. Steps not plain
 decodes (prompt rows, drafts to verify, prompt logprobs, more requests than the largest size) run eagerly.
 Sampling and the logits processors run after the replay on its logits, as after an eager step.
 
@@ -26,46 +26,12 @@ from typing import Callable
 
 import torch
 
+from dsaserve import cuda_graph_sizes
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.scheduling.scheduler_output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LARGEST = 256
-SMALLEST_BUCKET = 4096  # tokens of context the smallest captured scoring width covers
-
-
-def capture_sizes(requested: tuple[int, ...] | None, max_num_seqs: int) -> tuple[int, ...]:
-    """The batch sizes to capture: as requested, else powers of two up to max_num_seqs (at most 256) and that bound
-    itself."""
-    if requested is not None:
-        return tuple(sorted(set(requested)))
-    largest = min(max_num_seqs, DEFAULT_LARGEST)
-    sizes = {1 << i for i in range(largest.bit_length()) if 1 << i <= largest}
-    return tuple(sorted(sizes | {largest}))
-
-
-def context_buckets(max_model_len: int) -> tuple[int, ...]:
-    """The scoring widths captured: SMALLEST_BUCKET × 4^i below max_model_len, and max_model_len."""
-    buckets, width = [], SMALLEST_BUCKET
-    while width < max_model_len:
-        buckets.append(width)
-        width *= 4
-    return tuple(buckets) + (max_model_len,)
-
-
-def parse_sizes(value: str | list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """`cuda_graph_sizes` as given ("1,2,4,8" or a list) → sizes; a bad entry is a ValueError naming it."""
-    if value is None:
-        return None
-    items = value.split(",") if isinstance(value, str) else list(value)
-    try:
-        sizes = tuple(int(str(item).strip()) for item in items if str(item).strip())
-    except ValueError:
-        raise ValueError(f"cuda_graph_sizes={value!r} must be batch sizes, e.g. '1,2,4,8'") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"cuda_graph_sizes={value!r} must be positive batch sizes, e.g. '1,2,4,8'")
-    return sizes
 
 
 def graphs_off_because(args, cfg, device: torch.device, model, parallel) -> str | None:
@@ -192,7 +158,7 @@ class DecodeGraphs:
     def __init__(self, model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int,
                  make_graph: Callable[[object], object] = CudaGraph):
         self.model, self.kv_cache = model, kv_cache
-        self.sizes, self.contexts = sizes, context_buckets(max_model_len)
+        self.sizes, self.contexts = sizes, cuda_graph_sizes.context_buckets(max_model_len)
         self.block_size = kv_cache.block_size
         self.pad_block, self.pad_slot = pad_block, pad_block * self.block_size
         self.inputs = StaticInputs(sizes[-1], self._width(max_model_len), kv_cache.device)
