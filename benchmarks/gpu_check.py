@@ -295,8 +295,9 @@ def section_latency(device: str) -> dict:
     for eager in (False, True) if device == "cuda" else (False,):
         llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, progress=False, enforce_eager=eager,
                   max_num_seqs=max(s["batches"]), kv_cache_memory="4GiB" if device == "cuda" else "256MiB")
-        runs = {"graphs": "off" if llm.engine.runner.graphs is None else
-                ",".join(map(str, llm.engine.runner.graphs.sizes))}
+        graphs = llm.engine.runner.graphs
+        runs = {"graphs": "off" if graphs is None else f"{len(graphs.captured)} ({','.join(map(str, graphs.sizes))} × "
+                f"{','.join(map(str, graphs.contexts))}), {(graphs.memory_bytes or 0) / 2**20:.0f} MiB"}
         runs["latency_batch_1"] = run_latency(llm, 1, s["input_len"], s["output_len"], 3, 1, 0)
         for batch in s["batches"][1:]:
             runs[f"throughput_batch_{batch}"] = run_throughput(llm, batch, s["input_len"], s["output_len"], 0)

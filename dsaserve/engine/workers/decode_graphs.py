@@ -56,6 +56,11 @@ def graphs_possible(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory on a CUDA device (what the driver reports, other processes included); None elsewhere."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def capture(model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int) -> "DecodeGraphs | None":
     """The engine's decode graphs; None, with a warning saying why, where a capture fails (decode then runs eagerly,
     as with --enforce-eager)."""
@@ -162,7 +167,7 @@ class DecodeGraphs:
         self.block_size = kv_cache.block_size
         self.pad_block, self.pad_slot = pad_block, pad_block * self.block_size
         self.inputs = StaticInputs(sizes[-1], self._width(max_model_len), kv_cache.device)
-        start = time.perf_counter()
+        start, free_before = time.perf_counter(), device_free_bytes(kv_cache.device)
         self.captured: dict[tuple[int, int], CapturedStep] = {}
         pool = None
         # The widest first: the rope table is made for it, and the others fit in its memory pool.
@@ -176,10 +181,13 @@ class DecodeGraphs:
                     logits = graph.capture(lambda meta=meta: self._forward(meta))
                     pool = graph.memory_pool()
                     self.captured[size, context] = CapturedStep(size, context, graph, logits)
-        logger.info("CUDA graphs: %d captured in %.1f s, decode batch sizes %s × contexts up to %s tokens (steps of "
+        # Device memory the captures took (their pool, the rope table, Triton's compiled kernels): None off CUDA.
+        self.memory_bytes = None if free_before is None else free_before - device_free_bytes(kv_cache.device)
+        logger.info("CUDA graphs: %d captured in %.1f s%s, decode batch sizes %s × contexts up to %s tokens (steps of "
                     "up to %d single-token decodes replay them, the rest run eagerly; --enforce-eager turns them off)",
-                    len(self.captured), time.perf_counter() - start, ",".join(map(str, sizes)),
-                    ",".join(map(str, self.contexts)), sizes[-1])
+                    len(self.captured), time.perf_counter() - start,
+                    "" if self.memory_bytes is None else f" using {self.memory_bytes / 2**20:.0f} MiB",
+                    ",".join(map(str, sizes)), ",".join(map(str, self.contexts)), sizes[-1])
 
     def takes(self, scheduled: list[ScheduledRequest], logits_rows: list[int]) -> bool:
         """Whether this step is one the graphs replay: every request one new token, sampled, no drafts, and no
