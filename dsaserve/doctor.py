@@ -213,7 +213,8 @@ def _graphs_line(cfg: ModelConfig, max_model_len: int) -> str:
     return (f"on CUDA with the Triton kernels, decode batch sizes {','.join(map(str, sizes))} (--cuda-graph-sizes; "
             f"the default for --max-num-seqs {EngineArgs.max_num_seqs}) × contexts up to "
             f"{','.join(map(str, contexts))} tokens (max_model_len {max_model_len}): {len(sizes) * len(contexts)} "
-            "graphs captured at start-up in one memory pool; --enforce-eager or speculative decoding: none")
+            "graphs captured at start-up in one memory pool (with speculative decoding as many again for verify "
+            "steps); --enforce-eager: none")
 
 
 def _weight_pages() -> str:

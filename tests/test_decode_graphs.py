@@ -65,7 +65,8 @@ class ReplayedForward:
                 setattr(torch.Tensor, name, lambda t, *a, _n=name, _m=method: watch.seen.append(f"Tensor.{_n}")
                         or _m(t, *a))
             with watch:
-                self.out.copy_(self.forward())
+                for mine, new in zip(self.out, self.forward()):
+                    mine.copy_(new)
         finally:
             for name, method in originals.items():
                 setattr(torch.Tensor, name, method)
@@ -85,9 +86,10 @@ def replayed(monkeypatch):
     return ReplayedForward
 
 
-def replays(llm) -> dict[tuple[int, int], int]:
-    """Replays so far per captured (batch size, context bucket)."""
-    return {key: step.graph.replays for key, step in llm.engine.runner.graphs.captured.items()}
+def replays(llm, rows: int = 1) -> dict[tuple[int, int], int]:
+    """Replays so far per captured (batch size, context bucket), of `rows` tokens per request."""
+    return {(shape.size, shape.context): step.graph.replays
+            for shape, step in llm.engine.runner.graphs.captured.items() if shape.rows == rows}
 
 
 # Prompts past index_topk (16: the full layers score and select) and within it, three decoding together (a size-4
@@ -117,7 +119,7 @@ def test_replayed_decode_steps_generate_what_eager_steps_do(interpreter, make_ch
     llm = engine(path, cuda_graph_sizes="1,2,4")
     graphed = generate(llm, PROMPTS, (8, 4, 8))
     graphs = llm.engine.runner.graphs
-    assert set(graphs.captured) == {(size, context) for size in (1, 2, 4) for context in (32, 128)}
+    assert set(replays(llm)) == {(size, context) for size in (1, 2, 4) for context in (32, 128)}
     first = replays(llm)
     assert first[4, 128] >= 2 and first[2, 128] >= 2 and first[2, 32] == 0
     graphed += generate(llm, SHORT, (4, 4))
@@ -134,14 +136,38 @@ def test_replayed_decode_steps_generate_what_eager_steps_do(interpreter, make_ch
     assert diff < 1e-4, diff
 
 
-def test_a_replayed_forward_reads_nothing_back_from_the_device(interpreter, make_checkpoint, replayed):
+SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize("speculative", [None, SPEC], ids=["decode", "verify"])
+def test_a_replayed_forward_reads_nothing_back_from_the_device(interpreter, make_checkpoint, replayed, speculative):
     """No item()/tolist()/bool() of a tensor, no data-sized output (nonzero, masking, repeat_interleave without its
-    size) and no tensor made from host data inside the captured forward: each would stop a CUDA graph's capture (or
-    bake one step's values into it)."""
-    llm = engine(make_checkpoint("parity_mixed_FFSS", seed=0), cuda_graph_sizes="4")
-    generate(llm, PROMPTS, (4, 4, 4))
-    assert sum(replays(llm).values()) >= 3
+    size) and no tensor made from host data inside the captured forward, decode steps and verify steps alike: each
+    would stop a CUDA graph's capture (or bake one step's values into it)."""
+    llm = engine(make_checkpoint("tiny-mtp", seed=3, include_mtp=True), cuda_graph_sizes="4",
+                 speculative_config=speculative)
+    generate(llm, PROMPTS, (8, 8, 8) if speculative else (4, 4, 4))  # (drafts run short near max_tokens)
+    assert sum(replays(llm, 3 if speculative else 1).values()) >= 2
     assert replayed.host_reads == []
+
+
+def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(interpreter, make_checkpoint,
+                                                                              replayed, monkeypatch):
+    """Speculative decoding (MTP, 2 drafts): verify steps of 3 tokens per request replay their graphs, whose hidden
+    states the drafter reads; tokens and every step's drafts equal to the eager Triton path's."""
+    from dsaserve.engine.workers import model_runner
+
+    drafts, propose = [], model_runner.propose
+    monkeypatch.setattr(model_runner, "propose", lambda *a: drafts.append(out := propose(*a)) or out)
+    path = make_checkpoint("tiny-mtp", seed=3, include_mtp=True)
+    llm = engine(path, cuda_graph_sizes="1,2,4", speculative_config=SPEC)
+    graphed = generate(llm, PROMPTS, (10, 10, 10))  # (drafts run short near max_tokens: those steps are eager)
+    assert replays(llm, rows=3)[4, 128] >= 3
+    graphed_drafts, drafts[:] = list(drafts), []
+    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
+    eager = generate(engine(path, cuda_graph_sizes="1,2,4", speculative_config=SPEC), PROMPTS, (10, 10, 10))
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert graphed_drafts == drafts and any(graphed_drafts)  # the drafter read the replays' hidden states
 
 
 def test_graphs_stay_off_where_the_captured_forward_would_not_be_the_step(interpreter, make_checkpoint, monkeypatch,

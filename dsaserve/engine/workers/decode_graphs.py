@@ -1,16 +1,20 @@
-"""Decode steps replayed from CUDA graphs: the model's forward over a batch of single-token decodes, captured at
-start-up once per batch size and context bucket, and replayed with each step's inputs copied into static buffers.
+"""Decode steps replayed from CUDA graphs: the model's forward over a batch of decoding requests, captured at start-up
+once per batch size, tokens per request and context bucket, and replayed with each step's inputs copied into static
+buffers.
 
 A captured forward reads its batch only from those buffers (input ids, positions, the slots its rows write, block
-tables) for `size` rows. A batch of n requests replays the smallest captured size ≥ n; its other rows are padding:
-each writes its latent row and indexer key into a block of its own that the scheduler never hands out (the cache's
-last, `pad_block`) and attends to that row alone; their logits are dropped. What an eager step takes from the host
+tables) for `size` requests. A batch of n requests replays the smallest captured size ≥ n; its other requests are
+padding: their rows write latent rows and indexer keys into a block of its own that the scheduler never hands out
+(the cache's last, `pad_block`) and attend only to it; their logits are dropped. What an eager step takes from the host
 (the indexer's scoring width: the batch's longest context; the rope table's length) is the capture's context
 bucket: 4,096 tokens × 4^i up to max_model_len (cuda_graph_sizes.py), the smallest that holds the step's longest
 context. Positions past each query score -inf and are never selected, so a replay selects what an eager step
-selects, and the buckets keep the scoring and top-k of a short batch from spanning max_model_len. Steps not plain
-decodes (prompt rows, drafts to verify, prompt logprobs, more requests than the largest size) run eagerly.
-Sampling and the logits processors run after the replay on its logits, as after an eager step.
+selects, and the buckets keep the scoring and top-k of a short batch from spanning max_model_len. With speculative
+decoding, verify steps (each request's last known token and its drafts: 1 + num_speculative_tokens rows) are
+captured too, and the replay gives the hidden states the MTP drafter reads; the drafter itself runs eagerly. Other
+steps (prompt rows, requests with different numbers of drafts, prompt logprobs, more requests than the largest
+size) run eagerly. Sampling, verification and the logits processors run after the replay on its logits, as after an
+eager step.
 
 The model's forward under capture must not read a device value on the host or make a tensor from host data: what
 eager steps make from host lengths is made before the capture (`_forward`), and the Triton path's kernels take
@@ -43,7 +47,6 @@ def graphs_off_because(args, cfg, device: torch.device, model, parallel) -> str 
     reasons = [
         (args.enforce_eager, "--enforce-eager"),
         (triton_ops.active_device() is None, "the Triton kernels are off (their forward is the one captured)"),
-        (args.speculative is not None, "speculative decoding (its verify and draft steps run eagerly)"),
         (cfg.hybrid is not None, f"{cfg.family.name}'s KDA state slots"),
         (parallel.dcp.size > 1, "decode context parallelism"),
         (parallel.check_ranks, "--check-ranks (it compares values on the host)"),
@@ -61,11 +64,12 @@ def device_free_bytes(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
-def capture(model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int) -> "DecodeGraphs | None":
+def capture(model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int,
+            rows: tuple[int, ...]) -> "DecodeGraphs | None":
     """The engine's decode graphs; None, with a warning saying why, where a capture fails (decode then runs eagerly,
     as with --enforce-eager)."""
     try:
-        return DecodeGraphs(model, kv_cache, sizes, max_model_len, pad_block, make_graph=CudaGraph)
+        return DecodeGraphs(model, kv_cache, sizes, max_model_len, pad_block, make_graph=CudaGraph, rows=rows)
     except RuntimeError as error:  # an operation the capture refused
         logger.warning("CUDA graphs: capture failed, so decode steps run eagerly (--enforce-eager skips the "
                        "attempt): %s", error)
@@ -79,7 +83,7 @@ class CudaGraph:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
 
-    def capture(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def capture(self, forward: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -97,143 +101,177 @@ class CudaGraph:
         return self.graph.pool()
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What one captured forward takes: `size` requests of `rows` tokens each (1, or a verify step's known token and
+    its drafts), contexts up to `context` tokens (block tables `blocks` wide)."""
+
+    size: int
+    rows: int
+    context: int
+    blocks: int
+
+    @property
+    def tokens(self) -> int:
+        return self.size * self.rows
+
+
 @dataclass
 class CapturedStep:
-    size: int
-    context: int  # the longest context it scores (its bucket)
+    shape: Shape
     graph: object  # CudaGraph, or what a test puts in its place (capture / replay / memory_pool)
-    logits: torch.Tensor  # [size, vocab], rewritten by every replay
+    logits: torch.Tensor  # [tokens, vocab], rewritten by every replay
+    hidden: torch.Tensor  # [tokens, hidden] before the final norm (what the MTP drafter reads)
 
 
 class StaticInputs:
-    """The buffers captured forwards read, for up to `largest` rows. A step's rows (input id, position, slot, block
-    table) are written densely for its context bucket's table width w ([rows, 3 + w] at the start of one pinned host
-    buffer) and reach the device in one copy; the captured forward starts by copying them out into the contiguous
-    fields the kernels read (device to device, inside the graph). Only the bucket's columns travel."""
+    """The buffers captured forwards read. A step's token rows (input id, position, slot) and its requests' block
+    tables (its bucket's width) are written densely at the start of one pinned host buffer and reach the device in one
+    copy; the captured forward starts by copying them out into the contiguous fields the kernels read (device to
+    device, inside the graph). Only what the step's shape needs travels."""
 
-    def __init__(self, largest: int, max_blocks: int, device: torch.device):
-        self.largest = largest
-        cells = largest * (3 + max_blocks)
+    def __init__(self, tokens: int, requests: int, max_blocks: int, device: torch.device):
+        cells = 3 * tokens + requests * max_blocks
         self.host = torch.zeros(cells, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.staged = torch.zeros(cells, dtype=torch.int64, device=device)
-        self.ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros_like(self.ids)
         self.slots = torch.zeros_like(self.ids)
-        self.tables = torch.zeros(largest * max_blocks, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(requests * max_blocks, dtype=torch.int64, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None  # the last copy's end
 
-    def rows(self, flat: torch.Tensor, width: int) -> torch.Tensor:
-        return flat[: self.largest * (3 + width)].view(self.largest, 3 + width)
+    @staticmethod
+    def parts(flat: torch.Tensor, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token rows [tokens, 3], block tables [size, blocks]) of `shape` at the start of `flat`."""
+        n = 3 * shape.tokens
+        return flat[:n].view(shape.tokens, 3), flat[n:n + shape.size * shape.blocks].view(shape.size, shape.blocks)
 
-    def table(self, width: int) -> torch.Tensor:
-        """The block tables' field for tables `width` blocks wide: [largest, width], contiguous."""
-        return self.tables[: self.largest * width].view(self.largest, width)
+    def table(self, shape: Shape) -> torch.Tensor:
+        """The block tables' field of `shape`: [size, blocks], contiguous."""
+        return self.tables[: shape.size * shape.blocks].view(shape.size, shape.blocks)
 
-    def fill(self, width: int, rows: list[tuple[int, int, int, list[int]]], size: int, pad_block: int,
-             pad_slot: int) -> None:
-        """Rows (token, position, slot, block table) then padding rows up to `size`, sent to the device."""
+    def fill(self, shape: Shape, requests: list[tuple[list[int], int, list[int]]], pad_block: int,
+             block_size: int) -> None:
+        """Requests (their `rows` tokens, the first one's position, block table), then padding requests up to the
+        shape's size (positions 0 … rows - 1 of the padding block), sent to the device."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the pinned buffer
-        host = self.rows(self.host, width).numpy()
-        for r, (token, position, slot, table) in enumerate(rows):
-            table = table[:width]  # (blocks past the bucket hold no position the step reads)
-            host[r, :3] = (token, position, slot)
-            host[r, 3:3 + len(table)] = table
-            host[r, 3 + len(table):] = 0
-        host[len(rows):size] = 0  # padding: position 0 of the padding block
-        host[len(rows):size, 2] = pad_slot
-        host[len(rows):size, 3] = pad_block
-        self.rows(self.staged, width)[:size].copy_(self.rows(self.host, width)[:size], non_blocking=True)
+        tokens, tables = (part.numpy() for part in self.parts(self.host, shape))
+        for i, (ids, start, table) in enumerate(requests):
+            rows = tokens[i * shape.rows:(i + 1) * shape.rows]
+            positions = range(start, start + shape.rows)
+            rows[:, 0] = ids
+            rows[:, 1] = positions
+            rows[:, 2] = [table[p // block_size] * block_size + p % block_size for p in positions]
+            table = table[: shape.blocks]  # (blocks past the bucket hold no position the step reads)
+            tables[i, :len(table)] = table
+            tables[i, len(table):] = 0
+        padding = tokens[len(requests) * shape.rows:]
+        padding[:, 0] = 0
+        padding[:, 1] = [j % shape.rows for j in range(len(padding))]
+        padding[:, 2] = pad_block * block_size + padding[:, 1]
+        tables[len(requests):] = 0
+        tables[len(requests):, 0] = pad_block
+        cells = 3 * shape.tokens + shape.size * shape.blocks  # both parts, at the buffer's start: one copy
+        self.staged[:cells].copy_(self.host[:cells], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
-    def unstage(self, size: int, width: int) -> None:
+    def unstage(self, shape: Shape) -> None:
         """The staged rows into the fields (a captured forward's first operations)."""
-        staged = self.rows(self.staged, width)[:size]
-        self.ids[:size].copy_(staged[:, 0])
-        self.positions[:size].copy_(staged[:, 1])
-        self.slots[:size].copy_(staged[:, 2])
-        self.table(width)[:size].copy_(staged[:, 3:])
+        tokens, tables = self.parts(self.staged, shape)
+        self.ids[:shape.tokens].copy_(tokens[:, 0])
+        self.positions[:shape.tokens].copy_(tokens[:, 1])
+        self.slots[:shape.tokens].copy_(tokens[:, 2])
+        self.table(shape).copy_(tables)
 
 
 class DecodeGraphs:
-    """Captured decode forwards, one per batch size and context bucket, and the copy-in / replay / slice that runs a
-    step on them."""
+    """Captured decode forwards, one per batch size, tokens per request and context bucket, and the copy-in / replay /
+    slice that runs a step on them."""
 
     def __init__(self, model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int,
-                 make_graph: Callable[[object], object] = CudaGraph):
+                 make_graph: Callable[[object], object] = CudaGraph, rows: tuple[int, ...] = (1,)):
+        """rows: tokens per request captured (1; with speculative decoding also 1 + its drafts)."""
         self.model, self.kv_cache = model, kv_cache
-        self.sizes, self.contexts = sizes, cuda_graph_sizes.context_buckets(max_model_len)
+        self.sizes, self.rows, self.contexts = sizes, rows, cuda_graph_sizes.context_buckets(max_model_len)
         self.block_size = kv_cache.block_size
-        self.pad_block, self.pad_slot = pad_block, pad_block * self.block_size
-        self.inputs = StaticInputs(sizes[-1], self._width(max_model_len), kv_cache.device)
+        if max(rows) > self.block_size:
+            raise ValueError(f"a verify step of {max(rows)} tokens per request needs block_size ≥ {max(rows)}")
+        self.pad_block = pad_block
+        self.inputs = StaticInputs(sizes[-1] * max(rows), sizes[-1], self._width(max_model_len), kv_cache.device)
         start, free_before = time.perf_counter(), device_free_bytes(kv_cache.device)
-        self.captured: dict[tuple[int, int], CapturedStep] = {}
+        self.captured: dict[Shape, CapturedStep] = {}
         pool = None
         # The widest first: the rope table is made for it, and the others fit in its memory pool.
         with torch.inference_mode():
-            for context in reversed(self.contexts):
-                for size in reversed(sizes):
-                    graph = make_graph(pool)
-                    # Captured on padding rows alone: their writes go to the padding block.
-                    self.inputs.fill(self._width(context), [], size, self.pad_block, self.pad_slot)
-                    meta = self._metadata(size, context)
-                    logits = graph.capture(lambda meta=meta: self._forward(meta))
-                    pool = graph.memory_pool()
-                    self.captured[size, context] = CapturedStep(size, context, graph, logits)
+            for shape in sorted(self._shapes(), key=lambda s: (s.context, s.tokens), reverse=True):
+                graph = make_graph(pool)
+                self.inputs.fill(shape, [], pad_block, self.block_size)  # padding alone: it writes the padding block
+                meta = self._metadata(shape)
+                logits, hidden = graph.capture(lambda meta=meta, shape=shape: self._forward(meta, shape))
+                pool = graph.memory_pool()
+                self.captured[shape] = CapturedStep(shape, graph, logits, hidden)
         # Device memory the captures took (their pool, the rope table, Triton's compiled kernels): None off CUDA.
         self.memory_bytes = None if free_before is None else free_before - device_free_bytes(kv_cache.device)
-        logger.info("CUDA graphs: %d captured in %.1f s%s, decode batch sizes %s × contexts up to %s tokens (steps of "
-                    "up to %d single-token decodes replay them, the rest run eagerly; --enforce-eager turns them off)",
+        logger.info("CUDA graphs: %d captured in %.1f s%s, decode batch sizes %s × %s tokens per request × contexts "
+                    "up to %s tokens (steps of up to %d requests that all decode, or all verify drafts, replay them; "
+                    "the rest run eagerly; --enforce-eager turns them off)",
                     len(self.captured), time.perf_counter() - start,
                     "" if self.memory_bytes is None else f" using {self.memory_bytes / 2**20:.0f} MiB",
-                    ",".join(map(str, sizes)), ",".join(map(str, self.contexts)), sizes[-1])
+                    ",".join(map(str, sizes)), " or ".join(map(str, rows)), ",".join(map(str, self.contexts)),
+                    sizes[-1])
+
+    def _shapes(self) -> list[Shape]:
+        return [Shape(size, rows, context, self._width(context))
+                for size in self.sizes for rows in self.rows for context in self.contexts]
 
     def takes(self, scheduled: list[ScheduledRequest], logits_rows: list[int]) -> bool:
-        """Whether this step is one the graphs replay: every request one new token, sampled, no drafts, and no
-        other logits rows (prompt logprobs)."""
-        return (0 < len(scheduled) <= self.sizes[-1] and logits_rows == list(range(len(scheduled)))
-                and all(len(s.token_ids) == 1 and s.sample and not s.spec_token_ids and s.state_slot < 0
-                        for s in scheduled))
+        """Whether this step is one the graphs replay: every request sampled with the same number of new tokens, a
+        captured one (its last known token and drafts to verify), every row's logits wanted (no prompt logprobs)."""
+        if not 0 < len(scheduled) <= self.sizes[-1]:
+            return False
+        rows = len(scheduled[0].token_ids)
+        return (rows in self.rows and logits_rows == list(range(rows * len(scheduled)))
+                and all(len(s.token_ids) == rows and len(s.spec_token_ids) == rows - 1 and s.sample
+                        and s.state_slot < 0 for s in scheduled))
 
-    def run(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """The step's logits [n, vocab] from the smallest captured size that holds its n requests and the smallest
-        context bucket that holds its longest context."""
-        n = len(scheduled)
-        longest = max(s.num_computed_tokens + 1 for s in scheduled)
-        step = self.captured[next(size for size in self.sizes if size >= n),
-                             next(context for context in self.contexts if context >= longest)]
-        rows = []
-        for s in scheduled:
-            position = s.num_computed_tokens
-            slot = s.block_table[position // self.block_size] * self.block_size + position % self.block_size
-            rows.append((s.token_ids[0], position, slot, s.block_table))
-        self.inputs.fill(self._width(step.context), rows, step.size, self.pad_block, self.pad_slot)
+    def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's (logits, hidden states) of its n × rows tokens, from the smallest captured size that holds its
+        n requests and the smallest context bucket that holds its longest context."""
+        n, rows = len(scheduled), len(scheduled[0].token_ids)
+        longest = max(s.num_computed_tokens + rows for s in scheduled)
+        size = next(size for size in self.sizes if size >= n)
+        context = next(context for context in self.contexts if context >= longest)
+        step = self.captured[Shape(size, rows, context, self._width(context))]
+        self.inputs.fill(step.shape, [(s.token_ids, s.num_computed_tokens, s.block_table) for s in scheduled],
+                         self.pad_block, self.block_size)
         step.graph.replay()
-        return step.logits[:n]
+        return step.logits[: n * rows], step.hidden[: n * rows]
 
     def _width(self, context: int) -> int:
         """Block table entries that cover `context` tokens."""
         return -(-context // self.block_size)
 
-    def _metadata(self, size: int, context: int) -> BatchMetadata:
-        """The batch a captured forward of `size` rows reads: the static fields' first rows, and host values that are
-        the capture's, not any step's (every context as long as the bucket's, for the shapes taken from them)."""
-        inputs = self.inputs
+    def _metadata(self, shape: Shape) -> BatchMetadata:
+        """The batch a captured forward reads: the static fields' first rows, and host values that are the capture's,
+        not any step's (every context as long as the bucket's, for the shapes taken from them)."""
+        inputs, n, size, rows = self.inputs, shape.tokens, shape.size, shape.rows
         device = inputs.ids.device
         return BatchMetadata(
-            input_ids=inputs.ids[:size], positions=inputs.positions[:size],
-            query_start_loc=torch.arange(size + 1, dtype=torch.int64, device=device),
-            seq_lens=torch.full((size,), context, dtype=torch.int64, device=device),
-            block_tables=inputs.table(self._width(context))[:size], slot_mapping=inputs.slots[:size],
-            logits_indices=torch.arange(size, dtype=torch.int64, device=device), block_size=self.block_size,
-            query_start_loc_host=tuple(range(size + 1)), seq_lens_host=(context,) * size)
+            input_ids=inputs.ids[:n], positions=inputs.positions[:n],
+            query_start_loc=torch.arange(0, n + 1, rows, dtype=torch.int64, device=device),
+            seq_lens=torch.full((size,), shape.context, dtype=torch.int64, device=device),
+            block_tables=inputs.table(shape), slot_mapping=inputs.slots[:n],
+            logits_indices=torch.arange(n, dtype=torch.int64, device=device), block_size=self.block_size,
+            query_start_loc_host=tuple(range(0, n + 1, rows)), seq_lens_host=(shape.context,) * size,
+            derived={"requests": torch.arange(size, device=device).repeat_interleave(rows)})
 
-    def _forward(self, meta: BatchMetadata) -> torch.Tensor:
-        """The captured work: the staged rows into the fields, the model, the logits."""
-        size = meta.num_reqs
-        self.inputs.unstage(size, meta.block_tables.shape[1])
-        meta.derived.clear()  # a fresh batch each run; what eager steps make from host lengths, made on the device:
-        meta.derived[("row requests",)] = meta.logits_indices  # row r is request r
+    def _forward(self, meta: BatchMetadata, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured work: the staged rows into the fields, the model, the logits and hidden states."""
+        self.inputs.unstage(shape)
+        requests = meta.derived["requests"]
+        meta.derived.clear()  # a fresh batch each run; what eager steps make from host lengths, made before:
+        meta.derived["requests"] = meta.derived[("row requests",)] = requests  # the request of each row
         hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
-        return self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices]))
+        return self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices])), hidden

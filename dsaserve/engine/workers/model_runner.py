@@ -67,7 +67,7 @@ class ModelRunner:
                 logits_rows.extend(range(offset + n - 1 - k, offset + n))
             offset += n
         if self.graphs is not None and self.graphs.takes(scheduler_output.scheduled, logits_rows):
-            logits, hidden = self.graphs.run(scheduler_output.scheduled), None  # (no MTP layer: nothing drafts)
+            logits, hidden = self.graphs.run(scheduler_output.scheduled)
         else:
             hidden, logits = self._forward(scheduler_output, logits_rows)
         for request_id, (first, rows) in prompt_rows.items():

@@ -81,8 +81,9 @@ class Worker:
                                 with_mtp=self.with_mtp, shard=shard, state_slots=states.slots,
                                 state_snapshots=states.snapshots, tp_size=self.parallel.tp.size,
                                 draft_states=self.args.num_draft_states)
+        verify = () if self.args.speculative is None else (1 + self.args.speculative.num_speculative_tokens,)
         graphs = None if graphs_off is not None else decode_graphs.capture(
-            self.model, self.kv_cache, self.args.graph_sizes, max_model_len, pad_block=num_blocks)
+            self.model, self.kv_cache, self.args.graph_sizes, max_model_len, pad_block=num_blocks, rows=(1, *verify))
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.args.seed,
                                   self.cfg.index_share_for_mtp_iteration, graphs)
 
