@@ -30,18 +30,15 @@ from typing import Callable
 
 import torch
 
-from dsaserve import cuda_graph_sizes
+from dsaserve import cuda_graph_sizes, triton_ops
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.scheduling.scheduler_output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
 
-
 def graphs_off_because(args, cfg, device: torch.device, model, parallel) -> str | None:
     """Why decode steps do not replay CUDA graphs in this engine (None: they do)."""
-    from dsaserve import triton_ops
-
     if not graphs_possible(device):
         return f"the device is {device.type}"
     reasons = [
