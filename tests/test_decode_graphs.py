@@ -146,7 +146,7 @@ def test_a_replayed_forward_reads_nothing_back_from_the_device(interpreter, make
     would stop a CUDA graph's capture (or bake one step's values into it)."""
     llm = engine(make_checkpoint("tiny-mtp", seed=3, include_mtp=True), cuda_graph_sizes="4",
                  speculative_config=speculative)
-    generate(llm, PROMPTS, (8, 8, 8) if speculative else (4, 4, 4))  # (drafts run short near max_tokens)
+    generate(llm, PROMPTS[::2], (7, 7)) if speculative else generate(llm, PROMPTS, (4, 4, 4))
     assert sum(replays(llm, 3 if speculative else 1).values()) >= 2
     assert replayed.host_reads == []
 
@@ -160,12 +160,13 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
     drafts, propose = [], model_runner.propose
     monkeypatch.setattr(model_runner, "propose", lambda *a: drafts.append(out := propose(*a)) or out)
     path = make_checkpoint("tiny-mtp", seed=3, include_mtp=True)
-    llm = engine(path, cuda_graph_sizes="1,2,4", speculative_config=SPEC)
-    graphed = generate(llm, PROMPTS, (10, 10, 10))  # (drafts run short near max_tokens: those steps are eager)
-    assert replays(llm, rows=3)[4, 128] >= 3
+    prompts = PROMPTS[::2]  # two requests past index_topk: verify steps of size 2
+    llm = engine(path, cuda_graph_sizes="1,2", speculative_config=SPEC)
+    graphed = generate(llm, prompts, (9, 9))  # (drafts run short near max_tokens: those steps are eager)
+    assert replays(llm, rows=3)[2, 128] >= 3
     graphed_drafts, drafts[:] = list(drafts), []
     monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
-    eager = generate(engine(path, cuda_graph_sizes="1,2,4", speculative_config=SPEC), PROMPTS, (10, 10, 10))
+    eager = generate(engine(path, cuda_graph_sizes="1,2", speculative_config=SPEC), prompts, (9, 9))
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     assert graphed_drafts == drafts and any(graphed_drafts)  # the drafter read the replays' hidden states
 
