@@ -117,8 +117,6 @@ class Shape:
 class CapturedStep:
     shape: Shape
     graph: object  # CudaGraph, or what a test puts in its place (capture / replay / memory_pool)
-    logits: torch.Tensor  # [tokens, vocab], rewritten by every replay
-    hidden: torch.Tensor  # [tokens, hidden] before the final norm (what the MTP drafter reads)
 
 
 class StaticInputs:
@@ -199,16 +197,24 @@ class DecodeGraphs:
         self.inputs = StaticInputs(sizes[-1] * max(rows), sizes[-1], self._width(max_model_len), kv_cache.device)
         start, free_before = time.perf_counter(), device_free_bytes(kv_cache.device)
         self.captured: dict[Shape, CapturedStep] = {}
+        shapes = sorted(self._shapes(), key=lambda s: (s.context, s.tokens), reverse=True)
         pool = None
-        # The widest first: the rope table is made for it, and the others fit in its memory pool.
         with torch.inference_mode():
-            for shape in sorted(self._shapes(), key=lambda s: (s.context, s.tokens), reverse=True):
+            # Every graph writes its logits and hidden states into these (outside the graphs' pool), so a graph keeps
+            # no output of its own and the pool holds one step's intermediates, not the sum of every graph's logits.
+            widest = max(shapes, key=lambda s: s.tokens)
+            self.inputs.fill(widest, [], pad_block, self.block_size)
+            logits, hidden = self._step(self._metadata(widest), widest)
+            self.logits, self.hidden = torch.empty_like(logits), torch.empty_like(hidden)
+            del logits, hidden
+            # The widest first: the rope table is made for it, and the others fit in its memory pool.
+            for shape in shapes:
                 graph = make_graph(pool)
                 self.inputs.fill(shape, [], pad_block, self.block_size)  # padding alone: it writes the padding block
                 meta = self._metadata(shape)
-                logits, hidden = graph.capture(lambda meta=meta, shape=shape: self._forward(meta, shape))
+                graph.capture(lambda meta=meta, shape=shape: self._forward(meta, shape))
                 pool = graph.memory_pool()
-                self.captured[shape] = CapturedStep(shape, graph, logits, hidden)
+                self.captured[shape] = CapturedStep(shape, graph)
         # Device memory the captures took (their pool, the rope table, Triton's compiled kernels): None off CUDA.
         self.memory_bytes = None if free_before is None else free_before - device_free_bytes(kv_cache.device)
         logger.info("CUDA graphs: %d captured in %.1f s%s, decode batch sizes %s × %s tokens per request × contexts "
@@ -244,7 +250,7 @@ class DecodeGraphs:
         self.inputs.fill(step.shape, [(s.token_ids, s.num_computed_tokens, s.block_table) for s in scheduled],
                          self.pad_block, self.block_size)
         step.graph.replay()
-        return step.logits[: n * rows], step.hidden[: n * rows]
+        return self.logits[: n * rows], self.hidden[: n * rows]
 
     def _width(self, context: int) -> int:
         """Block table entries that cover `context` tokens."""
@@ -265,7 +271,15 @@ class DecodeGraphs:
             derived={"requests": torch.arange(size, device=device).repeat_interleave(rows)})
 
     def _forward(self, meta: BatchMetadata, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured work: the staged rows into the fields, the model, the logits and hidden states."""
+        """The captured work: the step, its logits and hidden states written into the shared outputs."""
+        logits, hidden = self._step(meta, shape)
+        tokens = shape.tokens
+        self.logits[:tokens].copy_(logits)
+        self.hidden[:tokens].copy_(hidden)
+        return self.logits[:tokens], self.hidden[:tokens]
+
+    def _step(self, meta: BatchMetadata, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staged rows into the fields, the model, the logits and hidden states."""
         self.inputs.unstage(shape)
         requests = meta.derived["requests"]
         meta.derived.clear()  # a fresh batch each run; what eager steps make from host lengths, made before:
