@@ -12,7 +12,8 @@ device, Triton kernels on and off, against the CPU path); kernels (Triton agains
 shapes: sparse MLA decode over 2,048 selected rows, indexer scores at 64K); syncs (host synchronisations inside a
 decode step, counted by torch.cuda.set_sync_debug_mode); profile (a decode step's most expensive kernels); latency
 and throughput (the `small` checkpoint, GLM-5.2 per-head geometry, batch 1, 16, 64; with CUDA graphs and with
---enforce-eager); transformers (its `generate` on
+--enforce-eager; the default run's KV cache sized by gpu_memory_utilization 0.5, its measured step peak beside
+doctor's estimate); transformers (its `generate` on
 the same checkpoint and batch); longctx (sparse against dense decode at 8K, 32K, 64K).
 """
 
@@ -293,11 +294,19 @@ def section_latency(device: str) -> dict:
     result = {}
     # With CUDA graphs (the default on a GPU; a CPU has none), then --enforce-eager on a GPU: the same runs.
     for eager in (False, True) if device == "cuda" else (False,):
+        # On a GPU the default run sizes its cache from gpu_memory_utilization (the step's peak measured at start).
+        memory = dict(gpu_memory_utilization=0.5) if device == "cuda" and not eager else dict(
+            kv_cache_memory="4GiB" if device == "cuda" else "256MiB")
         llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, progress=False, enforce_eager=eager,
-                  max_num_seqs=max(s["batches"]), kv_cache_memory="4GiB" if device == "cuda" else "256MiB")
+                  max_num_seqs=max(s["batches"]), **memory)
         graphs = llm.engine.runner.graphs
         runs = {"graphs": "off" if graphs is None else f"{len(graphs.captured)} ({','.join(map(str, graphs.sizes))} × "
                 f"{','.join(map(str, graphs.contexts))}), {(graphs.memory_bytes or 0) / 2**20:.0f} MiB"}
+        if llm.engine.memory_profiles:
+            measured = llm.engine.memory_profiles[0]
+            runs["memory_plan"] = {"step_tokens": measured.step_tokens, "step_peak_gib": measured.step_peak / 2**30,
+                                   "estimate_gib": llm.engine.activation_estimate / 2**30,
+                                   "kv_cache_gib": llm.engine.kv_cache.nbytes() / 2**30}
         runs["latency_batch_1"] = run_latency(llm, 1, s["input_len"], s["output_len"], 3, 1, 0)
         for batch in s["batches"][1:]:
             runs[f"throughput_batch_{batch}"] = run_throughput(llm, batch, s["input_len"], s["output_len"], 0)
@@ -401,6 +410,10 @@ def summary(results: dict, device: str) -> str:
         for batch in sizes(device)["batches"][1:]:
             lines.append(f"| throughput batch {batch}, output tok/s, {words} | "
                          f"{get('latency', run, f'throughput_batch_{batch}', 'output_tokens_per_s', fmt='{:.0f}')} |")
+    lines.append(f"| memory plan (gpu_memory_utilization 0.5): largest step's peak GiB measured / doctor's estimate, "
+                 f"KV cache GiB | {get('latency', 'default', 'memory_plan', 'step_peak_gib')} / "
+                 f"{get('latency', 'default', 'memory_plan', 'estimate_gib')}, "
+                 f"{get('latency', 'default', 'memory_plan', 'kv_cache_gib')} |")
     lines.append(f"| transformers generate batch {get('transformers', 'batch')}, output tok/s | "
                  f"{get('transformers', 'output_tokens_per_s', fmt='{:.0f}')} |")
     for n in sizes(device)["contexts"]:

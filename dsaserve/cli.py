@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--enable-expert-parallel", action="store_true")
     doc.add_argument("--device-memory", default=None, help="memory per rank, e.g. 141GB: how much context fits")
     doc.add_argument("--memory-utilization", type=float, default=0.9,
-                     help="fraction of --device-memory for weights and KV cache (vLLM's gpu-memory-utilization)")
+                     help="fraction of --device-memory for the weights, the largest step's activations and the KV "
+                          "cache (the engine's --gpu-memory-utilization)")
     doc.add_argument("--cpu-isa", default="auto", choices=CPU_ISAS,
                      help="the CPU kernels' body family to report on, as the engine option chooses it")
     doc.set_defaults(func=cmd_doctor)

@@ -126,7 +126,11 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
                                   tp_size=parallel.tensor_parallel_size)
         lines += plan_lines(cfg, parallel, stored, torch.empty((), dtype=dtype).element_size(),
                             str(dtype).removeprefix("torch."), layout.bytes_per_token,
-                            device_memory, utilization, layout.state_bytes_per_request)
+                            device_memory, utilization, layout.state_bytes_per_request,
+                            layout.indexer_bytes_per_token,
+                            (EngineArgs.max_num_batched_tokens, EngineArgs.max_num_seqs),
+                            0 if cfg.hybrid is not None else
+                            max(cuda_graph_sizes.capture_sizes(None, EngineArgs.max_num_seqs)))
     return "\n".join(lines), ok
 
 

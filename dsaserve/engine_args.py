@@ -60,8 +60,12 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata=_help("longest prompt + output, in tokens"))
     block_size: int = field(default=64, metadata=_help("tokens per KV cache block"))
     kv_cache_memory: int | str | None = field(default=None, metadata=_help(
-        "KV cache size, e.g. 2GiB (default: max-num-seqs × max-model-len tokens, up to 1 GiB; max-model-len is "
-        "lowered to what the cache holds unless given)"))
+        "KV cache size per rank, e.g. 2GiB (default on CUDA: what gpu-memory-utilization leaves; on CPU: "
+        "max-num-seqs × max-model-len tokens, up to 1 GiB; max-model-len is lowered to what the cache holds unless "
+        "given)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "on CUDA, the share of each GPU's memory for the weights, the largest step's activations (measured at "
+        "start-up) and the KV cache, which takes the rest of that share; CUDA graphs come out of the remainder"))
     max_num_seqs: int = field(default=256, metadata=_help("most sequences in one batch"))
     max_num_batched_tokens: int = field(default=8192, metadata=_help("token budget of one step"))
     enable_prefix_caching: bool = field(default=True, metadata=_help("turn prefix caching off (on by default)"))
@@ -152,6 +156,9 @@ class EngineArgs:
                              f"{', '.join(QUANTIZATION_MODES)} (or leave it unset)")
         indexer_key_kind(self.indexer_cache_dtype, fp8_weights=False)  # a bad kind fails here, before anything loads
         parse_bytes(self.kv_cache_memory)  # a bad size fails here, before anything loads
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be above 0 and at most 1 "
+                             "(the share of each GPU's memory the engine may use)")
         parse_bytes(self.load_scratch_memory, "load_scratch_memory")
         SpeculativeConfig.parse(self.speculative_config)  # and so does a bad speculative config
         parse_sizes(self.cuda_graph_sizes)

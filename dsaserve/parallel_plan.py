@@ -14,6 +14,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from dsaserve.attention.scored_selection import SCORE_ELEMENTS
 from dsaserve.byte_sizes import human
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_config import ParallelConfig
@@ -24,6 +25,7 @@ from dsaserve.quantization.formats import scale_columns
 from dsaserve.quantization.fp8_blocks import is_fp8_quantizable
 
 FP8_BLOCK = 128 * 128  # elements per weight_scale_inv entry
+SCORE_BYTES = SCORE_ELEMENTS * 4  # the indexer's score tile on the CUDA path (fp32)
 KIND_WORDS = {"replicated": "whole", "heads": "by attention head", "intermediate": "by intermediate dimension",
               "experts": "whole experts of its own", "vocab": "by vocabulary rows"}
 
@@ -68,9 +70,12 @@ def rank_shares(cfg: ModelConfig, parallel: ParallelConfig, tensors: dict[str, t
 
 def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_item: int, resident_dtype: str,
                kv_bytes_per_token: int, device_memory: int | None, utilization: float,
-               state_bytes_per_request: int = 0) -> list[str]:
-    """The plan as doctor prints it; kv_bytes_per_token is one rank's for a token it stores, and
-    state_bytes_per_request one rank's share of a hybrid model's KDA state."""
+               state_bytes_per_request: int = 0, indexer_bytes_per_token: int = 0,
+               step: tuple[int, int] = (8192, 256), graph_tokens: int = 256) -> list[str]:
+    """The plan as doctor prints it; kv_bytes_per_token is one rank's for a token it stores (indexer keys
+    included: indexer_bytes_per_token of it), state_bytes_per_request one rank's share of a hybrid model's KDA
+    state, step the largest step's (tokens, rows of logits): max_num_batched_tokens and max_num_seqs, and
+    graph_tokens the rows of the largest captured decode step (0: none are captured)."""
     dcp = parallel.decode_context_parallel_size
     shares = rank_shares(cfg, parallel, tensors, resident_item)
     lines = [f"parallel plan: tensor parallel {parallel.tensor_parallel_size}"
@@ -89,26 +94,78 @@ def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_ite
                  + ("FP8 weights as shipped where the native CPU or the Triton kernels run\n   with a scale per row "
                     "and 128 columns, the rest " if fp8 else "") + f"in {resident_dtype})")
     per_rank = kv_bytes_per_token / dcp
-    lines.append(f"  KV cache per token per rank: {human(per_rank)}"
+    split = (f" (latent {human((kv_bytes_per_token - indexer_bytes_per_token) / dcp)}, indexer keys "
+             f"{human(indexer_bytes_per_token / dcp)})" if indexer_bytes_per_token else "")
+    lines.append(f"  KV cache per token per rank: {human(per_rank)}{split}"
                  + (f" (each rank stores 1/{dcp} of a request's tokens)" if dcp > 1 else
                     " (MLA's one latent head: every rank holds the whole latent)"))
     if state_bytes_per_request:
         lines.append(f"  KDA state per request per rank: {human(state_bytes_per_request)} (its heads are split: "
                      f"1/{parallel.tensor_parallel_size} of the state)")
     if device_memory:
-        lines.append(_fit_line(max(s.resident for s in shares), device_memory, utilization, per_rank))
+        activations = step_activation_bytes(cfg, parallel, step[0], step[1], resident_item)
+        lines.append(f"  the largest step ({step[0]:,} tokens, {step[1]} rows of logits: max_num_batched_tokens and "
+                     f"max_num_seqs): about {human(activations)} of activations per rank (an estimate; on a GPU the "
+                     f"engine measures it at start-up and takes it out of the {utilization:g} share); "
+                     + _graphs_words(cfg, parallel, graph_tokens, resident_item, device_memory * (1 - utilization)))
+        lines.append(_fit_line(max(s.resident for s in shares), activations, device_memory, utilization, per_rank))
         if fp8:
             dequantized = max(s.resident for s in rank_shares(cfg, parallel, tensors, resident_item, fp8_kept=False))
             lines.append(f"  FP8 weights dequantized to {resident_dtype} (--triton-kernels off, or a CPU without the "
-                         f"native kernels):\n  {_fit_line(dequantized, device_memory, utilization, per_rank)}")
+                         f"native kernels):\n"
+                         f"  {_fit_line(dequantized, activations, device_memory, utilization, per_rank)}")
     return lines
 
 
-def _fit_line(weights: int, device_memory: int, utilization: float, kv_per_token: float) -> str:
-    room = device_memory * utilization - weights
-    if room <= 0:
+def step_activation_bytes(cfg: ModelConfig, parallel: ParallelConfig, tokens: int, logits_rows: int,
+                          item: int) -> int:
+    """An estimate of one rank's transient bytes in the largest step (`tokens` rows, `logits_rows` rows of logits;
+    activations of `item` bytes): the residual stream and its normed copy with the widest sublayer's
+    intermediates, or with the logits (fp32, gathered over the vocabulary, and their log-softmax). The engine
+    measures the real figure on a GPU at start-up (engine/workers/memory_profile.py) and logs both."""
+    tp = parallel.tensor_parallel_size
+    heads = cfg.num_attention_heads // tp
+    rope = cfg.qk_rope_head_dim
+    # q_a, the per-head queries, the absorbed queries and the attention's output (both latent-wide), v heads
+    attention = cfg.q_lora_rank + heads * (cfg.qk_nope_head_dim + rope + 2 * (cfg.kv_lora_rank + rope)
+                                           + cfg.v_head_dim)
+    indexer = tokens * (cfg.index_n_heads * (cfg.index_head_dim * item + 4) + 2 * cfg.index_topk * 4) + SCORE_BYTES
+    # routed rows: every (token, expert) pair may land on this rank; gate and up, their product, and the output
+    width = cfg.moe_intermediate_size // (1 if parallel.enable_expert_parallel else tp)
+    experts = tokens * (cfg.num_experts_per_tok + cfg.n_shared_experts) * (3 * width + cfg.hidden_size)
+    dense = tokens * 3 * (cfg.intermediate_size // tp)
+    widest = max(tokens * attention * item + indexer, max(experts, dense) * item)
+    logits = logits_rows * cfg.vocab_size * 4 * 2
+    return 2 * tokens * cfg.hidden_size * item + max(widest, logits)
+
+
+def graph_pool_bytes(cfg: ModelConfig, parallel: ParallelConfig, tokens: int, item: int) -> int:
+    """An estimate of what the decode graphs take (engine/workers/decode_graphs.py): their shared pool holds one
+    step's intermediates, the largest captured step's (`tokens` rows, each with its logits), and every graph writes
+    into one set of outputs (logits in fp32 and hidden states, as many rows)."""
+    outputs = tokens * (cfg.vocab_size * 4 + cfg.hidden_size * item)
+    return step_activation_bytes(cfg, parallel, tokens, tokens, item) + outputs
+
+
+def _graphs_words(cfg: ModelConfig, parallel: ParallelConfig, tokens: int, item: int, rest: float) -> str:
+    if not tokens:
+        return "no CUDA graphs for this model"
+    graphs = graph_pool_bytes(cfg, parallel, tokens, item)
+    return (f"CUDA graphs about {human(graphs)} (decode steps of up to {tokens} rows; more with speculative decoding's "
+            f"verify rows), out of the other {human(rest)}"
+            + ("" if graphs <= rest else ": too little; lower gpu_memory_utilization or --cuda-graph-sizes"))
+
+
+def _fit_line(weights: int, activations: int, device_memory: int, utilization: float, kv_per_token: float) -> str:
+    share = device_memory * utilization
+    room = share - weights - activations
+    if share <= weights:
         return (f"  with {human(device_memory)} per rank (× {utilization:g}): does not fit, the weights alone need "
                 f"{human(weights)} per rank; use more ranks")
+    if room <= 0:
+        return (f"  with {human(device_memory)} per rank (× {utilization:g}): does not fit, the weights "
+                f"({human(weights)}) and the largest step ({human(activations)}) leave no room for the KV cache; "
+                "lower max_num_batched_tokens or use more ranks")
     return (f"  with {human(device_memory)} per rank (× {utilization:g}): {human(room)} left for the KV cache = "
             f"{int(room // kv_per_token):,} tokens of context in all")
 

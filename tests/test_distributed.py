@@ -209,6 +209,24 @@ def test_dcp_multiplies_kv_capacity_per_rank(tiny_checkpoint):
     assert two == 2 * one and two_bytes == one_bytes
 
 
+def test_every_rank_runs_the_memory_profiling_step_on_a_cache_of_its_own(tiny_checkpoint):
+    """The start-up memory profile on CUDA (engine/workers/memory_profile.py) runs its step on every rank together
+    (their layers exchange partial results) and reports each rank's device; the cache the engine serves from is
+    not written by it: the same prompts again (read from the prefix cache) give the same tokens."""
+    prompts = batch(ModelConfig.from_pretrained(tiny_checkpoint).vocab_size)[:2]  # whole blocks to share
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with engine(tiny_checkpoint, **LAYOUTS["tp2_dcp2"]) as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                               use_tqdm=False)]
+        profiles = llm.engine.executor.profile_memory(80, 3)
+        after = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                              use_tqdm=False)]
+        hits = llm.engine.stats().prefix_cache_hit_tokens
+    assert [p.step_tokens for p in profiles] == [80, 80]
+    assert profiles[0].total == profiles[1].total > 0  # both ranks on this machine
+    assert hits > 0 and after == before
+
+
 # ---- rank isolation: break rank 0 alone, and the comparison with one rank must fail -----------------
 
 

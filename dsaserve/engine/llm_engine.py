@@ -25,10 +25,12 @@ from dsaserve.engine.scheduling.kv_cache_manager import KVCacheManager
 from dsaserve.engine.scheduling.request import Request, samples_of
 from dsaserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from dsaserve.engine.stats import EngineStats
+from dsaserve.engine.workers import memory_profile
 from dsaserve.engine.workers.executor import InProcessExecutor, make_executor
 from dsaserve.engine_args import EngineArgs
 from dsaserve.model.load_memory import memory_available
 from dsaserve.outputs import RequestOutput
+from dsaserve.parallel_plan import step_activation_bytes
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.structured_output.compiler import GrammarCompiler
 from dsaserve.tokenizer import Tokenizer
@@ -57,9 +59,14 @@ class LLMEngine:
             # rank stores block_size.
             dcp = parallel.decode_context_parallel_size
             tokens_per_block = args.block_size * dcp
-            states = plan_state_counts(layout, args.kv_cache_bytes, args.max_num_seqs, args.num_state_snapshots,
+            kv_memory = args.kv_cache_bytes
+            self.memory_profiles: list[memory_profile.DeviceMemory] = []  # each rank's, where measured
+            self.activation_estimate: int | None = None  # doctor's figure for the measured step
+            if kv_memory is None and memory_profile.measured(self.device):
+                kv_memory = self._measured_kv_memory(args, max_model_len)
+            states = plan_state_counts(layout, kv_memory, args.max_num_seqs, args.num_state_snapshots,
                                        args.num_draft_states, memory_available(self.device))
-            num_blocks = plan_num_blocks(layout, args.block_size, args.kv_cache_bytes, max_model_len,
+            num_blocks = plan_num_blocks(layout, args.block_size, kv_memory, max_model_len,
                                          states.slots, tokens_per_block, states.snapshots, args.num_draft_states)
             self.max_model_len = fit_max_model_len(max_model_len, num_blocks * tokens_per_block,
                                                    layout.bytes_per_token / dcp,
@@ -96,6 +103,18 @@ class LLMEngine:
             num_blocks, tokens_per_block, self.kv_cache.nbytes() / 2**20,
             " per rank" if parallel.distributed else "", "on" if self.prefix_caching else "off",
         )
+
+    def _measured_kv_memory(self, args: EngineArgs, max_model_len: int) -> int:
+        """KV cache bytes per rank from gpu_memory_utilization, after every rank ran the largest step: a prompt of
+        max_num_batched_tokens tokens (at most max_model_len) with the logits rows of a full batch (its drafts
+        included)."""
+        tokens = min(args.max_num_batched_tokens, max_model_len)
+        drafts = self.speculative.num_speculative_tokens if self.speculative is not None else 0
+        rows = min(tokens, args.max_num_seqs * (1 + drafts))
+        self.activation_estimate = step_activation_bytes(self.config, args.parallel, tokens, rows, self.dtype.itemsize)
+        self.memory_profiles = self.executor.profile_memory(tokens, rows)
+        return memory_profile.kv_cache_memory(self.memory_profiles, args.gpu_memory_utilization,
+                                              self.activation_estimate)
 
     def shutdown(self) -> None:
         """Stop the executor's workers (nothing to do on one device)."""

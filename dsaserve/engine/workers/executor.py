@@ -30,6 +30,7 @@ from dsaserve.distributed import process_group as pg
 from dsaserve.engine.scheduling.cache_plan import StateCounts
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
 from dsaserve.engine.workers.grammar_transport import grammars_serialized
+from dsaserve.engine.workers.memory_profile import DeviceMemory
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput
 from dsaserve.engine.workers.worker import Worker
 from dsaserve.engine_args import EngineArgs
@@ -61,6 +62,9 @@ class InProcessExecutor:
 
     def __init__(self, worker: Worker):
         self.driver = worker
+
+    def profile_memory(self, tokens: int, logits_rows: int) -> list[DeviceMemory]:
+        return [self.driver.profile_memory(tokens, logits_rows)]
 
     def init_cache(self, num_blocks: int, states: StateCounts, max_model_len: int) -> None:
         self.driver.init_cache(num_blocks, states, max_model_len)
@@ -162,6 +166,15 @@ class DistributedExecutor:
     def add_failure_listener(self, listener) -> None:
         """listener(cause) is called (on another thread) when a rank is found dead or failed."""
         self._listeners.append(listener)
+
+    def profile_memory(self, tokens: int, logits_rows: int) -> list[DeviceMemory]:
+        """Every rank's device memory after the largest step, run by all ranks together (its layers exchange
+        partial results); rank order."""
+        self._send(("profile_memory", tokens, logits_rows))
+        own = self.driver.profile_memory(tokens, logits_rows)
+        others = range(1, self.world)
+        pg.wait_for_ranks(self.store, "profiled", others, self._dead_rank)
+        return [own] + [pg.fetch(self.store, f"memory/{rank}") for rank in others]
 
     def init_cache(self, num_blocks: int, states: StateCounts, max_model_len: int) -> None:
         self._send(("init_cache", num_blocks, states, max_model_len))

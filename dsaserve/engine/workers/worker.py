@@ -20,8 +20,9 @@ from dsaserve.device import widened_for_cpu
 from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.engine.scheduling.cache_plan import StateCounts
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
-from dsaserve.engine.workers import decode_graphs
-from dsaserve.engine.workers.kv_cache import KVCache, KVCacheLayout
+from dsaserve.engine.workers import decode_graphs, memory_profile
+from dsaserve.engine.workers.kv_cache import KVCache, KVCacheLayout, blocks_needed
+from dsaserve.engine.workers.memory_profile import DeviceMemory
 from dsaserve.engine.workers.model_runner import ModelRunner
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput
 from dsaserve.engine_args import EngineArgs, parse_bytes
@@ -70,22 +71,33 @@ class Worker:
     def init_cache(self, num_blocks: int, states: StateCounts, max_model_len: int) -> None:
         """num_blocks KV blocks and, for a hybrid model, the KDA states the engine planned (plan_state_counts); on
         CUDA, the decode steps' graphs captured over them (one more block: the padding rows')."""
-        dcp = self.parallel.dcp
-        shard = ContextShard(dcp.rank, dcp.size, self.args.block_size, dcp) if dcp.size > 1 else None
         graphs_off = decode_graphs.graphs_off_because(self.args, self.cfg, self.device, self.model, self.parallel)
         if graphs_off is not None and decode_graphs.graphs_possible(self.device) and self.parallel.tp.rank == 0:
             logger.info("CUDA graphs: off (%s)", graphs_off)
         padding = 1 if graphs_off is None else 0
-        self.kv_cache = KVCache(self.cfg, num_blocks + padding, self.args.block_size, self.dtype, self.device,
-                                with_indexer=self.with_indexer, indexer_dtype=self.indexer_keys,
-                                with_mtp=self.with_mtp, shard=shard, state_slots=states.slots,
-                                state_snapshots=states.snapshots, tp_size=self.parallel.tp.size,
-                                draft_states=self.args.num_draft_states)
+        self.kv_cache = self._cache(num_blocks + padding, states)
         verify = () if self.args.speculative is None else (1 + self.args.speculative.num_speculative_tokens,)
         graphs = None if graphs_off is not None else decode_graphs.capture(
             self.model, self.kv_cache, self.args.graph_sizes, max_model_len, pad_block=num_blocks, rows=(1, *verify))
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.args.seed,
                                   self.cfg.index_share_for_mtp_iteration, graphs)
+
+    def profile_memory(self, tokens: int, logits_rows: int) -> DeviceMemory:
+        """The device's memory after the largest step the scheduler can give (engine/workers/memory_profile.py),
+        run on a cache of its own that is released after."""
+        tokens_per_block = self.args.block_size * self.parallel.dcp.size
+        return memory_profile.profile(
+            self.device, lambda: self._cache(blocks_needed(tokens, tokens_per_block), StateCounts(1, 0)),
+            lambda cache: memory_profile.run_largest_step(self.model, cache, tokens, logits_rows, tokens_per_block),
+            tokens)
+
+    def _cache(self, num_blocks: int, states: StateCounts) -> KVCache:
+        dcp = self.parallel.dcp
+        shard = ContextShard(dcp.rank, dcp.size, self.args.block_size, dcp) if dcp.size > 1 else None
+        return KVCache(self.cfg, num_blocks, self.args.block_size, self.dtype, self.device,
+                       with_indexer=self.with_indexer, indexer_dtype=self.indexer_keys, with_mtp=self.with_mtp,
+                       shard=shard, state_slots=states.slots, state_snapshots=states.snapshots,
+                       tp_size=self.parallel.tp.size, draft_states=self.args.num_draft_states)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)

@@ -97,6 +97,9 @@ def run_worker(rank: int, local_rank: int, master_addr: str, master_port: int, m
             if message[0] == "init_cache":
                 worker.init_cache(message[1], message[2], message[3])
                 pg.report(store, "ready", rank)
+            elif message[0] == "profile_memory":
+                pg.publish(store, f"memory/{rank}", worker.profile_memory(message[1], message[2]))
+                pg.report(store, "profiled", rank)
             elif message[0] == "step":
                 worker.execute(grammars.restore(message[1]))
         except Exception as e:
