@@ -9,7 +9,8 @@ Triton's interpreter: what CI runs so the script does not rot (its numbers say n
 
 Sections: env (versions, device); parity (a generated fp32 checkpoint, 32 greedy tokens and their logprobs on the
 device, Triton kernels on and off, against the CPU path); kernels (Triton against the torch path at GLM-5.2's
-shapes: sparse MLA decode over 2,048 selected rows, indexer scores at 64K); syncs (host synchronisations inside a
+shapes: sparse MLA decode over 2,048 selected rows, the same kernel on a prefill chunk at 8 and 16 heads, indexer
+scores at 64K); syncs (host synchronisations inside a
 decode step, counted by torch.cuda.set_sync_debug_mode); profile (a decode step's most expensive kernels); latency
 and throughput (the `small` checkpoint, GLM-5.2 per-head geometry, batch 1, 16, 64; with CUDA graphs and with
 --enforce-eager; the default run's KV cache sized by gpu_memory_utilization 0.5, its measured step peak beside
@@ -181,6 +182,7 @@ def section_kernels(device: str) -> dict:
     difference = float((out.float() - torch_rows().float()).abs().max())
     result = {"sparse_decode": {"queries": n, "heads": heads, "selected": width, "triton_ms": triton_ms,
                                 "torch_ms": torch_ms, "max_diff": difference}}
+    result.update(sparse_prefill(device, g))
     context, iheads, bs = s["score_context"], s["index_heads"], 64
     blocks = context // bs
     for kind, key_dtype in (("bf16", dtype), ("fp8", torch.float8_e4m3fn)):
@@ -208,6 +210,31 @@ def section_kernels(device: str) -> dict:
             "max_rel_diff": float(((scores - torch_scores()).abs().max() / torch_scores().abs().max()))}
     result.update(fp8_products(device, g))
     return result
+
+
+def sparse_prefill(device: str, g) -> dict:
+    """The per-query sparse kernel on a prefill chunk whose neighbouring queries select mostly the same rows (as the
+    indexer's selections do), at 8 heads (a rank's share of GLM-5.2's 64 at TP=8: half of the kernel's 16-head tile
+    masked) and at 16. Near-equal times say each query's rows are read per query, so a kernel over a tile of
+    queries' union (8 heads × 2 queries in one tile) would halve the work; the bytes say how far from the
+    bandwidth bound the reads are (every query's rows, and each distinct row once)."""
+    import torch
+
+    from dsaserve.triton_ops.selected_rows import attend_selected_rows
+
+    n, context, width = (2048, 8192, 2048) if device == "cuda" else (8, 256, 32)
+    rows = torch.randn(context, 576, device=device, dtype=torch.bfloat16, generator=g)
+    shared = torch.rand(context, device=device, generator=g)  # what every query of the chunk mostly agrees on
+    scores = shared + 0.05 * torch.rand(n, context, device=device, generator=g)
+    slots = scores.topk(width, dim=1).indices
+    result = {"distinct_rows": int(torch.unique(slots).numel()), "queries": n, "selected": width}
+    for heads in (8, 16):
+        query = torch.randn(n, heads, 576, device=device, dtype=torch.bfloat16, generator=g)
+        out = torch.empty(n, heads, 512, device=device, dtype=torch.bfloat16)
+        result[f"triton_ms_{heads}_heads"] = timed(lambda: attend_selected_rows(query, rows, slots, 576 ** -0.5, out),
+                                                   device, 5)
+    result["gb_if_every_query_reads_its_rows"] = n * width * 576 * 2 / 1e9
+    return {"sparse_prefill": result}
 
 
 def fp8_products(device: str, g) -> dict:
@@ -396,6 +423,10 @@ def summary(results: dict, device: str) -> str:
     for kernel in ("sparse_decode", "index_scores_bf16", "index_scores_fp8"):
         lines.append(f"| {kernel}: Triton ms / torch ms | {get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "
                      f"{get('kernels', kernel, 'torch_ms', fmt='{:.3f}')} |")
+    lines.append(f"| sparse prefill, {get('kernels', 'sparse_prefill', 'queries')} queries × "
+                 f"{get('kernels', 'sparse_prefill', 'selected')} rows: Triton ms at 8 heads / 16 heads | "
+                 f"{get('kernels', 'sparse_prefill', 'triton_ms_8_heads', fmt='{:.3f}')} / "
+                 f"{get('kernels', 'sparse_prefill', 'triton_ms_16_heads', fmt='{:.3f}')} |")
     for kernel in sorted(k for k in results.get("kernels", {}) if k.startswith("fp8_linear")):
         lines.append(f"| {kernel}: Triton FP8 ms / torch bf16 ms | "
                      f"{get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "

@@ -40,7 +40,7 @@ def test_the_engine_sizes_its_kv_cache_from_the_measured_device(make_checkpoint,
     batch's logits rows (drafts included) on a cache of its own; the KV cache then holds
     utilization × total − in use − peak, and requests run as with that size given."""
     name, kwargs = CHECKPOINTS[family]
-    mtp_checkpoint = make_checkpoint(name, **kwargs)
+    checkpoint = make_checkpoint(name, **kwargs)
     total, in_use, peak = 64 * MIB, 20 * MIB, 4 * MIB
     steps = []
     run_step = memory_profile.run_largest_step
@@ -62,13 +62,13 @@ def test_the_engine_sizes_its_kv_cache_from_the_measured_device(make_checkpoint,
                 speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["the first prompt", "a second one, longer than the first"]
-    measured = LLM(mtp_checkpoint, max_num_batched_tokens=96, gpu_memory_utilization=0.5, **args)
+    measured = LLM(checkpoint, max_num_batched_tokens=96, gpu_memory_utilization=0.5, **args)
     room = int(total * 0.5) - in_use - peak
     per_block = measured.engine.kv_layout.bytes_per_token * 16
     assert steps == [(96, (9, measured.engine.config.vocab_size), 96)]  # 3 requests × (1 + 2 drafts) rows
     ours = [o.outputs[0].token_ids for o in measured.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(memory_profile, "measured", lambda device: False)
-    given = LLM(mtp_checkpoint, max_num_batched_tokens=96, kv_cache_memory=room, **args)
+    given = LLM(checkpoint, max_num_batched_tokens=96, kv_cache_memory=room, **args)
     assert measured.engine.scheduler.kv.num_blocks == given.engine.scheduler.kv.num_blocks
     if measured.engine.config.hybrid is None:  # (a hybrid model's KDA states come out of the room first)
         assert measured.engine.scheduler.kv.num_blocks == room // per_block
