@@ -239,17 +239,26 @@ def sparse_prefill(device: str, g) -> dict:
 
 def fp8_products(device: str, g) -> dict:
     """An FP8 weight as shipped (a GLM-5.2 projection's shape: 6,144 → 12,288 on a GPU) by the Triton kernel, against
-    torch's bf16 matmul of the same weight dequantized (twice the bytes): ms per product at decode and prefill rows."""
+    torch's bf16 matmul of the same weight dequantized (twice the bytes), and prefill rows on the FP8 tensor cores
+    (fp8_scaled_mm.py, where its check passes): ms per product at decode and prefill rows."""
     import torch
 
     from dsaserve.quantization.formats import dequantize_reference, quantize_fp8_rows
+    from dsaserve.triton_ops import fp8_scaled_mm
     from dsaserve.triton_ops.fp8_linear import fp8_matmul
+    from dsaserve.triton_ops.fp8_scaled_mm import block_scales
 
     n, k = (12288, 6144) if device == "cuda" else (96, 160)
-    q, scale = quantize_fp8_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    q, scale = quantize_fp8_rows(weight)
+    if n % 128 == 0 and k % 128 == 0:  # a checkpoint's form: one scale per 128 × 128 block (what FP8 releases ship)
+        scale = scale.view(n // 128, 128, -1).amax(dim=1).repeat_interleave(128, dim=0)
+        q = fp8_scaled_mm.fp8_bytes(weight, scale)
     q, scale = q.to(device), scale.to(device)
     dense = dequantize_reference("fp8", q, scale).to(torch.bfloat16)
-    result = {}
+    blocks = block_scales(scale)
+    why_not = fp8_scaled_mm.unavailable(torch.device(device))
+    result = {"fp8_tensor_cores": "used for 64+ bf16 rows" if why_not is None else f"not used: {why_not}"}
     for rows in ((1, 16, 2048) if device == "cuda" else (1, 4)):
         x = torch.randn(rows, k, device=device, generator=g).to(torch.bfloat16)
         got, expected = fp8_matmul(x, q, scale).float(), (x @ dense.T).float()
@@ -257,6 +266,11 @@ def fp8_products(device: str, g) -> dict:
             "n": n, "k": k, "triton_ms": timed(lambda: fp8_matmul(x, q, scale), device, 10),
             "torch_bf16_ms": timed(lambda: x @ dense.T, device, 10),
             "max_rel_diff": float((got - expected).abs().max() / expected.abs().max())}
+        if why_not is None and blocks is not None and rows >= fp8_scaled_mm.MIN_ROWS:
+            scaled = fp8_scaled_mm.scaled_matmul(x, q, blocks).float()
+            result[f"fp8_linear_{rows}_rows"].update(
+                scaled_mm_ms=timed(lambda: fp8_scaled_mm.scaled_matmul(x, q, blocks), device, 10),
+                scaled_mm_max_rel_diff=float((scaled - expected).abs().max() / expected.abs().max()))
     return result
 
 
@@ -428,9 +442,11 @@ def summary(results: dict, device: str) -> str:
                  f"{get('kernels', 'sparse_prefill', 'triton_ms_8_heads', fmt='{:.3f}')} / "
                  f"{get('kernels', 'sparse_prefill', 'triton_ms_16_heads', fmt='{:.3f}')} |")
     for kernel in sorted(k for k in results.get("kernels", {}) if k.startswith("fp8_linear")):
-        lines.append(f"| {kernel}: Triton FP8 ms / torch bf16 ms | "
+        lines.append(f"| {kernel}: Triton FP8 ms / torch bf16 ms / FP8 tensor cores ms | "
                      f"{get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "
-                     f"{get('kernels', kernel, 'torch_bf16_ms', fmt='{:.3f}')} |")
+                     f"{get('kernels', kernel, 'torch_bf16_ms', fmt='{:.3f}')} / "
+                     f"{get('kernels', kernel, 'scaled_mm_ms', fmt='{:.3f}')} |")
+    lines.append(f"| FP8 tensor cores (torch's block-scaled matmul) | {get('kernels', 'fp8_tensor_cores')} |")
     lines.append(f"| host syncs per decode step | {get('syncs', 'syncs_per_decode_step')} |")
     top = results.get("profile", {}).get("decode_step_top", [])[:4]
     lines.append("| decode step (16 requests), most self time | "

@@ -3,6 +3,7 @@ interpreter, and the engine driven through them: the same greedy tokens as the C
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dsaserve import LLM, SamplingParams, triton_ops
 from dsaserve.attention.indexer_cache import IndexerKeyCache
@@ -485,3 +486,102 @@ def test_the_other_families_through_the_triton_kernels_generate_what_the_cpu_pat
     for a, b in zip(outs["on"], outs["off"]):
         assert a.token_ids == b.token_ids
         assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-3
+
+
+# ---- FP8 weights on the FP8 tensor cores (triton_ops/fp8_scaled_mm.py) -------------------------------------------
+# torch's block-scaled matmul runs on Hopper GPUs only; here it is replaced by this emulation of its documented
+# semantics, which also asserts the scales' shapes and layout that the CUDA kernel requires. On a GPU the engine checks
+# the real kernel against fp8_linear.py once before using it (fp8_scaled_mm.unavailable).
+
+
+def emulated_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16):
+    m, k = a.shape
+    n = b.shape[1]
+    assert recipe_a == F.ScalingType.BlockWise1x128 and recipe_b == F.ScalingType.BlockWise128x128
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and m % 4 == 0
+    assert scale_a.shape == (m, k // 128) and scale_a.stride(0) == 1  # outer-dim-major
+    assert scale_b.shape == (-(-(k // 128) // 4) * 4, n // 128)  # [K blocks padded to 4, N blocks]
+    wide_a = a.float() * scale_a.repeat_interleave(128, dim=1)
+    wide_b = b.float() * scale_b[: k // 128].repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    return (wide_a @ wide_b).to(output_dtype)
+
+
+def checkpoint_blocks(n: int, k: int, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight as a checkpoint ships it: bytes [n, k] and a scale per 128 × 128 block, in the rows layout."""
+    from dsaserve.triton_ops.fp8_scaled_mm import fp8_bytes
+
+    scales = (torch.rand(n // 128, k // 128, generator=g) * 3 + 0.1).repeat_interleave(128, dim=0)
+    weight = torch.randn(n, k, generator=g) * scales.repeat_interleave(128, dim=1) * 100
+    return fp8_bytes(weight, scales), scales
+
+
+def test_block_scales_come_only_from_a_checkpoints_128_row_blocks():
+    from dsaserve.triton_ops.fp8_scaled_mm import block_scales
+
+    g = torch.Generator().manual_seed(1)
+    _, scales = checkpoint_blocks(256, 640, g)
+    blocks = block_scales(scales)
+    assert blocks.shape == (2, 8) and torch.equal(blocks[:, :5], scales[::128]) and (blocks[:, 5:] == 1).all()
+    per_row = scales.clone()
+    per_row[3, 0] *= 2  # one row's own scale: --quantization fp8's form, not a block's
+    assert block_scales(per_row) is None and block_scales(scales[:200]) is None
+
+
+def test_activations_are_quantized_per_row_and_128_columns():
+    from dsaserve.triton_ops.fp8_scaled_mm import quantize_activations
+
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x[2, 128:] *= 1000  # one group far larger than the others: each has its own scale
+    quantized, scale = quantize_activations(x)
+    assert quantized.shape == (8, 256) and scale.shape == (8, 2) and scale.stride(0) == 1
+    back = quantized.float() * scale.repeat_interleave(128, dim=1)
+    amax = x.float().abs().view(5, 2, 128).amax(dim=-1).repeat_interleave(128, dim=1)
+    assert ((back[:5] - x.float()).abs() <= amax / 16).all()  # within e4m3's rounding of each group's range
+    assert (back[5:] == 0).all()
+
+
+def test_scaled_matmul_agrees_with_the_fp8_kernel(interpreter, monkeypatch):
+    from dsaserve.triton_ops.fp8_linear import fp8_matmul
+    from dsaserve.triton_ops.fp8_scaled_mm import block_scales, scaled_matmul
+
+    monkeypatch.setattr(F, "scaled_mm", emulated_scaled_mm)
+    g = torch.Generator().manual_seed(3)
+    q, scales = checkpoint_blocks(256, 640, g)
+    x = torch.randn(66, 640, generator=g).to(torch.bfloat16)
+    got, expected = scaled_matmul(x, q, block_scales(scales)).float(), fp8_matmul(x, q, scales).float()
+    assert got.shape == (66, 256)
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()  # 8-bit activations' rounding
+
+
+def test_fp8_weights_take_the_fp8_tensor_cores_for_prefill_rows_of_bf16_only(interpreter, monkeypatch):
+    """Where the probe passed: 64 or more bf16 rows by a checkpoint's 128 × 128 blocks; decode rows, fp32 rows and a
+    weight with per-row scales keep the Triton kernel."""
+    from dsaserve.quantization.quantized_weight import ROWS, QuantizedWeight
+    from dsaserve.triton_ops import fp8_scaled_mm
+
+    calls = []
+    monkeypatch.setattr(fp8_scaled_mm, "unavailable", lambda device: None)
+    monkeypatch.setattr(F, "scaled_mm", lambda *a, **k: calls.append(a[0].shape[0]) or emulated_scaled_mm(*a, **k))
+    g = torch.Generator().manual_seed(4)
+
+    def weight(scales_per_row: bool) -> QuantizedWeight:
+        q, scales = checkpoint_blocks(256, 384, g)
+        if scales_per_row:
+            scales = scales * torch.linspace(1, 2, 256)[:, None]
+        module = QuantizedWeight("fp8", 256, 384)
+        assert module.layout == ROWS
+        module.qweight.copy_(q)
+        module.scale.copy_(scales)
+        return module
+
+    blocks, per_row = weight(False), weight(True)
+    for rows, dtype in ((64, torch.bfloat16), (16, torch.bfloat16), (64, torch.float32)):
+        blocks.matrix().matmul(torch.randn(rows, 384, generator=g).to(dtype))
+    per_row.matrix().matmul(torch.randn(64, 384, generator=g).to(torch.bfloat16))
+    assert calls == [64]
+
+
+def test_the_fp8_tensor_core_probe_says_why_not_here():
+    from dsaserve.triton_ops.fp8_scaled_mm import unavailable
+
+    assert unavailable(torch.device("cpu")) == "it runs on CUDA only"

@@ -61,9 +61,11 @@ class PackedMatrix:
     """The packed form of one [N, K] weight and its product with activations (views, no copies)."""
 
     def __init__(self, kind: str, qweight: torch.Tensor, scale: torch.Tensor, n: int, k: int, col_offset: int,
-                 layout: str = BLOCKS):
+                 layout: str = BLOCKS, block_scale: torch.Tensor | None = None):
+        """block_scale: an FP8 weight's scales per 128 × 128 block where it has them (fp8_scaled_mm.block_scales),
+        for products on the FP8 tensor cores."""
         self.kind, self.qweight, self.scale, self.n, self.k, self.col_offset = kind, qweight, scale, n, k, col_offset
-        self.layout = layout
+        self.layout, self.block_scale = layout, block_scale
         self.args = operator_args(kind, n, k, col_offset)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,8 +119,12 @@ class PackedMatrix:
         return y.to(rows.dtype)
 
     def _fp8_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        from dsaserve.triton_ops import fp8_scaled_mm
         from dsaserve.triton_ops.fp8_linear import fp8_matmul  # the weight's bytes as shipped, widened in registers
 
+        if (self.block_scale is not None and fp8_scaled_mm.takes(rows, self.k, self.n, self.col_offset)
+                and fp8_scaled_mm.unavailable(rows.device) is None):  # prefill rows on Hopper's FP8 tensor cores
+            return fp8_scaled_mm.scaled_matmul(rows, self.qweight, self.block_scale)
         return fp8_matmul(rows, self.qweight, self.scale, self.col_offset)
 
     def _rows_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
@@ -193,8 +199,13 @@ class QuantizedWeight(PreparedCalls):
                             self.col_offset, self.layout)
 
     def _whole_matrix(self) -> PackedMatrix:
+        blocks = None
+        if self.layout == ROWS and self.kind == "fp8" and self.scale.dim() == 2 and triton_ops.runs_on(self.qweight):
+            from dsaserve.triton_ops.fp8_scaled_mm import block_scales
+
+            blocks = block_scales(self.scale)
         return PackedMatrix(self.kind, self.qweight, self.scale, self.out_features, self.in_features, self.col_offset,
-                            self.layout)
+                            self.layout, blocks)
 
     def batched_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, M, K] by each of the B stacked weights: [B, M, N] (one attention head each)."""

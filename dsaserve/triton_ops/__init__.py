@@ -1,5 +1,5 @@
 """Triton kernels: the CUDA path's sparse MLA decode, indexer scores, cache writes, routed experts and FP8 weight
-products, each with a torch fallback.
+products, each with a torch fallback (and fp8_scaled_mm.py: prefill's FP8 products on torch's block-scaled matmul).
 
 Which process runs them is the engine's `triton_kernels` option (`configure`, once at load): `auto` runs them where
 the engine's device is CUDA and Triton imports, `off` keeps torch's operators there, and `on` also runs them on CPU
@@ -71,4 +71,5 @@ def summary() -> str:
     where = "CUDA" if _device.type == "cuda" else "CPU tensors, under Triton's interpreter"
     return (f"on ({where}): sparse MLA over selected rows, indexer scores over the paged key cache, latent rows "
             "(norm, rope, write) and indexer key writes, routed experts (grouped GEMMs), FP8 weights multiplied as "
-            "shipped (block-scaled)")
+            "shipped (block-scaled; prefill rows on Hopper's FP8 tensor cores where torch's block-scaled matmul passes "
+            "its check)")
