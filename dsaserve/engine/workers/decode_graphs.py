@@ -199,15 +199,13 @@ class DecodeGraphs:
         self.captured: dict[Shape, CapturedStep] = {}
         shapes = sorted(self._shapes(), key=lambda s: (s.context, s.tokens), reverse=True)
         pool = None
+        # Every graph writes its logits and hidden states into these (made by the first warm-up, outside the graphs'
+        # pool), so a graph keeps no output of its own and the pool holds one step's intermediates, not the sum of
+        # every graph's logits.
+        self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
         with torch.inference_mode():
-            # Every graph writes its logits and hidden states into these (outside the graphs' pool), so a graph keeps
-            # no output of its own and the pool holds one step's intermediates, not the sum of every graph's logits.
-            widest = max(shapes, key=lambda s: s.tokens)
-            self.inputs.fill(widest, [], pad_block, self.block_size)
-            logits, hidden = self._step(self._metadata(widest), widest)
-            self.logits, self.hidden = torch.empty_like(logits), torch.empty_like(hidden)
-            del logits, hidden
-            # The widest first: the rope table is made for it, and the others fit in its memory pool.
+            # The widest first: the rope table and the outputs are made for it, and the others fit in its memory pool.
             for shape in shapes:
                 graph = make_graph(pool)
                 self.inputs.fill(shape, [], pad_block, self.block_size)  # padding alone: it writes the padding block
@@ -274,6 +272,8 @@ class DecodeGraphs:
         """The captured work: the step, its logits and hidden states written into the shared outputs."""
         logits, hidden = self._step(meta, shape)
         tokens = shape.tokens
+        if self.logits is None:  # the widest shape's warm-up, before any capture
+            self.logits, self.hidden = torch.empty_like(logits), torch.empty_like(hidden)
         self.logits[:tokens].copy_(logits)
         self.hidden[:tokens].copy_(hidden)
         return self.logits[:tokens], self.hidden[:tokens]
