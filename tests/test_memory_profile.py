@@ -84,3 +84,22 @@ def test_a_short_max_model_len_bounds_the_profiled_step(tiny_checkpoint, monkeyp
                         lambda model, cache, tokens, rows, block_size: steps.append((tokens, rows)))
     LLM(tiny_checkpoint, dtype="float32", block_size=16, progress=False, max_model_len=48, max_num_seqs=256)
     assert steps == [(48, 48)]
+
+
+def test_bench_longctx_shares_the_gpu_between_its_engines(tiny_checkpoint, monkeypatch):
+    """Its engines stay loaded together: measured like a GPU, the i-th of n asks for (i + 1) / n of the utilization
+    in all, so the first does not take the whole share and leave the others none."""
+    from dsaserve.bench import longctx
+
+    asked = []
+    real = memory_profile.kv_cache_memory
+    monkeypatch.setattr(memory_profile, "measured", lambda device: True)
+    monkeypatch.setattr(memory_profile, "device_totals", lambda device: (256 * MIB, 200 * MIB))
+    monkeypatch.setattr(memory_profile, "step_peak", lambda device, step: (step(), MIB)[1])
+    monkeypatch.setattr(memory_profile, "kv_cache_memory",
+                        lambda profiles, utilization, estimate=None: asked.append(utilization)
+                        or real(profiles, utilization, estimate))
+    args = EngineArgs(model=tiny_checkpoint, dtype="float32", block_size=16, max_model_len=128, max_num_seqs=2,
+                      gpu_memory_utilization=0.9)
+    longctx.run(args, ["dense", "sparse"], [64], [], 1)
+    assert asked == [0.45, 0.9]

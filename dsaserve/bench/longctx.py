@@ -153,9 +153,12 @@ def run(engine_args: EngineArgs, backends: list[str], decode_lens: list[int], pr
                        "(no prefill)"}
     # Every backend's engine stays loaded and they take turns at each point, so a slow phase of a
     # shared machine lands on all of them instead of on whichever backend ran then.
+    # On a GPU without --kv-cache-memory each engine measures what is left: the i-th of n takes (i + 1) / n of
+    # gpu_memory_utilization in all (its own and the earlier engines'), so they share it evenly.
+    share = engine_args.gpu_memory_utilization / len(backends)
     engines = {b: LLMEngine(dataclasses.replace(engine_args, attention_backend=b, progress=False,
-                                                enable_prefix_caching=False))
-               for b in backends}
+                                                enable_prefix_caching=False, gpu_memory_utilization=share * (i + 1)))
+               for i, b in enumerate(backends)}
     for backend, engine in engines.items():
         synthetic_decode_ms(engine, decode_lens[0] if decode_lens else 256, 2)  # warm-up
         results["decode_ms_per_token"][backend] = {}
