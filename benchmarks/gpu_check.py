@@ -103,7 +103,8 @@ def greedy(path: str, device: str, triton: str, prompts, steps: int, native: str
     # (a cache of its own size: several engines run in this process one after another, and by default each would
     # take gpu_memory_utilization's share of the GPU)
     llm = LLM(path, dtype="float32", device=device, block_size=16, max_model_len=256, triton_kernels=triton,
-              native_kernels=native, enforce_eager=eager, progress=False, kv_cache_memory="1GiB")
+              native_kernels=native, enforce_eager=eager, progress=False,
+              kv_cache_memory="1GiB" if device == "cuda" else None)
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
     outs = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
     tokens = [o.token_ids for o in outs]
