@@ -5,7 +5,8 @@ It adds up the slices distributed/sharding.py assigns (the loader reads exactly 
 numbers are the loader's own: bytes as stored in the checkpoint, bytes resident once loaded
 (FP8 weights kept as shipped, with a scale per row and 128 columns, as the native CPU kernels and the Triton
 kernels hold them; the rest in the model dtype), KV bytes per token per rank, and the tokens of KV that fit in a
-given device memory.
+given device memory once the largest step's activations are held back (an estimate here; a GPU engine measures
+them at start-up, engine/workers/memory_profile.py), with an estimate of the decode graphs' pool.
 """
 
 from __future__ import annotations
