@@ -3,6 +3,7 @@
 device's totals and the step's peak given, while the profiling step itself runs the real model."""
 
 import pytest
+import torch
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.workers import memory_profile
@@ -103,3 +104,15 @@ def test_bench_longctx_shares_the_gpu_between_its_engines(tiny_checkpoint, monke
                       gpu_memory_utilization=0.9)
     longctx.run(args, ["dense", "sparse"], [64], [], 1)
     assert asked == [0.45, 0.9]
+
+
+def test_a_largest_step_that_runs_out_of_memory_names_the_option(tiny_checkpoint, monkeypatch):
+    def out_of_memory(device, step):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(memory_profile, "measured", lambda device: True)
+    monkeypatch.setattr(memory_profile, "step_peak", out_of_memory)
+    with pytest.raises(ValueError, match=r"largest step the scheduler can give \(96 tokens: max_num_batched_tokens.*"
+                                         r"lower max_num_batched_tokens or use more ranks \(CUDA out of memory"):
+        LLM(tiny_checkpoint, dtype="float32", block_size=16, progress=False, max_model_len=128,
+            max_num_batched_tokens=96)

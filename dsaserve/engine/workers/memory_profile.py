@@ -94,7 +94,12 @@ def profile(device: torch.device, make_cache: Callable[[], object], step: Callab
     """Runs the profiling step on a cache of its own (not counted in the peak, released after) and returns what the
     device then has."""
     cache = make_cache()
-    peak = step_peak(device, functools.partial(step, cache))
+    try:
+        peak = step_peak(device, functools.partial(step, cache))
+    except torch.OutOfMemoryError as error:
+        raise ValueError(f"the largest step the scheduler can give ({tokens} tokens: max_num_batched_tokens, at most "
+                         f"max_model_len) does not fit in the device's memory beside the weights; lower "
+                         f"max_num_batched_tokens or use more ranks ({str(error).splitlines()[0]})") from error
     del cache  # before the driver is asked what stays in use
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the step's blocks back to the driver, so in_use counts only what stays
