@@ -249,7 +249,6 @@ def fp8_products(device: str, g) -> dict:
     from dsaserve.quantization.formats import dequantize_reference, quantize_fp8_rows
     from dsaserve.triton_ops import fp8_scaled_mm
     from dsaserve.triton_ops.fp8_linear import fp8_matmul
-    from dsaserve.triton_ops.fp8_scaled_mm import block_scales
 
     n, k = (12288, 6144) if device == "cuda" else (96, 160)
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
@@ -259,7 +258,7 @@ def fp8_products(device: str, g) -> dict:
         q = fp8_scaled_mm.fp8_bytes(weight, scale)
     q, scale = q.to(device), scale.to(device)
     dense = dequantize_reference("fp8", q, scale).to(torch.bfloat16)
-    blocks = block_scales(scale)
+    blocks = fp8_scaled_mm.block_scales(scale)
     why_not = fp8_scaled_mm.unavailable(torch.device(device))
     result = {"fp8_tensor_cores": "used for 64+ bf16 rows" if why_not is None else f"not used: {why_not}"}
     for rows in ((1, 16, 2048) if device == "cuda" else (1, 4)):

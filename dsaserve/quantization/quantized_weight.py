@@ -122,9 +122,8 @@ class PackedMatrix:
         from dsaserve.triton_ops import fp8_scaled_mm
         from dsaserve.triton_ops.fp8_linear import fp8_matmul  # the weight's bytes as shipped, widened in registers
 
-        if (self.block_scale is not None and fp8_scaled_mm.takes(rows, self.k, self.n, self.col_offset)
-                and fp8_scaled_mm.unavailable(rows.device) is None):  # prefill rows on Hopper's FP8 tensor cores
-            return fp8_scaled_mm.scaled_matmul(rows, self.qweight, self.block_scale)
+        if self.block_scale is not None and fp8_scaled_mm.takes(rows, self.k, self.n, self.col_offset):
+            return fp8_scaled_mm.scaled_matmul(rows, self.qweight, self.block_scale)  # on Hopper's FP8 tensor cores
         return fp8_matmul(rows, self.qweight, self.scale, self.col_offset)
 
     def _rows_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
@@ -199,11 +198,12 @@ class QuantizedWeight(PreparedCalls):
                             self.col_offset, self.layout)
 
     def _whole_matrix(self) -> PackedMatrix:
-        blocks = None
+        blocks = None  # a checkpoint's 128 × 128 block scales, where the FP8 tensor cores take them (checked once)
         if self.layout == ROWS and self.kind == "fp8" and self.scale.dim() == 2 and triton_ops.runs_on(self.qweight):
-            from dsaserve.triton_ops.fp8_scaled_mm import block_scales
+            from dsaserve.triton_ops import fp8_scaled_mm
 
-            blocks = block_scales(self.scale)
+            if fp8_scaled_mm.unavailable(self.qweight.device) is None:
+                blocks = fp8_scaled_mm.block_scales(self.scale)
         return PackedMatrix(self.kind, self.qweight, self.scale, self.out_features, self.in_features, self.col_offset,
                             self.layout, blocks)
 

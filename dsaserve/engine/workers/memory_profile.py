@@ -24,7 +24,7 @@ import torch
 
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.byte_sizes import human
-from dsaserve.model.load_memory import available_memory
+from dsaserve.model.load_memory import memory_available
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +49,13 @@ def measured(device: torch.device) -> bool:
 
 
 def device_totals(device: torch.device) -> tuple[int, int]:
-    """(total, free) bytes: a CUDA device's, as its driver counts them (other processes included), or the
+    """(total, free) bytes: a CUDA device's (free as its driver counts it, other processes included), or the
     machine's memory and what Linux says is available."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return total, free
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total, available_memory() or 0
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total, memory_available(device) or 0
 
 
 def step_peak(device: torch.device, step: Callable[[], object]) -> int:
