@@ -26,14 +26,16 @@ def native_fp8(device: torch.device) -> bool:
 @triton.jit
 def e4m3_values(raw, NATIVE: tl.constexpr):
     """fp32 values of e4m3fn bytes (uint8)."""
-    if NATIVE:
-        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    v = raw.to(tl.int32)
-    exponent = (v >> 3) & 0xF
-    mantissa = v & 7
-    normal = (((v & 0x80) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    subnormal = tl.where((v & 0x80) != 0, -1.0, 1.0) * mantissa.to(tl.float32) * 0.001953125  # 2^-9
-    return tl.where(exponent == 0, subnormal, normal)
+    if NATIVE:  # if/else, one return: the compiler would also type (and emit) the code after a branch's return
+        values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        v = raw.to(tl.int32)
+        exponent = (v >> 3) & 0xF
+        mantissa = v & 7
+        normal = (((v & 0x80) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        subnormal = tl.where((v & 0x80) != 0, -1.0, 1.0) * mantissa.to(tl.float32) * 0.001953125  # 2^-9
+        values = tl.where(exponent == 0, subnormal, normal)
+    return values
 
 
 @triton.jit

@@ -64,6 +64,8 @@ def fp8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, col_
         low, precision = dot_inputs(x.dtype)
         block_m = 16 if rows <= 16 else 64
         block_n = 32 if rows <= 16 else 128  # few rows: more programs over N to keep the memory busy
+        if x.element_size() > 2 and rows > 16:  # fp32 (the parity path): 64 × 128 tiles need 160 KiB of shared memory,
+            block_m, block_n = 32, 64  # over an RTX PRO 6000's or an L40S's 99 KiB (triton_ops/compile_check.py)
         grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n), count)
         _fp8_linear_kernel[grid](
             xs, ws, ss, out, rows, cols, width, col_offset, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1),

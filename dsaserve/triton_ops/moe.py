@@ -40,12 +40,14 @@ def _weight_product(a, w_rows, s_rows, k, k0, k_ok, col_ok, FP8: tl.constexpr, N
     """a [M, K] times the weight rows' tile [K, N] (columns k); an FP8 tile widened, and scaled by its block's
     scales (k0 // 128: the step lies inside one block)."""
     mask = col_ok[None, :] & k_ok[:, None]
+    # if/else, one return: the compiler types the code after a constexpr branch's return too (see _operand)
     if FP8:
         w = e4m3_values(tl.load(w_rows + k[:, None], mask=mask, other=0), NATIVE_FP8).to(a.dtype)
-        scale = tl.load(s_rows + k0 // 128, mask=col_ok, other=0.0)
-        return tl.dot(a, w, input_precision=PRECISION) * scale[None, :]
-    w = _operand(tl.load(w_rows + k[:, None], mask=mask, other=0.0), LOW_PRECISION_DOT)
-    return tl.dot(a, w, input_precision=PRECISION)
+        product = tl.dot(a, w, input_precision=PRECISION) * tl.load(s_rows + k0 // 128, mask=col_ok, other=0.0)[None, :]
+    else:
+        w = _operand(tl.load(w_rows + k[:, None], mask=mask, other=0.0), LOW_PRECISION_DOT)
+        product = tl.dot(a, w, input_precision=PRECISION)
+    return product
 
 
 @triton.jit

@@ -15,15 +15,16 @@ import triton.language as tl
 
 from dsaserve.triton_ops import interpreting
 
-ROWS_PER_STEP = 32  # selected rows scored per step of the online softmax
+ROWS_PER_STEP = 32  # selected rows scored per step of the online softmax (16 for fp32 rows: see attend_selected_rows)
 
 
 @triton.jit
 def _operand(x, LOW_PRECISION_DOT: tl.constexpr):
-    # bf16/fp16 tiles go to the tensor cores as they are; fp32 ones in full fp32 (see dot_inputs).
-    if LOW_PRECISION_DOT:
-        return x
-    return x.to(tl.float32)
+    # bf16/fp16 tiles go to the tensor cores as they are; fp32 ones in full fp32 (see dot_inputs). One return: the
+    # compiler types every return of a function alike, a constexpr branch's too (the interpreter does not).
+    if not LOW_PRECISION_DOT:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -100,12 +101,15 @@ def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.T
     # tl.dot takes tiles of at least 16. Wide value rows (GLM-5.2's 512) keep 16 heads per program: the fp32
     # accumulator [heads, value] stays 32 registers a thread over 8 warps, where 64 heads would spill.
     block_h = 16 if value >= 256 else max(16, min(64, triton.next_power_of_2(heads)))
+    # fp32 rows (the parity path) take half the rows a step: 32 of them with their pipelined copies are 111 KiB of
+    # shared memory, over the 99 KiB of an RTX PRO 6000 or an L40S (python -m dsaserve.triton_ops.compile_check).
+    block_k = ROWS_PER_STEP if rows.element_size() <= 2 else ROWS_PER_STEP // 2
     grid = (n, triton.cdiv(heads, block_h))
     _selected_rows_kernel[grid](
         query, rows, slots, target, float(scale), heads, slots.shape[1],
         query.stride(0), query.stride(1), rows.stride(0), slots.stride(0), target.stride(0), target.stride(1),
         VALUE=value, REST=rest, BLOCK_H=block_h, BLOCK_V=max(16, triton.next_power_of_2(value)),
-        BLOCK_R=max(16, triton.next_power_of_2(max(rest, 1))), BLOCK_K=ROWS_PER_STEP, LOW_PRECISION_DOT=low,
+        BLOCK_R=max(16, triton.next_power_of_2(max(rest, 1))), BLOCK_K=block_k, LOW_PRECISION_DOT=low,
         PRECISION=precision, num_warps=8 if value >= 256 else 4,
     )
     if target is not out:

@@ -1,0 +1,49 @@
+"""Every Triton kernel compiled for real GPUs (no GPU needed): the interpreter runs a kernel's Python, the GPU's
+compiler is stricter (a kernel that passes every interpreted test failed to compile for bf16 models until this check
+ran), and a GPU has a fixed amount of shared memory. triton_ops/compile_check.py compiles each specialization the
+wrappers launch down to machine code with the ptxas that ships with Triton."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+from triton.runtime.interpreter import InterpretedFunction
+
+from dsaserve import triton_ops
+
+ARCHES = ("sm90", "sm120")  # H100/H200, and the RTX PRO 6000 (99 KiB of shared memory a block)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("compile") / "results.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "dsaserve.triton_ops.compile_check", "--arch", ",".join(ARCHES),
+                          "--jobs", "2", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.exists(), run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_every_launched_kernel_compiles_and_fits_in_shared_memory(compiled):
+    failed = [f"{r['arch']} {r['case']}: {r['error'] or str(r['shared_bytes']) + ' bytes of shared memory'}"
+              for r in compiled if not r["fits"]]
+    assert not failed, "\n".join(failed)
+    assert {r["arch"] for r in compiled} == set(ARCHES)
+
+
+def test_the_check_launches_every_kernel_for_every_model_dtype(compiled):
+    modules = [importlib.import_module(f"dsaserve.triton_ops.{info.name}")
+               for info in pkgutil.iter_modules(triton_ops.__path__)]
+    kernels = {name for module in modules for name, value in vars(module).items()
+               if isinstance(value, InterpretedFunction) and name.endswith("_kernel")}
+    assert len(kernels) == 7
+    for arch in ARCHES:
+        for dtype in ("bfloat16", "float32"):
+            seen = {r["kernel"] for r in compiled if r["arch"] == arch and r["case"].endswith(dtype)}
+            assert seen == kernels, f"{arch} {dtype}: no case launches {sorted(kernels - seen)}"
