@@ -47,3 +47,10 @@ def test_the_check_launches_every_kernel_for_every_model_dtype(compiled):
         for dtype in ("bfloat16", "float32"):
             seen = {r["kernel"] for r in compiled if r["arch"] == arch and r["case"].endswith(dtype)}
             assert seen == kernels, f"{arch} {dtype}: no case launches {sorted(kernels - seen)}"
+
+
+def test_fp8_bytes_are_decoded_as_the_target_gpu_decodes_them(compiled):
+    # Hopper and Blackwell convert fp8 themselves: the launches compiled for them must take that path, not the
+    # shifts and masks an A100 needs (the check runs on a CPU, where the wrappers would otherwise choose the latter).
+    flags = [r["flags"]["NATIVE_FP8"] for r in compiled if "NATIVE_FP8" in r["flags"]]
+    assert flags and all(flags)

@@ -9,6 +9,7 @@ GPU). Callers ask `runs_on(tensor)`: a kernel is only handed tensors of the devi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -62,6 +63,17 @@ def runs_on(tensor: torch.Tensor) -> bool:
 
 def active_device() -> torch.device | None:
     return _device
+
+
+@contextlib.contextmanager
+def launching_on(device: torch.device | None):
+    """The kernels take `device`'s tensors inside (compile_check.py's recorded launches, which run nothing)."""
+    global _device
+    saved, _device = _device, device
+    try:
+        yield
+    finally:
+        _device = saved
 
 
 def summary() -> str:

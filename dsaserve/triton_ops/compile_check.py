@@ -31,6 +31,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+# The wrappers, imported before any recording so that _recording finds (and points at the target GPU) the fp8 check
+# each of them imported.
+from dsaserve.triton_ops.cache_write import write_rows
+from dsaserve.triton_ops.fp8_linear import fp8_matmul
+from dsaserve.triton_ops.index_scores import index_scores
+from dsaserve.triton_ops.latent_write import write_latent_rows
+from dsaserve.triton_ops.moe import routed_experts
+from dsaserve.triton_ops.selected_rows import attend_selected_rows
+
 # name: (compute capability, shared memory a block may use in bytes (CUDA programming guide), GPUs)
 ARCHES = {
     "sm80": (80, 166912, "A100"),
@@ -64,6 +73,7 @@ class Compiled:
     arch: str
     case: str
     kernel: str
+    flags: dict = dataclasses.field(default_factory=dict)  # the launch's constexpr arguments by name
     error: str | None = None
     shared_bytes: int = 0
     shared_limit: int = 0
@@ -117,31 +127,23 @@ def _recording(arch: str) -> Iterator[list[tuple[object, dict]]]:
     native = ARCHES[arch][0] >= 89
     patched = [m for name, m in sys.modules.items()
                if name.startswith("dsaserve.triton_ops.") and getattr(m, "native_fp8", None) is fp8_e4m3.native_fp8]
-    saved_device, saved_driver = triton_ops.active_device(), driver._active  # None on a machine without a GPU
+    saved_driver = driver._active  # None on a machine without a GPU
     driver.set_active(_TargetDriver(_target(arch)))
     knobs.runtime.jit_cache_hook = hook
     for module in patched:
         module.native_fp8 = lambda device: native
-    triton_ops._device = torch.device("cpu")
     try:
-        yield seen
+        with triton_ops.launching_on(torch.device("cpu")):
+            yield seen
     finally:
         knobs.runtime.jit_cache_hook = None
         driver.set_active(saved_driver)
         for module in patched:
             module.native_fp8 = fp8_e4m3.native_fp8
-        triton_ops._device = saved_device
 
 
 def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
     """(name, a call of a wrapper) for every specialization the engine launches on a GPU."""
-    from dsaserve.triton_ops.cache_write import write_rows
-    from dsaserve.triton_ops.fp8_linear import fp8_matmul
-    from dsaserve.triton_ops.index_scores import index_scores
-    from dsaserve.triton_ops.latent_write import write_latent_rows
-    from dsaserve.triton_ops.moe import routed_experts
-    from dsaserve.triton_ops.selected_rows import attend_selected_rows
-
     z = torch.zeros
     for model in (torch.bfloat16, torch.float32):
         dt = str(model).removeprefix("torch.")
@@ -227,7 +229,9 @@ def compile_launch(launch: Launch, arch: str) -> Compiled:
     from triton.compiler import ASTSource
 
     c = launch.compile
-    result = Compiled(arch, launch.case, launch.kernel.fn.__name__, shared_limit=ARCHES[arch][1])
+    names = launch.kernel.arg_names
+    flags = {names[path[0]]: value for path, value in c["constants"].items() if len(path) == 1}
+    result = Compiled(arch, launch.case, launch.kernel.fn.__name__, flags, shared_limit=ARCHES[arch][1])
     options = {name: c[name] for name in ("num_warps", "num_ctas", "num_stages", "enable_fp_fusion",
                                          "launch_cooperative_grid")}
     start = time.perf_counter()

@@ -34,7 +34,7 @@ def _selected_rows_kernel(
     VALUE: tl.constexpr, REST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)  # i · q_stride_n passes 2^31 at 32K rows of 128 heads × 576
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     v = tl.arange(0, BLOCK_V)
     r = tl.arange(0, BLOCK_R)
