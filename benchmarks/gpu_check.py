@@ -9,9 +9,9 @@ Triton's interpreter: what CI runs so the script does not rot (its numbers say n
 
 Sections: env (versions, device); parity (a generated fp32 checkpoint, 32 greedy tokens and their logprobs on the
 device, Triton kernels on and off, against the CPU path); kernels (Triton against the torch path at GLM-5.2's
-shapes: sparse MLA decode over 2,048 selected rows, the same kernel on a prefill chunk at 8 and 16 heads, indexer
-scores at 64K); syncs (host synchronisations inside a
-decode step, counted by torch.cuda.set_sync_debug_mode); profile (a decode step's most expensive kernels); latency
+shapes: sparse MLA decode over 2,048 selected rows, a prefill chunk per query and by tile unions at 8 and 16
+heads, indexer scores at 64K); syncs (host synchronisations inside a decode step, counted by
+torch.cuda.set_sync_debug_mode); profile (a decode step's most expensive kernels); latency
 and throughput (the `small` checkpoint, GLM-5.2 per-head geometry, batch 1, 16, 64; with CUDA graphs and with
 --enforce-eager; the default run's KV cache sized by gpu_memory_utilization 0.5, its measured step peak beside
 doctor's estimate); transformers (its `generate` on
@@ -216,26 +216,47 @@ def section_kernels(device: str) -> dict:
 
 
 def sparse_prefill(device: str, g) -> dict:
-    """The per-query sparse kernel on a prefill chunk whose neighbouring queries select mostly the same rows (as the
-    indexer's selections do), at 8 heads (a rank's share of GLM-5.2's 64 at TP=8: half of the kernel's 16-head tile
-    masked) and at 16. Near-equal times say each query's rows are read per query, so a kernel over a tile of
-    queries' union (8 heads × 2 queries in one tile) would halve the work; the bytes say how far from the
-    bandwidth bound the reads are (every query's rows, and each distinct row once)."""
+    """Sparse MLA on a prefill chunk whose neighbouring queries select mostly the same rows (as the indexer's
+    selections do), at 8 heads (a rank's share of GLM-5.2's 64 at TP=8) and at 16: the per-query kernel (a 16-head
+    tile per query, half masked at 8 heads, each query's rows read for it) against tiles of neighbouring queries
+    reading their union once (union_rows.py: 4 queries × 8 heads or 2 × 16 a program), with the unions' build (a
+    sort per tile, once per full layer: shared layers reuse it) timed apart, and the largest difference between the
+    two outputs. The bytes say how far from the bandwidth bound the per-query reads are."""
     import torch
 
+    from dsaserve.attention import tile_unions
+    from dsaserve.attention.metadata import BatchMetadata
     from dsaserve.triton_ops.selected_rows import attend_selected_rows
+    from dsaserve.triton_ops.union_rows import attend_union_rows
 
     n, context, width = (2048, 8192, 2048) if device == "cuda" else (8, 256, 32)
-    rows = torch.randn(context, 576, device=device, dtype=torch.bfloat16, generator=g)
+    block = 64
+    meta = BatchMetadata.build([[0] * n], [context - n], [list(range(context // block))], block, [], device=device)
+    rows = torch.randn(context, 576, device=device, dtype=torch.bfloat16, generator=g)  # slot = position here
     shared = torch.rand(context, device=device, generator=g)  # what every query of the chunk mostly agrees on
     scores = shared + 0.05 * torch.rand(n, context, device=device, generator=g)
     slots = scores.topk(width, dim=1).indices
+    topk = slots.to(torch.int32)
     result = {"distinct_rows": int(torch.unique(slots).numel()), "queries": n, "selected": width}
+    scale = 576 ** -0.5
     for heads in (8, 16):
         query = torch.randn(n, heads, 576, device=device, dtype=torch.bfloat16, generator=g)
         out = torch.empty(n, heads, 512, device=device, dtype=torch.bfloat16)
-        result[f"triton_ms_{heads}_heads"] = timed(lambda: attend_selected_rows(query, rows, slots, 576 ** -0.5, out),
+        by_union = torch.empty_like(out)
+        queries = tile_unions.tile_queries(heads)
+
+        def build():
+            meta.derived.clear()
+            return tile_unions.tile_unions(meta, topk, queries)
+
+        result[f"triton_ms_{heads}_heads"] = timed(lambda: attend_selected_rows(query, rows, slots, scale, out),
                                                    device, 5)
+        result[f"union_build_ms_{heads}_heads"] = timed(build, device, 5)
+        tiles = build()
+        result[f"union_ms_{heads}_heads"] = timed(lambda: attend_union_rows(query, rows, tiles, scale, by_union),
+                                                  device, 5)
+        result[f"union_rows_per_tile_{heads}_heads"] = tiles.counts.float().mean().item()
+        result[f"union_max_diff_{heads}_heads"] = (by_union.float() - out.float()).abs().max().item()
     result["gb_if_every_query_reads_its_rows"] = n * width * 576 * 2 / 1e9
     return {"sparse_prefill": result}
 
@@ -439,10 +460,15 @@ def summary(results: dict, device: str) -> str:
     for kernel in ("sparse_decode", "index_scores_bf16", "index_scores_fp8"):
         lines.append(f"| {kernel}: Triton ms / torch ms | {get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "
                      f"{get('kernels', kernel, 'torch_ms', fmt='{:.3f}')} |")
-    lines.append(f"| sparse prefill, {get('kernels', 'sparse_prefill', 'queries')} queries × "
-                 f"{get('kernels', 'sparse_prefill', 'selected')} rows: Triton ms at 8 heads / 16 heads | "
-                 f"{get('kernels', 'sparse_prefill', 'triton_ms_8_heads', fmt='{:.3f}')} / "
-                 f"{get('kernels', 'sparse_prefill', 'triton_ms_16_heads', fmt='{:.3f}')} |")
+    for heads in (8, 16):
+        lines.append(f"| sparse prefill, {get('kernels', 'sparse_prefill', 'queries')} queries × "
+                     f"{get('kernels', 'sparse_prefill', 'selected')} rows at {heads} heads: per-query ms / tile "
+                     "unions ms + their build ms (rows per union; max difference) | "
+                     f"{get('kernels', 'sparse_prefill', f'triton_ms_{heads}_heads', fmt='{:.3f}')} / "
+                     f"{get('kernels', 'sparse_prefill', f'union_ms_{heads}_heads', fmt='{:.3f}')} + "
+                     f"{get('kernels', 'sparse_prefill', f'union_build_ms_{heads}_heads', fmt='{:.3f}')} "
+                     f"({get('kernels', 'sparse_prefill', f'union_rows_per_tile_{heads}_heads', fmt='{:.0f}')}; "
+                     f"{get('kernels', 'sparse_prefill', f'union_max_diff_{heads}_heads', fmt='{:.1e}')}) |")
     for kernel in sorted(k for k in results.get("kernels", {}) if k.startswith("fp8_linear")):
         lines.append(f"| {kernel}: Triton FP8 ms / torch bf16 ms / FP8 tensor cores ms | "
                      f"{get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "

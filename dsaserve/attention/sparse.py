@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsaserve import triton_ops
+from dsaserve.attention import tile_unions
 from dsaserve.attention.dense import (
     FEW_ROWS,
     SCORE_BUDGET,
@@ -56,8 +57,15 @@ class SparseAttention:
         wide = query.new_empty(query.shape[0], query.shape[1], rows.shape[1])
         out = wide[..., :value_dim]
         if meta.shard is None and triton_ops.runs_on(query):
-            # Every row over its own selection in one Triton call (prefill rows too): no host loop, no sync.
-            attend_selected_rows(query, rows, selection_slots(meta, topk), scale, out)
+            # One Triton call, no host loop, no sync: with few heads, tiles of a request's neighbouring rows read
+            # their union's rows once (prompt chunks, verify steps); otherwise every row its own selection.
+            if tile_unions.takes(meta, query.shape[1]):
+                from dsaserve.triton_ops.union_rows import attend_union_rows
+
+                tiles = tile_unions.tile_unions(meta, topk, tile_unions.tile_queries(query.shape[1]))
+                attend_union_rows(query, rows, tiles, scale, out)
+            else:
+                attend_selected_rows(query, rows, selection_slots(meta, topk), scale, out)
             return out
         heads = query.shape[1]
         width = topk.shape[1]

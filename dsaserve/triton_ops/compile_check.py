@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from dsaserve.attention.tile_unions import TileUnions, tile_queries
+
 # The wrappers, imported before any recording so that _recording finds (and points at the target GPU) the fp8 check
 # each of them imported.
 from dsaserve.triton_ops.cache_write import write_rows
@@ -39,6 +41,7 @@ from dsaserve.triton_ops.index_scores import index_scores
 from dsaserve.triton_ops.latent_write import write_latent_rows
 from dsaserve.triton_ops.moe import routed_experts
 from dsaserve.triton_ops.selected_rows import attend_selected_rows
+from dsaserve.triton_ops.union_rows import attend_union_rows
 
 # name: (compute capability, shared memory a block may use in bytes (CUDA programming guide), GPUs)
 ARCHES = {
@@ -153,6 +156,10 @@ def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
                 yield (f"selected rows {family} {heads} heads {dt}", lambda: attend_selected_rows(
                     z(2, heads, width, dtype=model), z(64, width, dtype=model), z(2, 40, dtype=torch.int64), 0.1,
                     z(2, heads, latent, dtype=model)))
+            for heads in (8, 16):  # a TP=8 rank's GLM-5.2 and DeepSeek-V3.2 heads: prompt rows by tile unions
+                yield (f"union rows {family} {heads} heads {dt}", lambda: attend_union_rows(
+                    z(8, heads, width, dtype=model), z(64, width, dtype=model), _tiles(tile_queries(heads), 2), 0.1,
+                    z(8, heads, latent, dtype=model)))
             for interleaved in (True, False):
                 yield (f"latent rows {family} {'interleaved' if interleaved else 'half-split'} {dt}",
                        lambda: write_latent_rows(z(3, width, dtype=model), z(latent, dtype=model), 1e-6,
@@ -178,6 +185,13 @@ def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
                            z(5, 256, dtype=model), torch.tensor([[0, 1]] * 5), z(5, 2), z(2, 256, 256, dtype=experts),
                            z(2, 256, 128, dtype=experts), 0, limit,
                            (z(2, 256, 2), z(2, 256, 1)) if fp8 else None))
+
+
+def _tiles(queries: int, count: int) -> TileUnions:
+    """`count` tiles of `queries` rows with unions 40 wide (their values are never read: nothing runs)."""
+    z = torch.zeros
+    return TileUnions(queries, z(count, dtype=torch.int64), z(count, dtype=torch.int32),
+                      z(count, 40, dtype=torch.int32), z(count, 40, dtype=torch.int32), z(count, dtype=torch.int32))
 
 
 def launches(arch: str, only: str = "") -> list[Launch]:

@@ -1,0 +1,109 @@
+"""The union of each query tile's selections, for triton_ops/union_rows.py, made on the device without a host
+synchronisation (so a captured verify step can make it too).
+
+A request's rows are cut into tiles of `queries` consecutive rows (its last tile may be shorter); a tile never spans
+two requests. Each tile's selections (positions, -1 empty) are keyed position · queries + query, sorted, and each run
+of one position becomes one union entry: the position's cache slot and a bit per tile query that selected it, the
+entries packed at the start of the tile's row (`counts` of them). Made once per step and top-k tensor: shared layers
+reuse their full layer's selection, and with it this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsaserve.attention.metadata import BatchMetadata
+
+UNION_ELEMENTS = 1 << 23  # selection entries sorted at once: bounds the int64 temporaries to 64 MiB each
+TILE_ROWS = 32  # (query, head) pairs a union_rows program takes: its [32, 512] fp32 accumulator, 64 registers a thread
+
+
+def tile_queries(heads: int) -> int:
+    """Queries a tile holds at `heads` heads (at least 1, at most 16: their bits fit an int32)."""
+    return max(1, min(16, TILE_ROWS // heads))
+
+
+@dataclass(frozen=True)
+class TileUnions:
+    """Tiles of up to `queries` rows of one request: first row, rows, and the union of their selections (slots int32
+    [tiles, queries × width], -1 past `counts`; members int32, bit q for the tile's q-th row)."""
+
+    queries: int
+    first: torch.Tensor
+    length: torch.Tensor
+    slots: torch.Tensor
+    members: torch.Tensor
+    counts: torch.Tensor
+
+
+def takes(meta: BatchMetadata, heads: int) -> bool:
+    """Whether a step's sparse attention goes by tile unions: few heads (at most half a program's pairs, where the
+    per-query kernel pads its 16-head tile or fills it with one query) and some request with several rows (a prompt
+    chunk, a verify step). Single-row decode steps keep the per-query kernel: a tile of one query would fill only
+    `heads` of its pairs."""
+    starts = meta.query_start_loc_host
+    return heads <= TILE_ROWS // 2 and any(b - a > 1 for a, b in zip(starts, starts[1:]))
+
+
+def tile_layout(meta: BatchMetadata, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row int64, rows int32) of each tile, from the device's query_start_loc; the tile count from the host's
+    copy of it (fixed for a captured shape)."""
+    def derive():
+        starts = meta.query_start_loc_host
+        count = sum(-(-(b - a) // queries) for a, b in zip(starts, starts[1:]))
+        loc = meta.query_start_loc
+        tiles = (loc[1:] - loc[:-1] + queries - 1) // queries
+        request = torch.repeat_interleave(torch.arange(tiles.shape[0], device=loc.device), tiles, output_size=count)
+        before = torch.cumsum(tiles, 0) - tiles  # tiles of the earlier requests
+        first = loc[request] + (torch.arange(count, device=loc.device) - before[request]) * queries
+        length = torch.minimum(loc[request + 1] - first, torch.full_like(first, queries))
+        return first, length.to(torch.int32)
+
+    return meta.once(("tile layout", queries), derive)
+
+
+def tile_unions(meta: BatchMetadata, topk: torch.Tensor, queries: int) -> TileUnions:
+    """The tiles of `queries` rows and their selections' unions (topk int32 [T, width], -1 empty)."""
+    def derive():
+        first, length = tile_layout(meta, queries)
+        count, width = first.shape[0], queries * topk.shape[1]
+        slots = torch.empty(count, width, dtype=torch.int32, device=topk.device)
+        members = torch.empty_like(slots)
+        counts = torch.empty(count, dtype=torch.int32, device=topk.device)
+        step = max(1, UNION_ELEMENTS // width)
+        requests = meta.row_requests()
+        for t0 in range(0, count, step):
+            t1 = min(t0 + step, count)
+            positions, members[t0:t1], counts[t0:t1] = _unions(topk, first[t0:t1], length[t0:t1], queries)
+            valid = positions >= 0
+            found = meta.slots_of(requests[first[t0:t1]], positions.clamp(min=0))
+            slots[t0:t1] = torch.where(valid, found, -1)
+        return topk, TileUnions(queries, first, length, slots, members, counts)
+
+    return meta.once(("tile unions", id(topk), queries), derive)[1]  # the entry holds topk: its id is not reused
+
+
+def _unions(topk: torch.Tensor, first: torch.Tensor, length: torch.Tensor,
+            queries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(union positions int64 [n, queries × width] (-1 past the count), member bits int32, counts int32) of n tiles."""
+    n, k = first.shape[0], topk.shape[1]
+    q = torch.arange(queries, device=topk.device)
+    present = q[None, :] < length[:, None]
+    selected = topk[(first[:, None] + q[None, :]).clamp(max=topk.shape[0] - 1)].long()  # [n, queries, k]
+    selected = torch.where(present[:, :, None] & (selected >= 0), selected, -1)
+    none = torch.iinfo(torch.int64).max
+    key = torch.where(selected >= 0, selected * queries + q[None, :, None], none).view(n, queries * k)
+    key = key.sort(dim=1).values
+    valid = key != none
+    position = key // queries
+    starts_run = valid.clone()
+    starts_run[:, 1:] &= position[:, 1:] != position[:, :-1]
+    spare = queries * k  # where entries past the union land, dropped after
+    place = torch.where(valid, torch.cumsum(starts_run, 1) - 1, spare)
+    union = torch.full((n, spare + 1), -1, dtype=torch.int64, device=topk.device)
+    union.scatter_(1, place, torch.where(valid, position, -1))  # a run's entries all write its position
+    bits = torch.where(valid, torch.bitwise_left_shift(1, key % queries), 0).to(torch.int32)
+    members = torch.zeros(n, spare + 1, dtype=torch.int32, device=topk.device).scatter_add_(1, place, bits)
+    return union[:, :spare], members[:, :spare], starts_run.sum(1).to(torch.int32)
