@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from dsaserve.attention.scored_selection import SCORE_ELEMENTS
+from dsaserve.attention.tile_unions import build_bytes
 from dsaserve.byte_sizes import human
 from dsaserve.config import ModelConfig
 from dsaserve.distributed.parallel_config import ParallelConfig
@@ -130,7 +131,10 @@ def step_activation_bytes(cfg: ModelConfig, parallel: ParallelConfig, tokens: in
     # q_a, the per-head queries, the absorbed queries and the attention's output (both latent-wide), v heads
     attention = cfg.q_lora_rank + heads * (cfg.qk_nope_head_dim + rope + 2 * (cfg.kv_lora_rank + rope)
                                            + cfg.v_head_dim)
-    indexer = tokens * (cfg.index_n_heads * (cfg.index_head_dim * item + 4) + 2 * cfg.index_topk * 4) + SCORE_BYTES
+    # q, its weights, the top-k and per top-k entry a slot and its member bits (tile unions; or one int64 slot), then
+    # the score tile or the unions' build, whichever is larger (they do not overlap)
+    indexer = (tokens * (cfg.index_n_heads * (cfg.index_head_dim * item + 4) + 3 * cfg.index_topk * 4)
+               + max(SCORE_BYTES, build_bytes(tokens * cfg.index_topk)))
     # routed rows: every (token, expert) pair may land on this rank; gate and up, their product, and the output
     width = cfg.moe_intermediate_size // (1 if parallel.enable_expert_parallel else tp)
     experts = tokens * (cfg.num_experts_per_tok + cfg.n_shared_experts) * (3 * width + cfg.hidden_size)

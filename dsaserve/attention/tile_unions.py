@@ -16,13 +16,20 @@ import torch
 
 from dsaserve.attention.metadata import BatchMetadata
 
-UNION_ELEMENTS = 1 << 23  # selection entries sorted at once: bounds the int64 temporaries to 64 MiB each
+UNION_ELEMENTS = 1 << 20  # selection entries sorted at once: 8 MiB per int64 temporary
+
 TILE_ROWS = 32  # (query, head) pairs a union_rows program takes: its [32, 512] fp32 accumulator, 64 registers a thread
 
 
 def tile_queries(heads: int) -> int:
     """Queries a tile holds at `heads` heads (at least 1, at most 16: their bits fit an int32)."""
     return max(1, min(16, TILE_ROWS // heads))
+
+
+def build_bytes(entries: int) -> int:
+    """The unions' build's transient bytes for a step's `entries` selection entries (rows × top-k): about ten int64
+    temporaries (the sort's included) of one chunk."""
+    return 80 * min(entries, UNION_ELEMENTS)
 
 
 @dataclass(frozen=True)
