@@ -2,12 +2,14 @@
 overlap, and what that does to sparse against dense prefill and decode, in one run.
 
     python benchmarks/demo_selections.py [--context 8192] [--prefill-lens 4096,8192,16000]
-                                         [--decode-lens 8192,16000] [--output-json F]
+                                         [--decode-lens 8192,16000] [--windows 64] [--unions-only]
+                                         [--output-json F]
 
 The random twin has the trained demo's config.json and tokenizer and random weights
 (`random_weights`, as the test fixtures). Both read the same synthetic document (the text the
-trained model learned on). Union size: for windows of 64 consecutive queries ending at 4K, 5K, 6K,
-7K and 8K, the number of distinct rows in their selections, per full layer, averaged. Then
+trained model learned on). Union size: for windows of 64 consecutive queries (or `--windows`: 4 is the
+Triton path's tile at 8 heads, triton_ops/union_rows.py) ending at 4K, 5K, 6K, 7K and 8K, the number of
+distinct rows in their selections, per full layer, averaged. Then (unless `--unions-only`)
 `dsaserve bench longctx`'s measurement runs for both models with document prompts, in the same
 process one after the other (within a model, the dense and sparse engines take turns at every point).
 """
@@ -29,8 +31,6 @@ from dsaserve.config import ModelConfig
 from dsaserve.demo import demo_model_dir
 from dsaserve.demo.checkpoint_builder import random_weights, save_checkpoint
 from dsaserve.engine_args import EngineArgs
-
-WINDOW = 64
 
 
 def random_twin(trained: str, target: str, seed: int = 0) -> str:
@@ -57,11 +57,11 @@ def selections(model: str, ids: list[int]) -> dict[int, torch.Tensor]:
     return {i: torch.cat(parts)[: len(ids)] for i, parts in chunks.items()}
 
 
-def mean_union(topk: dict[int, torch.Tensor], ends: list[int]) -> float:
+def mean_union(topk: dict[int, torch.Tensor], ends: list[int], window_rows: int) -> float:
     sizes = []
     for rows in topk.values():
         for end in ends:
-            window = rows[end - WINDOW : end]
+            window = rows[end - window_rows : end]
             sizes.append(torch.unique(window[window >= 0]).numel())
     return statistics.mean(sizes)
 
@@ -71,19 +71,37 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--prefill-lens", default="4096,8192,16000")
     parser.add_argument("--decode-lens", default="8192,16000")
+    parser.add_argument("--windows", default="64", help="queries per window, comma-separated")
+    parser.add_argument("--unions-only", action="store_true", help="skip the prefill and decode timings")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
+    windows = [int(w) for w in args.windows.split(",") if w]
     trained = demo_model_dir()
     twin = random_twin(trained, tempfile.mkdtemp(prefix="demo-random-twin-"))
     models = {"trained": trained, "random": twin}
     tok = LLM(trained, progress=False).tokenizer
     ids = document_ids(tok, args.context, seed=5)
     ends = [n for n in range(4096, args.context + 1, 1024)]
-    results = {"union_of_64_queries": {}, "index_topk": ModelConfig.from_pretrained(trained).index_topk}
+    results = {"index_topk": ModelConfig.from_pretrained(trained).index_topk}
     for name, path in models.items():
-        results["union_of_64_queries"][name] = mean_union(selections(path, ids), ends)
-        print(f"{name:8s} union of {WINDOW} neighbouring queries' top-{results['index_topk']}, at 4-"
-              f"{args.context // 1024}K visible: {results['union_of_64_queries'][name]:.0f} rows", flush=True)
+        topk = selections(path, ids)
+        for w in windows:
+            union = results.setdefault(f"union_of_{w}_queries", {})
+            union[name] = mean_union(topk, ends, w)
+            print(f"{name:8s} union of {w} neighbouring queries' top-{results['index_topk']}, at 4-"
+                  f"{args.context // 1024}K visible: {union[name]:.0f} rows ({union[name] / results['index_topk']:.2f}"
+                  f" × the width, {union[name] / (w * results['index_topk']):.2f} of the rows read per query)",
+                  flush=True)
+    if not args.unions_only:
+        timings(models, args, results)
+    shutil.rmtree(twin, ignore_errors=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def timings(models: dict[str, str], args, results: dict) -> None:
+    """bench longctx's prefill and decode measurements for each model, dense and sparse."""
     lens = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     for name, path in models.items():
         longest = max(lens(args.prefill_lens) + lens(args.decode_lens)) + 64
@@ -103,10 +121,6 @@ def main() -> None:
         cells = [f"{name} {results[name]['decode_ms_per_token']['dense'][n]:6.1f} / "
                  f"{results[name]['decode_ms_per_token']['sparse'][n]:6.1f}" for name in models]
         print(f"  {n:6d}: " + "   ".join(cells))
-    shutil.rmtree(twin, ignore_errors=True)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

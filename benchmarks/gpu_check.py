@@ -228,6 +228,7 @@ def sparse_prefill(device: str, g) -> dict:
     from dsaserve.attention.metadata import BatchMetadata
     from dsaserve.triton_ops.selected_rows import attend_selected_rows
     from dsaserve.triton_ops.union_rows import attend_union_rows
+    from dsaserve.triton_ops.union_tiles import tile_queries
 
     n, context, width = (2048, 8192, 2048) if device == "cuda" else (8, 256, 32)
     block = 64
@@ -243,7 +244,7 @@ def sparse_prefill(device: str, g) -> dict:
         query = torch.randn(n, heads, 576, device=device, dtype=torch.bfloat16, generator=g)
         out = torch.empty(n, heads, 512, device=device, dtype=torch.bfloat16)
         by_union = torch.empty_like(out)
-        queries = tile_unions.tile_queries(heads)
+        queries = tile_queries(heads)
 
         def build():
             meta.derived.clear()

@@ -11,6 +11,7 @@ from dsaserve import triton_ops
 from dsaserve.attention import tile_unions
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.attention.sparse import SparseAttention
+from dsaserve.triton_ops.union_tiles import tile_queries
 
 pytestmark = pytest.mark.skipif(triton_ops.triton_imports() is not None, reason="Triton does not import here")
 BS = 16
@@ -90,7 +91,7 @@ def test_the_union_kernel_gives_each_query_the_softmax_over_its_own_selection(in
     query = torch.randn(meta.num_tokens, heads, dim, generator=g).to(dtype)
     rows = torch.randn(blocks * BS, dim, generator=g).to(dtype)
     out = torch.full((meta.num_tokens, heads, value), 7.0, dtype=dtype)
-    tiles = tile_unions.tile_unions(meta, topk, tile_unions.tile_queries(heads))
+    tiles = tile_unions.tile_unions(meta, topk, tile_queries(heads))
     attend_union_rows(query, rows, tiles, 0.2, out)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), softmax_over_rows(query, rows, per_row_slots(meta, topk), 0.2, value),

@@ -30,6 +30,7 @@ from dsaserve.attention.dense import (
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.attention.selected_rows import attend_selected_rows
 from dsaserve.native import torch_ops
+from dsaserve.triton_ops.union_tiles import tile_queries
 
 QUERY_TILE = 64  # queries sharing one load of their selected rows
 UNION_LIMIT = 2  # above this many × the selection width, a tile's union is not worth scoring
@@ -62,7 +63,7 @@ class SparseAttention:
             if tile_unions.takes(meta, query.shape[1]):
                 from dsaserve.triton_ops.union_rows import attend_union_rows
 
-                tiles = tile_unions.tile_unions(meta, topk, tile_unions.tile_queries(query.shape[1]))
+                tiles = tile_unions.tile_unions(meta, topk, tile_queries(query.shape[1]))
                 attend_union_rows(query, rows, tiles, scale, out)
             else:
                 attend_selected_rows(query, rows, selection_slots(meta, topk), scale, out)

@@ -10,20 +10,12 @@ reuse their full layer's selection, and with it this.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dsaserve.attention.metadata import BatchMetadata
+from dsaserve.triton_ops.union_tiles import TILE_ROWS, TileUnions
 
 UNION_ELEMENTS = 1 << 20  # selection entries sorted at once: 8 MiB per int64 temporary
-
-TILE_ROWS = 32  # (query, head) pairs a union_rows program takes: its [32, 512] fp32 accumulator, 64 registers a thread
-
-
-def tile_queries(heads: int) -> int:
-    """Queries a tile holds at `heads` heads (at least 1, at most 16: their bits fit an int32)."""
-    return max(1, min(16, TILE_ROWS // heads))
 
 
 def build_bytes(entries: int) -> int:
@@ -32,26 +24,16 @@ def build_bytes(entries: int) -> int:
     return 80 * min(entries, UNION_ELEMENTS)
 
 
-@dataclass(frozen=True)
-class TileUnions:
-    """Tiles of up to `queries` rows of one request: first row, rows, and the union of their selections (slots int32
-    [tiles, queries × width], -1 past `counts`; members int32, bit q for the tile's q-th row)."""
-
-    queries: int
-    first: torch.Tensor
-    length: torch.Tensor
-    slots: torch.Tensor
-    members: torch.Tensor
-    counts: torch.Tensor
-
-
 def takes(meta: BatchMetadata, heads: int) -> bool:
     """Whether a step's sparse attention goes by tile unions: few heads (at most half a program's pairs, where the
     per-query kernel pads its 16-head tile or fills it with one query) and some request with several rows (a prompt
     chunk, a verify step). Single-row decode steps keep the per-query kernel: a tile of one query would fill only
     `heads` of its pairs."""
-    starts = meta.query_start_loc_host
-    return heads <= TILE_ROWS // 2 and any(b - a > 1 for a, b in zip(starts, starts[1:]))
+    def several_rows():
+        starts = meta.query_start_loc_host
+        return any(b - a > 1 for a, b in zip(starts, starts[1:]))
+
+    return heads <= TILE_ROWS // 2 and meta.once(("a request of several rows",), several_rows)
 
 
 def tile_layout(meta: BatchMetadata, queries: int) -> tuple[torch.Tensor, torch.Tensor]:

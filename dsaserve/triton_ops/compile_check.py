@@ -31,8 +31,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dsaserve.attention.tile_unions import TileUnions, tile_queries
-
 # The wrappers, imported before any recording so that _recording finds (and points at the target GPU) the fp8 check
 # each of them imported.
 from dsaserve.triton_ops.cache_write import write_rows
@@ -42,6 +40,7 @@ from dsaserve.triton_ops.latent_write import write_latent_rows
 from dsaserve.triton_ops.moe import routed_experts
 from dsaserve.triton_ops.selected_rows import attend_selected_rows
 from dsaserve.triton_ops.union_rows import attend_union_rows
+from dsaserve.triton_ops.union_tiles import TileUnions, tile_queries
 
 # name: (compute capability, shared memory a block may use in bytes (CUDA programming guide), GPUs)
 ARCHES = {

@@ -6,8 +6,8 @@ tl.dot's smallest tile and reads each query's 2,048 rows for 8 products. Here a 
 head) pairs, 32 // heads queries (4 at 8 heads, 2 at 16), and walks their union: neighbouring queries of a prompt
 select mostly the same rows, so each row is read once for up to 32 products instead of once per query. A union
 entry holds the row's cache slot and a bit per tile query that selected it; a pair's scores outside its query's
-bits are masked out of the online softmax. Tiles come from attention/tile_unions.py (built on the device, sorted,
-no host synchronisation).
+bits are masked out of the online softmax. Tiles (union_tiles.py) come from attention/tile_unions.py (built on
+the device, sorted, no host synchronisation).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.attention.tile_unions import TILE_ROWS, TileUnions, tile_queries
 from dsaserve.triton_ops.selected_rows import ROWS_PER_STEP, _operand, dot_inputs
+from dsaserve.triton_ops.union_tiles import TILE_ROWS, TileUnions, tile_queries
 
 
 @triton.jit
