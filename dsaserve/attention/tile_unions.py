@@ -25,15 +25,16 @@ def build_bytes(entries: int) -> int:
 
 
 def takes(meta: BatchMetadata, heads: int) -> bool:
-    """Whether a step's sparse attention goes by tile unions: few heads (at most half a program's pairs, where the
-    per-query kernel pads its 16-head tile or fills it with one query) and some request with several rows (a prompt
-    chunk, a verify step). Single-row decode steps keep the per-query kernel: a tile of one query would fill only
-    `heads` of its pairs."""
+    """Whether a step's sparse attention goes by tile unions: at most 8 heads (where the per-query kernel masks half
+    its 16-head tile or more; a tile then holds 4 queries or more) and some request with several rows (a prompt
+    chunk, a verify step). At 16 heads a tile holds 2 queries, whose union the trained demo measures at 0.84 of their
+    rows for 1.7× the products (docs/benchmarks.md): the per-query kernel stays. Single-row decode steps keep it
+    too: a tile of one query would fill only `heads` of its pairs."""
     def several_rows():
         starts = meta.query_start_loc_host
         return any(b - a > 1 for a, b in zip(starts, starts[1:]))
 
-    return heads <= TILE_ROWS // 2 and meta.once(("a request of several rows",), several_rows)
+    return heads <= TILE_ROWS // 4 and meta.once(("a request of several rows",), several_rows)
 
 
 def tile_layout(meta: BatchMetadata, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
