@@ -17,13 +17,14 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from dsaserve import triton_ops
 
-ARCHES = ("sm90", "sm120")  # H100/H200, and the RTX PRO 6000 (99 KiB of shared memory a block)
+# H100/H200; the RTX PRO 6000 (99 KiB of shared memory a block); the A100 (fp8 decoded by integer operations)
+ARCHES = ("sm90", "sm120", "sm80")
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("compile") / "results.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (compiled kernels, not interpreted)
     run = subprocess.run([sys.executable, "-m", "dsaserve.triton_ops.compile_check", "--arch", ",".join(ARCHES),
                           "--jobs", "2", "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert out.exists(), run.stderr[-3000:]
@@ -50,7 +51,30 @@ def test_the_check_launches_every_kernel_for_every_model_dtype(compiled):
 
 
 def test_fp8_bytes_are_decoded_as_the_target_gpu_decodes_them(compiled):
-    # Hopper and Blackwell convert fp8 themselves: the launches compiled for them must take that path, not the
-    # shifts and masks an A100 needs (the check runs on a CPU, where the wrappers would otherwise choose the latter).
-    flags = [r["flags"]["NATIVE_FP8"] for r in compiled if "NATIVE_FP8" in r["flags"]]
-    assert flags and all(flags)
+    # Hopper and Blackwell convert fp8 themselves: the launches compiled for them must take that path, and an A100's
+    # the shifts and masks (the check runs on a CPU, where the wrappers would otherwise choose the latter for all).
+    for arch, native in (("sm90", True), ("sm120", True), ("sm80", False)):
+        flags = [r["flags"]["NATIVE_FP8"] for r in compiled if r["arch"] == arch and "NATIVE_FP8" in r["flags"]]
+        assert flags and all(flag == native for flag in flags), arch
+
+
+RECORD_AND_LOOK = """
+from triton import knobs
+from triton.runtime.driver import driver
+from dsaserve import triton_ops
+from dsaserve.triton_ops import compile_check, fp8_e4m3, fp8_linear, moe
+from dsaserve.triton_ops.fp8_linear import _fp8_linear_kernel
+assert compile_check.launches("sm90", "fp8 weights 4")
+print(fp8_linear.native_fp8 is moe.native_fp8 is fp8_e4m3.native_fp8, driver._active is None,
+      knobs.runtime.jit_cache_hook is None, triton_ops.active_device() is None,
+      sorted(map(str, _fp8_linear_kernel.device_caches)))
+"""
+
+
+def test_recording_launches_leaves_the_process_as_it_found_it():
+    # The fp8 check, Triton's driver and hook, the kernels' device: a process with a GPU that ran the check goes on
+    # launching for its own GPU, and its device 0 never meets the stand-in target's binder.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", RECORD_AND_LOOK], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.stdout.split("\n")[0] == "True True True True ['compile-check-sm90']", run.stderr[-2000:]

@@ -64,6 +64,29 @@ def test_each_tiles_union_holds_its_rows_selected_positions_once_with_a_bit_per_
             assert [p for p, b in zip(union, bits.tolist()) if b >> q & 1] == sorted(chosen[q] if q < length else [])
 
 
+@pytest.mark.parametrize("queries", [1, 4, 16])
+def test_unions_built_in_chunks_equal_one_build(monkeypatch, queries):
+    meta = batch()
+    topk = selections(meta, 24, seed=3)
+    whole = tile_unions.tile_unions(meta, topk, queries)
+    monkeypatch.setattr(tile_unions, "UNION_ELEMENTS", 50)  # a few tiles a chunk
+    meta = batch()
+    chunked = tile_unions.tile_unions(meta, topk, queries)
+    for field in ("first", "length", "slots", "members", "counts"):
+        assert torch.equal(getattr(chunked, field), getattr(whole, field)), field
+
+
+def test_a_position_twice_in_one_row_sets_its_bit_once():
+    meta = batch()
+    topk = selections(meta, 24, seed=4)
+    topk[0, 1] = topk[0, 0]  # row 0 (the first tile's first query) repeats a position
+    tiles = tile_unions.tile_unions(meta, topk, 4)
+    position = topk[0, 0].item()
+    entry = tiles.slots[0].tolist().index(meta.slots(0, torch.tensor([position])).item())
+    chose = {q for q in range(4) if position in topk[q].tolist()}
+    assert {q for q in range(4) if tiles.members[0, entry].item() >> q & 1} == chose
+
+
 def per_row_slots(meta: BatchMetadata, topk: torch.Tensor) -> torch.Tensor:
     selected = topk.long()
     return meta.slots_of(meta.row_requests(), selected.clamp(min=0)).masked_fill(selected < 0, -1)

@@ -94,6 +94,8 @@ def _unions(topk: torch.Tensor, first: torch.Tensor, length: torch.Tensor,
     place = torch.where(valid, torch.cumsum(starts_run, 1) - 1, spare)
     union = torch.full((n, spare + 1), -1, dtype=torch.int64, device=topk.device)
     union.scatter_(1, place, torch.where(valid, position, -1))  # a run's entries all write its position
-    bits = torch.where(valid, torch.bitwise_left_shift(1, key % queries), 0).to(torch.int32)
+    repeated = torch.zeros_like(valid)  # a position twice in one row (no selector makes one) sets its bit once
+    repeated[:, 1:] = key[:, 1:] == key[:, :-1]
+    bits = torch.where(valid & ~repeated, torch.bitwise_left_shift(1, key % queries), 0).to(torch.int32)
     members = torch.zeros(n, spare + 1, dtype=torch.int32, device=topk.device).scatter_add_(1, place, bits)
     return union[:, :spare], members[:, :spare], starts_run.sum(1).to(torch.int32)

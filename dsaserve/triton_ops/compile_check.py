@@ -89,13 +89,15 @@ class Compiled:
 
 
 class _TargetDriver:
-    """Answers Triton's launch path with the GPU to compile for; nothing is launched (see _recording)."""
+    """Answers Triton's launch path with the GPU to compile for; nothing is launched (see _recording). Its device is
+    a name of its own: Triton keeps a binder per kernel and device, which a real GPU's device 0 must not meet."""
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, arch: str):
+        self.target = _target(arch)
+        self.device = f"compile-check-{arch}"
 
-    def get_current_device(self) -> int:
-        return 0
+    def get_current_device(self) -> str:
+        return self.device
 
     def get_current_stream(self, device=None) -> int:
         return 0
@@ -127,10 +129,11 @@ def _recording(arch: str) -> Iterator[list[tuple[object, dict]]]:
         return True  # skips the compile, and with it the launch
 
     native = ARCHES[arch][0] >= 89
-    patched = [m for name, m in sys.modules.items()
-               if name.startswith("dsaserve.triton_ops.") and getattr(m, "native_fp8", None) is fp8_e4m3.native_fp8]
-    saved_driver = driver._active  # None on a machine without a GPU
-    driver.set_active(_TargetDriver(_target(arch)))
+    check = fp8_e4m3.native_fp8
+    patched = [m for name, m in sys.modules.items() if name.startswith("dsaserve.triton_ops.")
+               and m is not fp8_e4m3 and getattr(m, "native_fp8", None) is check]
+    saved_driver, saved_hook = driver._active, knobs.runtime.jit_cache_hook  # (_active: None without a GPU)
+    driver.set_active(_TargetDriver(arch))
     knobs.runtime.jit_cache_hook = hook
     for module in patched:
         module.native_fp8 = lambda device: native
@@ -138,10 +141,10 @@ def _recording(arch: str) -> Iterator[list[tuple[object, dict]]]:
         with triton_ops.launching_on(torch.device("cpu")):
             yield seen
     finally:
-        knobs.runtime.jit_cache_hook = None
+        knobs.runtime.jit_cache_hook = saved_hook
         driver.set_active(saved_driver)
         for module in patched:
-            module.native_fp8 = fp8_e4m3.native_fp8
+            module.native_fp8 = check
 
 
 def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
@@ -155,7 +158,7 @@ def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
                 yield (f"selected rows {family} {heads} heads {dt}", lambda: attend_selected_rows(
                     z(2, heads, width, dtype=model), z(64, width, dtype=model), z(2, 40, dtype=torch.int64), 0.1,
                     z(2, heads, latent, dtype=model)))
-            for heads in (8, 16):  # a TP=8 rank's GLM-5.2 and DeepSeek-V3.2 heads: prompt rows by tile unions
+            for heads in (8, 16):  # GLM-5.2's heads at TP=8 (the engine's tile unions); 16, which gpu_check times
                 yield (f"union rows {family} {heads} heads {dt}", lambda: attend_union_rows(
                     z(8, heads, width, dtype=model), z(64, width, dtype=model), _tiles(tile_queries(heads), 2), 0.1,
                     z(8, heads, latent, dtype=model)))

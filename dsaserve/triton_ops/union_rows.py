@@ -83,6 +83,8 @@ def attend_union_rows(query: torch.Tensor, rows: torch.Tensor, tiles: TileUnions
                          "do not fit together")
     if heads > TILE_ROWS or tiles.queries != tile_queries(heads):
         raise ValueError(f"union rows: tiles of {tiles.queries} queries, {heads} heads take {tile_queries(heads)}")
+    if tiles.members.stride() != tiles.slots.stride() or tiles.slots.stride(-1) != 1:
+        raise ValueError("union rows: a tile's slots and member bits must be rows of one contiguous layout")
     count = tiles.first.shape[0]
     if count == 0:
         return
