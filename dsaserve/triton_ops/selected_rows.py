@@ -28,6 +28,45 @@ def _operand(x, LOW_PRECISION_DOT: tl.constexpr):
 
 
 @triton.jit
+def _query_tiles(q_row, row_ok, VALUE: tl.constexpr, REST: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_R: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr):
+    """The queries' value columns and the rest (rope), [rows, BLOCK_V] and [rows, BLOCK_R], from row pointers."""
+    v = tl.arange(0, BLOCK_V)
+    r = tl.arange(0, BLOCK_R)
+    q_value = _operand(tl.load(q_row + v[None, :], mask=row_ok[:, None] & (v[None, :] < VALUE), other=0.0),
+                       LOW_PRECISION_DOT)
+    q_rest = _operand(tl.load(q_row + VALUE + r[None, :], mask=row_ok[:, None] & (r[None, :] < REST), other=0.0),
+                      LOW_PRECISION_DOT)
+    return q_value, q_rest
+
+
+@triton.jit
+def _online_softmax_step(q_value, q_rest, rows, slot, attends, scale, best, total, acc, row_stride,
+                         VALUE: tl.constexpr, REST: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+                         LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One step of the online softmax: the cache rows at `slot` (-1: none) scored by every query row, those where
+    `attends` [rows, slots] is False weighing nothing; the running (best, total, acc) after them."""
+    v = tl.arange(0, BLOCK_V)
+    r = tl.arange(0, BLOCK_R)
+    valid = slot >= 0
+    base = rows + tl.where(valid, slot, 0).to(tl.int64)[:, None] * row_stride
+    key_value = _operand(tl.load(base + v[None, :], mask=valid[:, None] & (v[None, :] < VALUE), other=0.0),
+                         LOW_PRECISION_DOT)
+    key_rest = _operand(tl.load(base + VALUE + r[None, :], mask=valid[:, None] & (r[None, :] < REST), other=0.0),
+                        LOW_PRECISION_DOT)
+    score = tl.dot(q_value, tl.trans(key_value), input_precision=PRECISION)
+    score += tl.dot(q_rest, tl.trans(key_rest), input_precision=PRECISION)
+    score = tl.where(attends, score * scale, -1.0e30)
+    new_best = tl.maximum(best, tl.max(score, axis=1))
+    weight = tl.where(attends, tl.exp(score - new_best[:, None]), 0.0)
+    rescale = tl.exp(best - new_best)
+    total = total * rescale + tl.sum(weight, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(_operand(weight.to(key_value.dtype), LOW_PRECISION_DOT), key_value,
+                                          input_precision=PRECISION)
+    return new_best, total, acc
+
+
+@triton.jit
 def _selected_rows_kernel(
     query, rows, slots, out, scale, heads, width,
     q_stride_n, q_stride_h, row_stride, slot_stride, out_stride_n, out_stride_h,
@@ -37,35 +76,18 @@ def _selected_rows_kernel(
     i = tl.program_id(0).to(tl.int64)  # i · q_stride_n passes 2^31 at 32K rows of 128 heads × 576
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     v = tl.arange(0, BLOCK_V)
-    r = tl.arange(0, BLOCK_R)
     head_ok = h < heads
-    q_row = query + i * q_stride_n + h[:, None] * q_stride_h
-    q_value = _operand(tl.load(q_row + v[None, :], mask=head_ok[:, None] & (v[None, :] < VALUE), other=0.0),
-                       LOW_PRECISION_DOT)
-    q_rest = _operand(tl.load(q_row + VALUE + r[None, :], mask=head_ok[:, None] & (r[None, :] < REST), other=0.0),
-                      LOW_PRECISION_DOT)
+    q_value, q_rest = _query_tiles(query + i * q_stride_n + h[:, None] * q_stride_h, head_ok, VALUE, REST, BLOCK_V,
+                                   BLOCK_R, LOW_PRECISION_DOT)
     best = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
     for k0 in range(0, width, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         slot = tl.load(slots + i * slot_stride + k, mask=k < width, other=-1)
-        valid = slot >= 0
-        base = rows + tl.where(valid, slot, 0).to(tl.int64)[:, None] * row_stride
-        key_value = _operand(tl.load(base + v[None, :], mask=valid[:, None] & (v[None, :] < VALUE), other=0.0),
-                             LOW_PRECISION_DOT)
-        key_rest = _operand(tl.load(base + VALUE + r[None, :], mask=valid[:, None] & (r[None, :] < REST), other=0.0),
-                            LOW_PRECISION_DOT)
-        score = tl.dot(q_value, tl.trans(key_value), input_precision=PRECISION)
-        score += tl.dot(q_rest, tl.trans(key_rest), input_precision=PRECISION)
-        score = tl.where(valid[None, :], score * scale, -1.0e30)
-        new_best = tl.maximum(best, tl.max(score, axis=1))
-        weight = tl.exp(score - new_best[:, None])  # masked rows: exp(-1e30 - best) = 0
-        rescale = tl.exp(best - new_best)
-        total = total * rescale + tl.sum(weight, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(_operand(weight.to(key_value.dtype), LOW_PRECISION_DOT), key_value,
-                                              input_precision=PRECISION)
-        best = new_best
+        best, total, acc = _online_softmax_step(q_value, q_rest, rows, slot, (slot >= 0)[None, :], scale, best,
+                                                total, acc, row_stride, VALUE, REST, BLOCK_V, BLOCK_R,
+                                                LOW_PRECISION_DOT, PRECISION)
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_ptr = out + i * out_stride_n + h[:, None] * out_stride_h + v[None, :]
     tl.store(out_ptr, result.to(out.dtype.element_ty), mask=head_ok[:, None] & (v[None, :] < VALUE))

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.triton_ops.selected_rows import ROWS_PER_STEP, _operand, dot_inputs
+from dsaserve.triton_ops.selected_rows import ROWS_PER_STEP, _online_softmax_step, _query_tiles, dot_inputs
 from dsaserve.triton_ops.union_tiles import TILE_ROWS, TileUnions, tile_queries
 
 
@@ -35,12 +35,8 @@ def _union_rows_kernel(
     pair_ok = (q < QUERIES) & (q < tl.load(tile_len + tile))
     row = tl.load(tile_first + tile) + q.to(tl.int64)
     v = tl.arange(0, BLOCK_V)
-    r = tl.arange(0, BLOCK_R)
-    q_row = query + row[:, None] * q_stride_n + h[:, None] * q_stride_h
-    q_value = _operand(tl.load(q_row + v[None, :], mask=pair_ok[:, None] & (v[None, :] < VALUE), other=0.0),
-                       LOW_PRECISION_DOT)
-    q_rest = _operand(tl.load(q_row + VALUE + r[None, :], mask=pair_ok[:, None] & (r[None, :] < REST), other=0.0),
-                      LOW_PRECISION_DOT)
+    q_value, q_rest = _query_tiles(query + row[:, None] * q_stride_n + h[:, None] * q_stride_h, pair_ok, VALUE, REST,
+                                   BLOCK_V, BLOCK_R, LOW_PRECISION_DOT)
     best = tl.full((BLOCK_M,), -1.0e30, tl.float32)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
@@ -51,22 +47,9 @@ def _union_rows_kernel(
         slot = tl.load(slots + tile * union_stride + k, mask=in_union, other=-1)
         bits = tl.load(members + tile * union_stride + k, mask=in_union, other=0)
         member = (((bits[None, :] >> q[:, None]) & 1) != 0) & (slot[None, :] >= 0)  # [pairs, entries]
-        base = rows + tl.where(slot >= 0, slot, 0).to(tl.int64)[:, None] * row_stride
-        valid = (slot >= 0)[:, None]
-        key_value = _operand(tl.load(base + v[None, :], mask=valid & (v[None, :] < VALUE), other=0.0),
-                             LOW_PRECISION_DOT)
-        key_rest = _operand(tl.load(base + VALUE + r[None, :], mask=valid & (r[None, :] < REST), other=0.0),
-                            LOW_PRECISION_DOT)
-        score = tl.dot(q_value, tl.trans(key_value), input_precision=PRECISION)
-        score += tl.dot(q_rest, tl.trans(key_rest), input_precision=PRECISION)
-        score = tl.where(member, score * scale, -1.0e30)
-        new_best = tl.maximum(best, tl.max(score, axis=1))
-        weight = tl.where(member, tl.exp(score - new_best[:, None]), 0.0)  # another query's rows weigh nothing
-        rescale = tl.exp(best - new_best)
-        total = total * rescale + tl.sum(weight, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(_operand(weight.to(key_value.dtype), LOW_PRECISION_DOT), key_value,
-                                              input_precision=PRECISION)
-        best = new_best
+        best, total, acc = _online_softmax_step(q_value, q_rest, rows, slot, member, scale, best, total, acc,
+                                                row_stride, VALUE, REST, BLOCK_V, BLOCK_R, LOW_PRECISION_DOT,
+                                                PRECISION)
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_ptr = out + row[:, None] * out_stride_n + h[:, None] * out_stride_h + v[None, :]
     tl.store(out_ptr, result.to(out.dtype.element_ty), mask=pair_ok[:, None] & (v[None, :] < VALUE))
