@@ -147,15 +147,21 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
     """Speculative decoding (MTP, 2 drafts): verify steps of 3 tokens per request replay their graphs, whose hidden
     states the drafter reads; tokens and every step's drafts equal to the eager Triton path's; nothing read back from
     the device in a replay (as above)."""
+    from dsaserve.attention import tile_unions
     from dsaserve.engine.workers import model_runner
 
     drafts, propose = [], model_runner.propose
     monkeypatch.setattr(model_runner, "propose", lambda *a: drafts.append(out := propose(*a)) or out)
+    built_in_graph, build = [], tile_unions.tile_unions  # (a captured forward's batch carries "requests")
+    monkeypatch.setattr(tile_unions, "tile_unions",
+                        lambda meta, *a: built_in_graph.append("requests" in meta.derived) or build(meta, *a))
     path = make_checkpoint("tiny-mtp", seed=3, include_mtp=True)
     prompts = PROMPTS[::2]  # two requests past index_topk: verify steps of size 2
     llm = engine(path, cuda_graph_sizes="1,2", speculative_config=SPEC)
     graphed = generate(llm, prompts, (9, 9))  # (drafts run short near max_tokens: those steps are eager)
     assert replays(llm, rows=3)[2, 128] >= 3 and replayed.host_reads == []
+    # Prompt steps attend by tile unions (4 heads); captured steps per query (the unions' sort may not capture).
+    assert built_in_graph and not any(built_in_graph)
     graphed_drafts, drafts[:] = list(drafts), []
     monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
     eager = generate(engine(path, cuda_graph_sizes="1,2", speculative_config=SPEC), prompts, (9, 9))

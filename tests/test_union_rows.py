@@ -128,6 +128,9 @@ def test_sparse_attention_goes_by_tile_unions_for_prompt_rows_with_few_heads(int
     decode_only = batch([1, 1, 1])
     assert tile_unions.takes(meta, 8) and tile_unions.takes(meta, 2)
     assert not tile_unions.takes(meta, 16) and not tile_unions.takes(decode_only, 8)
+    captured = batch()
+    tile_unions.per_query_only(captured)  # (what a decode graph's captured forward does)
+    assert not tile_unions.takes(captured, 8)
     heads, value, dim = 8, 32, 48
     topk = selections(meta, 24, seed=5)
     g = torch.Generator().manual_seed(5)

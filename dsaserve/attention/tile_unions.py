@@ -1,5 +1,5 @@
 """The union of each query tile's selections, for triton_ops/union_rows.py, made on the device without a host
-synchronisation (so a captured verify step can make it too).
+synchronisation. Captured decode graphs still attend per query (per_query_only: the sort may not capture).
 
 A request's rows are cut into tiles of `queries` consecutive rows (its last tile may be shorter); a tile never spans
 two requests. Each tile's selections (positions, -1 empty) are keyed position · queries + query, sorted, and each run
@@ -24,6 +24,16 @@ def build_bytes(entries: int) -> int:
     return 80 * min(entries, UNION_ELEMENTS)
 
 
+SEVERAL_ROWS = ("a request of several rows",)  # meta.derived's key for takes()
+
+
+def per_query_only(meta: BatchMetadata) -> None:
+    """This batch attends per query (captured decode graphs: the unions' sort may be one CUDA graphs cannot capture —
+    CUB's segmented sorts, which long rows take, read counts back to the host — and a refused capture would cost
+    every decode graph; their warm-ups take the same path, so the capture compiles nothing new)."""
+    meta.derived[SEVERAL_ROWS] = False
+
+
 def takes(meta: BatchMetadata, heads: int) -> bool:
     """Whether a step's sparse attention goes by tile unions: at most 8 heads (where the per-query kernel masks half
     its 16-head tile or more; a tile then holds 4 queries or more) and some request with several rows (a prompt
@@ -34,7 +44,7 @@ def takes(meta: BatchMetadata, heads: int) -> bool:
         starts = meta.query_start_loc_host
         return any(b - a > 1 for a, b in zip(starts, starts[1:]))
 
-    return heads <= TILE_ROWS // 4 and meta.once(("a request of several rows",), several_rows)
+    return heads <= TILE_ROWS // 4 and meta.once(SEVERAL_ROWS, several_rows)
 
 
 def tile_layout(meta: BatchMetadata, queries: int) -> tuple[torch.Tensor, torch.Tensor]:

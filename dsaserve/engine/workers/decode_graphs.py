@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from dsaserve import cuda_graph_sizes, triton_ops
+from dsaserve.attention import tile_unions
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.scheduling.scheduler_output import ScheduledRequest
 
@@ -284,5 +285,6 @@ class DecodeGraphs:
         requests = meta.derived["requests"]
         meta.derived.clear()  # a fresh batch each run; what eager steps make from host lengths, made before:
         meta.derived["requests"] = meta.derived[("row requests",)] = requests  # the request of each row
+        tile_unions.per_query_only(meta)
         hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
         return self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices])), hidden
