@@ -29,8 +29,9 @@ SEVERAL_ROWS = ("a request of several rows",)  # meta.derived's key for takes()
 
 def per_query_only(meta: BatchMetadata) -> None:
     """This batch attends per query (captured decode graphs: the unions' sort may be one CUDA graphs cannot capture —
-    CUB's segmented sorts, which long rows take, read counts back to the host — and a refused capture would cost
-    every decode graph; their warm-ups take the same path, so the capture compiles nothing new)."""
+    torch sorts rows over 4,096 keys with CUB, whose segmented sort reads counts back to the host, NVIDIA/cccl#10798;
+    which one torch takes was not checked on a GPU — and a refused capture would cost every decode graph; their
+    warm-ups take the same path, so the capture compiles nothing new)."""
     meta.derived[SEVERAL_ROWS] = False
 
 
