@@ -150,3 +150,12 @@ def first_topk_mismatch(ours: ForwardResult, ref: ForwardResult) -> str | None:
                 return (f"layer {layer} position {t}: only dsaserve {sorted(a - b)[:5]}, "
                         f"only reference {sorted(b - a)[:5]}")
     return None
+
+
+def softmax_over_rows(query, rows, slots, scale, value):
+    """Attention of each query row over the cache rows at its slots (-1: none; a query with none gets zeros), the
+    value columns [:value] averaged, in fp32: what the sparse MLA kernels compute."""
+    keys = rows[slots.clamp(min=0)].float()  # [n, K, D]
+    scores = torch.einsum("nhd,nkd->nhk", query.float(), keys) * scale
+    weights = scores.masked_fill((slots < 0)[:, None, :], float("-inf")).softmax(-1).nan_to_num()
+    return torch.einsum("nhk,nkv->nhv", weights, keys[..., :value])

@@ -4,6 +4,7 @@ interpreter, and the engine driven through them: the same greedy tokens as the C
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import softmax_over_rows
 
 from dsaserve import LLM, SamplingParams, triton_ops
 from dsaserve.attention.indexer_cache import IndexerKeyCache
@@ -23,13 +24,6 @@ if triton_ops.triton_imports() is None:
     def _decode_bytes(raw, out, NATIVE: tl.constexpr):
         i = tl.arange(0, 256)
         tl.store(out + i, e4m3_values(tl.load(raw + i), NATIVE))
-
-
-def softmax_over_rows(query, rows, slots, scale, value):
-    keys = rows[slots.clamp(min=0)].float()  # [n, K, D]
-    scores = torch.einsum("nhd,nkd->nhk", query.float(), keys) * scale
-    weights = scores.masked_fill((slots < 0)[:, None, :], float("-inf")).softmax(-1).nan_to_num()
-    return torch.einsum("nhk,nkv->nhv", weights, keys[..., :value])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

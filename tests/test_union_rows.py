@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import softmax_over_rows
 
 from dsaserve import triton_ops
 from dsaserve.attention import tile_unions
 from dsaserve.attention.metadata import BatchMetadata
-from dsaserve.attention.sparse import SparseAttention
+from dsaserve.attention.sparse import SparseAttention, selection_slots
 from dsaserve.triton_ops.union_tiles import tile_queries
 
 pytestmark = pytest.mark.skipif(triton_ops.triton_imports() is not None, reason="Triton does not import here")
@@ -87,18 +88,6 @@ def test_a_position_twice_in_one_row_sets_its_bit_once():
     assert {q for q in range(4) if tiles.members[0, entry].item() >> q & 1} == chose
 
 
-def per_row_slots(meta: BatchMetadata, topk: torch.Tensor) -> torch.Tensor:
-    selected = topk.long()
-    return meta.slots_of(meta.row_requests(), selected.clamp(min=0)).masked_fill(selected < 0, -1)
-
-
-def softmax_over_rows(query, rows, slots, scale, value):
-    keys = rows[slots.clamp(min=0)].float()
-    scores = torch.einsum("nhd,nkd->nhk", query.float(), keys) * scale
-    weights = scores.masked_fill((slots < 0)[:, None, :], float("-inf")).softmax(-1)
-    return torch.einsum("nhk,nkv->nhv", weights, keys[..., :value])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, value, width", [(2, 32, 24), (8, 32, 40), (16, 256, 24)])
 def test_the_union_kernel_gives_each_query_the_softmax_over_its_own_selection(interpreter, dtype, heads, value,
@@ -117,7 +106,7 @@ def test_the_union_kernel_gives_each_query_the_softmax_over_its_own_selection(in
     tiles = tile_unions.tile_unions(meta, topk, tile_queries(heads))
     attend_union_rows(query, rows, tiles, 0.2, out)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), softmax_over_rows(query, rows, per_row_slots(meta, topk), 0.2, value),
+    torch.testing.assert_close(out.float(), softmax_over_rows(query, rows, selection_slots(meta, topk), 0.2, value),
                                rtol=tolerance, atol=tolerance)
 
 

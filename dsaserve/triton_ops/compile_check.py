@@ -10,7 +10,7 @@ block sizes, dtypes and flags are those the dispatch chooses: Triton is pointed 
 the target GPU, and a compile hook records each launch instead of compiling and running it.
 
 It runs in a process of its own without the interpreter (kernels made under TRITON_INTERPRET=1 are not compilable
-objects); tests/test_triton_compile.py runs it for Hopper.
+objects); tests/test_triton_compile.py runs it for sm90, sm120 and sm80.
 """
 
 from __future__ import annotations
