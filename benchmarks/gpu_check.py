@@ -165,6 +165,7 @@ def section_kernels(device: str) -> dict:
 
     from dsaserve.attention.dense import attend_latent
     from dsaserve.triton_ops.index_scores import index_scores
+    from dsaserve.triton_ops.row_topk import BINS, row_topk
     from dsaserve.triton_ops.selected_rows import attend_selected_rows
 
     s = sizes(device)
@@ -205,11 +206,23 @@ def section_kernels(device: str) -> dict:
             per_head = torch.relu(torch.einsum("thd,sd->ths", q, k.to(dtype)).float())
             return (per_head * w[:, :, None]).sum(1)
 
+        counts = torch.zeros(n, BINS, dtype=torch.int32, device=device)
+        chosen = torch.empty(n, min(2048, context // 4), dtype=torch.int32, device=device)
+
+        def counted_scores():
+            counts.zero_()
+            index_scores(q, w, keys, key_scales, tables, requests, positions, scores, counts)
+
         t_ms = timed(lambda: index_scores(q, w, keys, key_scales, tables, requests, positions, scores), device, 5)
+        counted_ms = timed(counted_scores, device, 5)
         r_ms = timed(torch_scores, device, 5)
-        top_ms = timed(lambda: scores.topk(min(2048, context), dim=1), device, 5)
+        top_ms = timed(lambda: scores.topk(chosen.shape[1], dim=1), device, 5)
+        radix_ms = timed(lambda: row_topk(scores, chosen.shape[1], chosen, counts), device, 5)
+        expected = scores.topk(chosen.shape[1], dim=1).values.sort(dim=1).values  # (values: ties pick either)
         result[f"index_scores_{kind}"] = {
             "queries": n, "context": context, "heads": iheads, "triton_ms": t_ms, "torch_ms": r_ms, "topk_ms": top_ms,
+            "counted_ms": counted_ms, "radix_topk_ms": radix_ms,
+            "radix_same_values": bool(torch.equal(scores.gather(1, chosen.long()).sort(dim=1).values, expected)),
             "max_rel_diff": float(((scores - torch_scores()).abs().max() / torch_scores().abs().max()))}
     result.update(fp8_products(device, g))
     return result
@@ -461,6 +474,14 @@ def summary(results: dict, device: str) -> str:
     for kernel in ("sparse_decode", "index_scores_bf16", "index_scores_fp8"):
         lines.append(f"| {kernel}: Triton ms / torch ms | {get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "
                      f"{get('kernels', kernel, 'torch_ms', fmt='{:.3f}')} |")
+    for kind in ("bf16", "fp8"):
+        lines.append(f"| top-k of {get('kernels', f'index_scores_{kind}', 'queries')} rows × "
+                     f"{get('kernels', f'index_scores_{kind}', 'context')} ({kind} keys): scores counted ms + radix "
+                     "top-k ms / torch.topk ms (same values chosen) | "
+                     f"{get('kernels', f'index_scores_{kind}', 'counted_ms', fmt='{:.3f}')} + "
+                     f"{get('kernels', f'index_scores_{kind}', 'radix_topk_ms', fmt='{:.3f}')} / "
+                     f"{get('kernels', f'index_scores_{kind}', 'topk_ms', fmt='{:.3f}')} "
+                     f"({get('kernels', f'index_scores_{kind}', 'radix_same_values')}) |")
     for heads in (8, 16):
         lines.append(f"| sparse prefill, {get('kernels', 'sparse_prefill', 'queries')} queries × "
                      f"{get('kernels', 'sparse_prefill', 'selected')} rows at {heads} heads: per-query ms / tile "

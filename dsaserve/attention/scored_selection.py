@@ -1,11 +1,12 @@
-"""The indexer's selection where a Triton kernel scores (the CUDA path): whole score rows, then one top-k.
+"""The indexer's selection where a Triton kernel scores (the CUDA path): whole score rows, then a top-k per row.
 
 A tile of queries is scored against every position of the batch's longest context in one kernel call
-(triton_ops/index_scores.py: keys read from the paged cache in place, invisible positions -inf), and torch's top-k
-ranks each row. The rows stay bounded: tiles hold at most SCORE_ELEMENTS scores, whatever the context length.
-Queries that see at most `width` tokens get all of them (their finite scores rank first), so no host loop over
-requests is needed; the positions come out in score order, a set equal to the streaming selection's
-(attention/indexer_selection.py) where scores do not tie.
+(triton_ops/index_scores.py: keys read from the paged cache in place, invisible positions -inf), which also counts
+each row's scores by their top key byte; a radix selection (triton_ops/row_topk.py) takes each row's top k from
+there. The rows stay bounded: tiles hold at most SCORE_ELEMENTS scores, whatever the context length. Queries that
+see at most `width` tokens get all of them (only finite scores are chosen), so no host loop over requests is
+needed; the positions come out in no particular order, a set equal to the streaming selection's
+(attention/indexer_selection.py) where scores do not tie. Pages rank by their best token's score, the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from dsaserve.attention.indexer_cache import IndexerKeyCache
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.triton_ops.index_scores import index_scores
+from dsaserve.triton_ops.row_topk import BINS, row_topk
 
 SCORE_ELEMENTS = 1 << 24  # fp32 scores per tile: 64 MiB, e.g. 256 queries at 64K
 
@@ -31,18 +33,19 @@ def select_scored(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyC
     out = torch.full((t, width), -1, dtype=torch.int32, device=q.device)
     tile = max(1, min(t, SCORE_ELEMENTS // columns))
     scores = torch.empty(tile, columns, dtype=torch.float32, device=q.device)
+    counts = None if pages else torch.empty(tile, BINS, dtype=torch.int32, device=q.device)
     requests = meta.row_requests()
     for t0 in range(0, t, tile):
         t1 = min(t0 + tile, t)
         rows = scores[: t1 - t0]
+        if counts is not None:
+            counts.zero_()
         index_scores(q[t0:t1], weights[t0:t1].float().contiguous(), key_cache.data, key_cache.scale, meta.block_tables,
-                     requests[t0:t1], meta.positions[t0:t1], rows)
+                     requests[t0:t1], meta.positions[t0:t1], rows, None if pages else counts[: t1 - t0])
         if pages:
             out[t0:t1] = page_tokens(rows.view(t1 - t0, -1, bs).amax(dim=-1), pages, bs, meta.positions[t0:t1], width)
-            continue
-        keep = min(width, columns)
-        best, ids = rows.topk(keep, dim=1, sorted=False)
-        out[t0:t1, :keep] = torch.where(best == float("-inf"), -1, ids).to(torch.int32)
+        else:
+            row_topk(rows, min(width, columns), out[t0:t1], counts[: t1 - t0])
     return out
 
 
@@ -50,8 +53,8 @@ def page_tokens(page_scores: torch.Tensor, pages: int, block_size: int, position
                 width: int) -> torch.Tensor:
     """The visible tokens of each row's best `pages` pages, [t, width] (-1 empty)."""
     keep = min(pages, page_scores.shape[1])
-    best, chosen = page_scores.topk(keep, dim=1, sorted=False)
-    chosen = torch.where(best == float("-inf"), -1, chosen)
+    chosen = torch.empty(page_scores.shape[0], keep, dtype=torch.int32, device=page_scores.device)
+    row_topk(page_scores, keep, chosen)
     tokens = chosen[:, :, None] * block_size + torch.arange(block_size, device=chosen.device)
     tokens = torch.where((chosen[:, :, None] >= 0) & (tokens <= positions[:, None, None]), tokens, -1)
     out = torch.full((positions.shape[0], width), -1, dtype=torch.int32, device=chosen.device)

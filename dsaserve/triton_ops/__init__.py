@@ -1,6 +1,6 @@
-"""Triton kernels: the CUDA path's sparse MLA (per query, or over tile unions), indexer scores, cache writes, routed
-experts and FP8 weight products, each with a torch fallback (and fp8_scaled_mm.py: prefill's FP8 products on torch's
-block-scaled matmul; compile_check.py: every kernel compiled for GPUs without one).
+"""Triton kernels: the CUDA path's sparse MLA (per query, or over tile unions), indexer scores and their top-k, cache
+writes, routed experts and FP8 weight products, each with a torch fallback (and fp8_scaled_mm.py: prefill's FP8
+products on torch's block-scaled matmul; compile_check.py: every kernel compiled for GPUs without one).
 
 Which process runs them is the engine's `triton_kernels` option (`configure`, once at load): `auto` runs them where
 the engine's device is CUDA and Triton imports, `off` keeps torch's operators there, and `on` also runs them on CPU
@@ -83,7 +83,7 @@ def summary() -> str:
         return "off (torch's operators on CUDA; native ones on CPU)"
     where = "CUDA" if _device.type == "cuda" else "CPU tensors, under Triton's interpreter"
     return (f"on ({where}): sparse MLA over selected rows (prompt rows by tile unions at up to 8 heads per rank), "
-            "indexer scores over the paged key cache, latent rows "
+            "indexer scores over the paged key cache with each row's top-k by radix selection, latent rows "
             "(norm, rope, write) and indexer key writes, routed experts (grouped GEMMs), FP8 weights multiplied as "
             "shipped (block-scaled; prefill rows on Hopper's FP8 tensor cores where torch's block-scaled matmul passes "
             "its check)")

@@ -38,6 +38,7 @@ from dsaserve.triton_ops.fp8_linear import fp8_matmul
 from dsaserve.triton_ops.index_scores import index_scores
 from dsaserve.triton_ops.latent_write import write_latent_rows
 from dsaserve.triton_ops.moe import routed_experts
+from dsaserve.triton_ops.row_topk import row_topk
 from dsaserve.triton_ops.selected_rows import attend_selected_rows
 from dsaserve.triton_ops.union_rows import attend_union_rows
 from dsaserve.triton_ops.union_tiles import TileUnions, tile_queries
@@ -50,6 +51,9 @@ ARCHES = {
     "sm100": (100, 232448, "B200"),
     "sm120": (120, 101376, "RTX PRO 6000 Blackwell"),
 }
+
+# Ends the names of cases whose kernels take the same dtypes in every model (the row top-k: fp32 scores).
+ANY_DTYPE = "any model dtype"
 
 # The served families' attention geometry: (name, latent width, rope width, indexer heads, indexer dim).
 GEOMETRIES = (("GLM-5.2", 512, 64, 32, 128), ("GLM-5.3-Flash", 512, 0, 32, 128), ("DeepSeek-V3.2", 512, 64, 64, 128))
@@ -150,6 +154,9 @@ def _recording(arch: str) -> Iterator[list[tuple[object, dict]]]:
 def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
     """(name, a call of a wrapper) for every specialization the engine launches on a GPU."""
     z = torch.zeros
+    for counted in (True, False):
+        yield (f"row top-k{' counted' if counted else ''} {ANY_DTYPE}", lambda: row_topk(
+            z(2, 4096), 2048, z(2, 2048, dtype=torch.int32), z(2, 256, dtype=torch.int32) if counted else None))
     for model in (torch.bfloat16, torch.float32):
         dt = str(model).removeprefix("torch.")
         for family, latent, rope, index_heads, index_dim in GEOMETRIES:
@@ -169,10 +176,13 @@ def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
                                                  z(16, width, dtype=model), z(3, dtype=torch.int64)))
             for keys, scales in ((model, None), (torch.int8, torch.float16), (torch.float8_e4m3fn, torch.float32)):
                 key_name = str(keys).removeprefix("torch.")
-                yield (f"index scores {family} {key_name} keys {dt}", lambda: index_scores(
-                    z(2, index_heads, index_dim, dtype=model), z(2, index_heads), z(4, 64, index_dim, dtype=keys),
-                    None if scales is None else z(4, 64, dtype=scales), z(1, 4, dtype=torch.int32),
-                    z(2, dtype=torch.int32), z(2, dtype=torch.int64), z(2, 256)))
+                for counted in (True, False):  # token top-k counts the first histogram; pages do not
+                    yield (f"index scores {family} {key_name} keys {dt}{' counted' if counted else ''}",
+                           lambda: index_scores(
+                               z(2, index_heads, index_dim, dtype=model), z(2, index_heads),
+                               z(4, 64, index_dim, dtype=keys), None if scales is None else z(4, 64, dtype=scales),
+                               z(1, 4, dtype=torch.int32), z(2, dtype=torch.int32), z(2, dtype=torch.int64),
+                               z(2, 256), z(2, 256, dtype=torch.int32) if counted else None))
                 yield (f"indexer key writes {family} {key_name} keys {dt}", lambda: write_rows(
                     z(32, index_dim, dtype=keys), None if scales is None else z(32, dtype=scales),
                     z(3, dtype=torch.int64), z(3, index_dim, dtype=model)))

@@ -1,0 +1,128 @@
+"""Each row's top k of a score tile in Triton, by radix selection (the indexer's top-k on the CUDA path).
+
+A score's fp32 bits map to an int32 whose order is the scores' order (`_order_key`). One program per row finds the
+k-th largest key a byte at a time, from the top: a histogram of the next byte over the keys that match the bytes
+found so far says which byte value holds the k-th and how many keys lie above it. Four histograms fix the key
+exactly; one more pass writes the positions of the keys above it and, of the keys equal to it, the first ones by
+position until k are written. Memory is the row and the output: nothing grows with k or the context. The reads are
+whole rows: five passes, four where the scoring kernel counted the first byte as it wrote the scores
+(index_scores.py's `counts`), one where a row has at most k finite scores. Only finite scores compete: -inf (a
+position in the query's future, or past its request) is never chosen, and a row with fewer than k finite scores
+fills its remaining entries with -1. The positions come out in no particular order (the sparse attention does not
+care).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BINS = 256  # one byte of the key per pass
+COLUMNS_PER_STEP = 1024
+
+
+@triton.jit
+def _order_key(x):
+    """int32 keys ordered as the fp32 values are: non-negative floats keep their bits, negative ones flip the
+    magnitude bits so that a larger magnitude orders lower."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _key_byte(key, SHIFT: tl.constexpr):
+    """The byte of `key` at SHIFT as a bin, in the keys' order (the top byte's sign bit flipped: negative keys order
+    below non-negative ones)."""
+    byte = (key >> SHIFT) & 0xFF
+    if SHIFT == 24:
+        byte = byte ^ 0x80
+    return byte
+
+
+@triton.jit
+def _byte_histogram(row, columns, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """Counts per value of the byte at SHIFT over the row's finite scores whose higher bytes equal `prefix`
+    (key >> (SHIFT + 8) as a signed value; any key at the top byte)."""
+    counts = tl.zeros((256,), tl.int32)
+    for start in range(0, columns, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row + cols, mask=cols < columns, other=float("-inf"))
+        key = _order_key(x)
+        match = x > float("-inf")
+        if SHIFT < 24:
+            match = match & ((key >> (SHIFT + 8)) == prefix)
+        counts += tl.histogram(_key_byte(key, SHIFT), 256, mask=match)
+    return counts
+
+
+@triton.jit
+def _kth_byte(counts, wanted):
+    """(the byte value holding the wanted-th largest key among those counted, how many counted keys lie above it)."""
+    at_or_above = tl.cumsum(counts, axis=0, reverse=True)
+    byte = tl.sum((at_or_above >= wanted).to(tl.int32), axis=0) - 1
+    above = tl.sum(tl.where(tl.arange(0, 256) == byte, at_or_above - counts, 0), axis=0)
+    return byte, above
+
+
+@triton.jit
+def _row_topk_kernel(scores, first_counts, out, columns, k, score_stride, count_stride, out_stride,
+                     HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    row = scores + t * score_stride
+    if HAS_COUNTS:
+        counts = tl.load(first_counts + t * count_stride + tl.arange(0, 256))
+    else:
+        counts = _byte_histogram(row, columns, 0, 24, BLOCK)
+    finite = tl.sum(counts, axis=0)
+    chosen = tl.minimum(finite, k)
+    prefix = -2147483648  # below every key: where every finite score is chosen, no pass looks further
+    wanted = 0  # of the keys equal to prefix, how many go in
+    if finite > k:
+        wanted = chosen
+        byte, above = _kth_byte(counts, wanted)
+        wanted -= above
+        prefix = byte - 128  # key >> 24 (signed) of the k-th key
+        for shift in tl.static_range(16, -1, -8):
+            byte, above = _kth_byte(_byte_histogram(row, columns, prefix, shift, BLOCK), wanted)
+            wanted -= above
+            prefix = prefix * 256 + byte
+    # prefix is the k-th largest key (or below every key); `wanted` of the keys equal to it go in, after those above.
+    greater_seen = 0
+    equal_seen = 0
+    for start in range(0, columns, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row + cols, mask=cols < columns, other=float("-inf"))
+        key = _order_key(x)
+        greater = (x > float("-inf")) & (key > prefix)
+        equal = (x > float("-inf")) & (key == prefix)
+        greater_slot = greater_seen + tl.cumsum(greater.to(tl.int32), axis=0) - 1
+        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), axis=0) - 1
+        slot = tl.where(greater, greater_slot, chosen - wanted + equal_rank)
+        take = (greater | (equal & (equal_rank < wanted))) & (slot < k)  # (the bound: never a write past the row)
+        tl.store(out + t * out_stride + slot, cols, mask=take)
+        greater_seen += tl.sum(greater.to(tl.int32), axis=0)
+        equal_seen += tl.sum(equal.to(tl.int32), axis=0)
+    for start in range(chosen, k, BLOCK):  # fewer finite scores than k: the rest of the entries are empty
+        slot = start + tl.arange(0, BLOCK)
+        tl.store(out + t * out_stride + slot, tl.full((BLOCK,), -1, tl.int32), mask=slot < k)
+
+
+def row_topk(scores: torch.Tensor, k: int, out: torch.Tensor, first_counts: torch.Tensor | None = None) -> None:
+    """out[:, :k] int32 = the column of each row's k largest finite scores (scores fp32 [t, C], rows contiguous),
+    -1 past a row's count of finite scores. `first_counts` int32 [t, 256]: each row's histogram of its finite scores'
+    top key byte where the scoring kernel counted it (skips a pass)."""
+    t, columns = scores.shape
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1 or out.dtype != torch.int32 or out.stride(-1) != 1:
+        raise ValueError(f"row top-k: scores {scores.dtype} (stride {scores.stride()}) and out {out.dtype} "
+                         f"(stride {out.stride()}) must be fp32 and int32 with contiguous rows")
+    if out.shape[0] != t or out.shape[1] < k:
+        raise ValueError(f"row top-k: out {tuple(out.shape)} has no room for {t} rows of {k}")
+    if first_counts is not None and (first_counts.shape != (t, BINS) or first_counts.dtype != torch.int32):
+        raise ValueError(f"row top-k: first_counts {tuple(first_counts.shape)} {first_counts.dtype} is not int32 "
+                         f"[{t}, {BINS}]")
+    if t == 0 or k == 0:
+        return
+    counts = first_counts if first_counts is not None else out  # an unread pointer where no counts come
+    _row_topk_kernel[(t,)](scores, counts, out, columns, k, scores.stride(0), counts.stride(0), out.stride(0),
+                           HAS_COUNTS=first_counts is not None, BLOCK=COLUMNS_PER_STEP)
