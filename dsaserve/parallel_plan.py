@@ -25,6 +25,7 @@ from dsaserve.model.glm_moe_dsa import FP32_PARAM_SUFFIXES
 from dsaserve.model.loader import KV_B_NAME
 from dsaserve.quantization.formats import scale_columns
 from dsaserve.quantization.fp8_blocks import is_fp8_quantizable
+from dsaserve.triton_ops.row_topk import BINS
 
 FP8_BLOCK = 128 * 128  # elements per weight_scale_inv entry
 SCORE_BYTES = SCORE_ELEMENTS * 4  # the indexer's score tile on the CUDA path (fp32)
@@ -131,9 +132,9 @@ def step_activation_bytes(cfg: ModelConfig, parallel: ParallelConfig, tokens: in
     # q_a, the per-head queries, the absorbed queries and the attention's output (both latent-wide), v heads
     attention = cfg.q_lora_rank + heads * (cfg.qk_nope_head_dim + rope + 2 * (cfg.kv_lora_rank + rope)
                                            + cfg.v_head_dim)
-    # q, its weights, the top-k and per top-k entry a slot and its member bits (tile unions; or one int64 slot), then
-    # the score tile or the unions' build, whichever is larger (they do not overlap)
-    indexer = (tokens * (cfg.index_n_heads * (cfg.index_head_dim * item + 4) + 3 * cfg.index_topk * 4)
+    # q, its weights, the top-k's first histogram, the top-k and per top-k entry a slot and its member bits (tile
+    # unions; or one int64 slot), then the score tile or the unions' build, whichever is larger (they do not overlap)
+    indexer = (tokens * (cfg.index_n_heads * (cfg.index_head_dim * item + 4) + BINS * 4 + 3 * cfg.index_topk * 4)
                + max(SCORE_BYTES, build_bytes(tokens * cfg.index_topk)))
     # routed rows: every (token, expert) pair may land on this rank; gate and up, their product, and the output
     width = cfg.moe_intermediate_size // (1 if parallel.enable_expert_parallel else tp)

@@ -167,7 +167,7 @@ def test_doctor_prints_one_devices_plan_when_its_memory_is_given(tmp_path, tiny_
     small = doctor(tiny_checkpoint, "--device-memory", "1GB")
     assert big.returncode == small.returncode == 0, big.stderr + small.stderr
     smaller, _ = report(tiny_checkpoint, parallel=ParallelConfig(1), device_memory=100 * 10**6)  # (in-process: quicker)
-    assert "the weights (4.2 MiB) and the largest step (98.8 MiB) leave no room for the KV cache" in smaller
+    assert "the weights (4.2 MiB) and the largest step (106.8 MiB) leave no room for the KV cache" in smaller
     assert "device plan: one device (--tensor-parallel-size 1)" in big.stdout
     assert "does not fit, the weights alone need 717.0 GiB per rank" in big.stdout
     assert "left for the KV cache =" in small.stdout and "device plan: one device" in small.stdout
