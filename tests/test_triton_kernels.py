@@ -101,20 +101,12 @@ def test_index_scores_kernel_reads_each_key_where_the_paged_cache_keeps_it(inter
         assert (out[row, visible:] == float("-inf")).all()
 
 
-def top_key_bytes(scores: torch.Tensor) -> torch.Tensor:
-    """[t, 256] int32: each row's finite scores counted by the top byte of their order-preserving key (negative
-    floats' magnitude bits flipped, the sign bit flipped so that negative scores order below the others)."""
-    bits = scores.contiguous().view(torch.int32)
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    byte = ((key >> 24) & 0xFF) ^ 0x80
-    counts = torch.zeros(scores.shape[0], 256, dtype=torch.int32)
-    return counts.scatter_add_(1, byte.long(), torch.isfinite(scores).to(torch.int32))
-
-
-def test_index_scores_kernel_counts_each_rows_finite_scores_by_their_top_key_byte(interpreter):
-    """The first histogram of the top-k (row_topk.py), counted by the scoring kernel as it writes the scores: equal to
-    the scores' own, -inf (future) scores not counted; negative weights give negative scores."""
+def test_index_scores_kernel_counts_each_rows_scores_by_their_top_key_byte(interpreter):
+    """The first histogram of the top-k (row_topk.py), counted by the scoring kernel as it writes the scores: the
+    scores' own (row_topk.top_byte_counts, in torch), -inf (future) scores not counted; negative weights give
+    negative scores."""
     from dsaserve.triton_ops.index_scores import index_scores
+    from dsaserve.triton_ops.row_topk import top_byte_counts
 
     heads, dim = 3, 16
     cache, tables, _ = paged_keys("model", [150, 40], dim, seed=11)
@@ -128,34 +120,45 @@ def test_index_scores_kernel_counts_each_rows_finite_scores_by_their_top_key_byt
     counts = torch.zeros(4, 256, dtype=torch.int32)
     index_scores(q, weights, cache.data, cache.scale, table, request, positions, out, counts)
     assert (out < 0).any() and torch.isinf(out).any()
-    assert torch.equal(counts, top_key_bytes(out))
+    assert torch.equal(counts, top_byte_counts(out))
 
 
 @pytest.mark.parametrize("first_counts", [False, True])
-def test_row_topk_kernel_takes_each_rows_k_largest_finite_scores(interpreter, first_counts):
-    """Rows past one step of columns (1024), of every sign and magnitude; -inf never chosen (a row with fewer finite
-    scores than k, or none, ends in -1 entries); ties cut by k taken in position order; k past the columns; the
-    entries past k untouched. With the scoring kernel's first histogram given, the same positions."""
-    from dsaserve.triton_ops.row_topk import row_topk
+def test_row_topk_kernel_takes_each_rows_k_largest_scores(interpreter, first_counts):
+    """Rows past one step of columns (1024), of every sign and magnitude; -inf and NaN never chosen (a row with
+    fewer candidates than k, or none, ends in -1 entries; one with exactly k takes them all); ties cut by k taken in
+    position order after the larger scores, -0.0 and +0.0 one value; k past the columns; entries past k untouched.
+    With the first histogram given (as the scoring kernel counts it), the same positions."""
+    from dsaserve.triton_ops.row_topk import row_topk, top_byte_counts
 
     g = torch.Generator().manual_seed(13)
-    k = 40
-    scores = torch.randn(7, 2500, generator=g) * torch.tensor([1e-3, 1.0, 1e3, -5.0, 1.0, 1.0, 1.0])[:, None]
+    k, rows = 40, 9
+    scale = torch.tensor([1e-3, 1.0, 1e3, -5.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    scores = torch.randn(rows, 2500, generator=g) * scale[:, None]
     scores[1, 1200:] = float("-inf")
     scores[4] = float("-inf")
-    scores[4, [3, 1500, 2499]] = torch.tensor([-2.0, 0.0, 7.0])  # fewer finite than k
+    scores[4, [3, 1500, 2499]] = torch.tensor([-2.0, 0.0, 7.0])  # fewer candidates than k
     scores[5] = float("-inf")  # none
-    scores[6, 100:2500:50] = 9.0  # 48 ties at the top: the first 40 by position
-    out = torch.full((7, k + 3), 77, dtype=torch.int32)
-    row_topk(scores, k, out, top_key_bytes(scores) if first_counts else None)
-    for row in range(7):
-        finite = int(torch.isfinite(scores[row]).sum())
+    scores[6, 100:2500:50] = 9.0  # 48 ties, two larger scores: those and the first 38 ties by position
+    scores[6, [7, 1525]] = 10.0
+    scores[7] = -scores[7].abs() - 1
+    scores[7, 1000:1100:2], scores[7, 1001:1100:2] = -0.0, 0.0  # 100 zeros of both signs, one larger score
+    scores[7, 2000] = 1.0
+    scores[8] = float("nan")
+    scores[8, torch.randperm(2500, generator=g)[:k]] = torch.randn(k, generator=g)  # exactly k candidates
+    scores[8, :5] = float("-inf")
+    out = torch.full((rows, k + 3), 77, dtype=torch.int32)
+    row_topk(scores, k, out, top_byte_counts(scores) if first_counts else None)
+    expected = {6: [7, 1525] + list(range(100, 2000, 50)), 7: [2000] + list(range(1000, 1039)),
+                8: torch.nonzero(scores[8] > float("-inf")).flatten().tolist()}
+    for row in range(rows):
+        candidates = int((scores[row] > float("-inf")).sum())
         chosen = [c for c in out[row, :k].tolist() if c != -1]
-        if row == 6:
-            assert sorted(chosen) == list(range(100, 2100, 50))
+        if row in expected:
+            assert sorted(chosen) == sorted(expected[row]), row
         else:
-            assert set(chosen) == set(scores[row].topk(min(k, finite)).indices.tolist())
-        assert len(chosen) == min(k, finite) and out[row, :k].tolist().count(-1) == k - len(chosen)
+            assert set(chosen) == set(scores[row].topk(min(k, candidates)).indices.tolist()), row
+        assert len(chosen) == min(k, candidates) and out[row, :k].tolist().count(-1) == k - len(chosen)
     assert (out[:, k:] == 77).all()
     wide = torch.full((2, 9), 77, dtype=torch.int32)
     row_topk(scores[:2, :5].contiguous(), 9, wide)  # k past the columns

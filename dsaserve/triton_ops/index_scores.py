@@ -5,8 +5,9 @@ the query's future (s > position[t]) or past the columns the request holds. Keys
 model's dtype, or int8 / fp8 with a scale per token (attention/indexer_cache.py), dequantized in registers. One
 program scores one query against a block of positions, all heads at once, so each key is read once per query and
 the per-head scores never leave registers; programs wholly in the query's future only write -inf (a short request
-batched with a long one costs little). With `counts`, each program also adds its finite scores' top key bytes to its
-query's histogram: the first pass of the top-k that follows (row_topk.py), done while the scores are in registers.
+batched with a long one costs little). With `counts`, each program also adds its scores' top key bytes to its
+query's histogram (those above -inf): the first pass of the top-k that follows (row_topk.py), done while the scores
+are in registers.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     """q [t, H, D], weights fp32 [t, H], keys [num_blocks, block_size, D] (the cache's data: model dtype, int8 or
     fp8) with key_scales [num_blocks, block_size] for quantized keys, tables [R, max_blocks] block ids per request,
     row_request [t] and positions [t] per query, out fp32 [t, C]: the scores of positions 0 .. C-1 (C at most the
-    tables' width × block_size). counts int32 [t, 256], zeros: each row's finite scores counted by their top key
-    byte (row_topk's first histogram)."""
+    tables' width × block_size). counts int32 [t, 256], zeros: where given, each row's row_topk.top_byte_counts are
+    added to it."""
     t, heads, dim = q.shape
     if keys.shape[-1] != dim or weights.shape != (t, heads) or out.shape[0] != t or out.stride(-1) != 1:
         raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, keys "

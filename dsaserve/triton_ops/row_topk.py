@@ -6,10 +6,10 @@ found so far says which byte value holds the k-th and how many keys lie above it
 exactly; one more pass writes the positions of the keys above it and, of the keys equal to it, the first ones by
 position until k are written. Memory is the row and the output: nothing grows with k or the context. The reads are
 whole rows: five passes, four where the scoring kernel counted the first byte as it wrote the scores
-(index_scores.py's `counts`), one where a row has at most k finite scores. Only finite scores compete: -inf (a
-position in the query's future, or past its request) is never chosen, and a row with fewer than k finite scores
-fills its remaining entries with -1. The positions come out in no particular order (the sparse attention does not
-care).
+(index_scores.py's `counts`), one where a row has at most k candidates. The candidates are the scores above -inf:
+-inf (a position in the query's future, or past its request) and NaN are never chosen, and a row with fewer than k
+candidates fills its remaining entries with -1. -0.0 and +0.0 are one value. The positions come out in no
+particular order (the sparse attention does not care); `top_byte_counts` is the first histogram in torch.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ COLUMNS_PER_STEP = 1024
 @triton.jit
 def _order_key(x):
     """int32 keys ordered as the fp32 values are: non-negative floats keep their bits, negative ones flip the
-    magnitude bits so that a larger magnitude orders lower."""
-    bits = x.to(tl.int32, bitcast=True)
+    magnitude bits so that a larger magnitude orders lower (-0.0 taken as +0.0: equal scores, one key)."""
+    bits = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
@@ -42,7 +42,7 @@ def _key_byte(key, SHIFT: tl.constexpr):
 
 @triton.jit
 def _byte_histogram(row, columns, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """Counts per value of the byte at SHIFT over the row's finite scores whose higher bytes equal `prefix`
+    """Counts per value of the byte at SHIFT over the row's candidates whose higher bytes equal `prefix`
     (key >> (SHIFT + 8) as a signed value; any key at the top byte)."""
     counts = tl.zeros((256,), tl.int32)
     for start in range(0, columns, BLOCK):
@@ -74,11 +74,11 @@ def _row_topk_kernel(scores, first_counts, out, columns, k, score_stride, count_
         counts = tl.load(first_counts + t * count_stride + tl.arange(0, 256))
     else:
         counts = _byte_histogram(row, columns, 0, 24, BLOCK)
-    finite = tl.sum(counts, axis=0)
-    chosen = tl.minimum(finite, k)
-    prefix = -2147483648  # below every key: where every finite score is chosen, no pass looks further
+    candidates = tl.sum(counts, axis=0)
+    chosen = tl.minimum(candidates, k)
+    prefix = -2147483648  # below every key: where every candidate is chosen, no pass looks further
     wanted = 0  # of the keys equal to prefix, how many go in
-    if finite > k:
+    if candidates > k:
         wanted = chosen
         byte, above = _kth_byte(counts, wanted)
         wanted -= above
@@ -103,26 +103,39 @@ def _row_topk_kernel(scores, first_counts, out, columns, k, score_stride, count_
         tl.store(out + t * out_stride + slot, cols, mask=take)
         greater_seen += tl.sum(greater.to(tl.int32), axis=0)
         equal_seen += tl.sum(equal.to(tl.int32), axis=0)
-    for start in range(chosen, k, BLOCK):  # fewer finite scores than k: the rest of the entries are empty
+    for start in range(chosen, k, BLOCK):  # fewer candidates than k: the rest of the entries are empty
         slot = start + tl.arange(0, BLOCK)
         tl.store(out + t * out_stride + slot, tl.full((BLOCK,), -1, tl.int32), mask=slot < k)
 
 
 def row_topk(scores: torch.Tensor, k: int, out: torch.Tensor, first_counts: torch.Tensor | None = None) -> None:
-    """out[:, :k] int32 = the column of each row's k largest finite scores (scores fp32 [t, C], rows contiguous),
-    -1 past a row's count of finite scores. `first_counts` int32 [t, 256]: each row's histogram of its finite scores'
-    top key byte where the scoring kernel counted it (skips a pass)."""
+    """out[:, :k] int32 = the column of each row's k largest scores above -inf (scores fp32 [t, C], rows contiguous),
+    -1 past a row's count of them. `first_counts` int32 [t, 256]: each row's `top_byte_counts`, where the scoring
+    kernel counted them (skips a pass)."""
     t, columns = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1 or out.dtype != torch.int32 or out.stride(-1) != 1:
         raise ValueError(f"row top-k: scores {scores.dtype} (stride {scores.stride()}) and out {out.dtype} "
                          f"(stride {out.stride()}) must be fp32 and int32 with contiguous rows")
     if out.shape[0] != t or out.shape[1] < k:
         raise ValueError(f"row top-k: out {tuple(out.shape)} has no room for {t} rows of {k}")
-    if first_counts is not None and (first_counts.shape != (t, BINS) or first_counts.dtype != torch.int32):
-        raise ValueError(f"row top-k: first_counts {tuple(first_counts.shape)} {first_counts.dtype} is not int32 "
-                         f"[{t}, {BINS}]")
+    if first_counts is not None and (first_counts.shape != (t, BINS) or first_counts.dtype != torch.int32
+                                     or first_counts.stride(-1) != 1 or first_counts.device != scores.device):
+        raise ValueError(f"row top-k: first_counts {tuple(first_counts.shape)} {first_counts.dtype} (stride "
+                         f"{first_counts.stride()}, {first_counts.device}) is not int32 [{t}, {BINS}] with "
+                         f"contiguous rows on {scores.device}")
     if t == 0 or k == 0:
         return
     counts = first_counts if first_counts is not None else out  # an unread pointer where no counts come
     _row_topk_kernel[(t,)](scores, counts, out, columns, k, scores.stride(0), counts.stride(0), out.stride(0),
                            HAS_COUNTS=first_counts is not None, BLOCK=COLUMNS_PER_STEP)
+
+
+def top_byte_counts(scores: torch.Tensor) -> torch.Tensor:
+    """int32 [t, 256]: each row's candidates counted by the top byte of their key (`_order_key`, `_key_byte`), in
+    torch: what the scoring kernel's `counts` must hold (tests and gpu_check compare them)."""
+    bits = scores.contiguous().view(torch.int32)
+    bits = torch.where(scores == 0, 0, bits)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    byte = ((key >> 24) & 0xFF) ^ 0x80
+    counts = torch.zeros(scores.shape[0], BINS, dtype=torch.int32, device=scores.device)
+    return counts.scatter_add_(1, byte.long(), (scores > float("-inf")).to(torch.int32))
