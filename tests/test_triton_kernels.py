@@ -91,7 +91,8 @@ def test_index_scores_kernel_reads_each_key_where_the_paged_cache_keeps_it(inter
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     out = torch.full((5, 75), 7.0)
-    index_scores(q, weights, cache.data, cache.scale, table, request, positions, out)
+    index_scores(q, weights, cache.data, cache.scale, table, request, positions, out,
+                 torch.zeros(5, 256, dtype=torch.int32))
     for row in range(5):
         k = keys[int(request[row])]
         expected = (torch.relu(q[row].float() @ k.T) * weights[row][:, None]).sum(0)

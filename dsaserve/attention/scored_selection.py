@@ -33,15 +33,14 @@ def select_scored(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyC
     out = torch.full((t, width), -1, dtype=torch.int32, device=q.device)
     tile = max(1, min(t, SCORE_ELEMENTS // columns))
     scores = torch.empty(tile, columns, dtype=torch.float32, device=q.device)
-    counts = None if pages else torch.empty(tile, BINS, dtype=torch.int32, device=q.device)
+    counts = torch.empty(tile, BINS, dtype=torch.int32, device=q.device)
     requests = meta.row_requests()
     for t0 in range(0, t, tile):
         t1 = min(t0 + tile, t)
         rows = scores[: t1 - t0]
-        if counts is not None:
-            counts.zero_()
+        counts.zero_()
         index_scores(q[t0:t1], weights[t0:t1].float().contiguous(), key_cache.data, key_cache.scale, meta.block_tables,
-                     requests[t0:t1], meta.positions[t0:t1], rows, None if pages else counts[: t1 - t0])
+                     requests[t0:t1], meta.positions[t0:t1], rows, counts[: t1 - t0])
         if pages:
             out[t0:t1] = page_tokens(rows.view(t1 - t0, -1, bs).amax(dim=-1), pages, bs, meta.positions[t0:t1], width)
         else:

@@ -154,7 +154,7 @@ def _recording(arch: str) -> Iterator[list[tuple[object, dict]]]:
 def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
     """(name, a call of a wrapper) for every specialization the engine launches on a GPU."""
     z = torch.zeros
-    for counted in (True, False):
+    for counted in (True, False):  # token top-k takes the scoring kernel's first histogram; page top-k counts its own
         yield (f"row top-k{' counted' if counted else ''} {ANY_DTYPE}", lambda: row_topk(
             z(2, 4096), 2048, z(2, 2048, dtype=torch.int32), z(2, 256, dtype=torch.int32) if counted else None))
     for model in (torch.bfloat16, torch.float32):
@@ -176,13 +176,10 @@ def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
                                                  z(16, width, dtype=model), z(3, dtype=torch.int64)))
             for keys, scales in ((model, None), (torch.int8, torch.float16), (torch.float8_e4m3fn, torch.float32)):
                 key_name = str(keys).removeprefix("torch.")
-                for counted in (True, False):  # token top-k counts the first histogram; pages do not
-                    yield (f"index scores {family} {key_name} keys {dt}{' counted' if counted else ''}",
-                           lambda: index_scores(
-                               z(2, index_heads, index_dim, dtype=model), z(2, index_heads),
-                               z(4, 64, index_dim, dtype=keys), None if scales is None else z(4, 64, dtype=scales),
-                               z(1, 4, dtype=torch.int32), z(2, dtype=torch.int32), z(2, dtype=torch.int64),
-                               z(2, 256), z(2, 256, dtype=torch.int32) if counted else None))
+                yield (f"index scores {family} {key_name} keys {dt}", lambda: index_scores(
+                    z(2, index_heads, index_dim, dtype=model), z(2, index_heads), z(4, 64, index_dim, dtype=keys),
+                    None if scales is None else z(4, 64, dtype=scales), z(1, 4, dtype=torch.int32),
+                    z(2, dtype=torch.int32), z(2, dtype=torch.int64), z(2, 256), z(2, 256, dtype=torch.int32)))
                 yield (f"indexer key writes {family} {key_name} keys {dt}", lambda: write_rows(
                     z(32, index_dim, dtype=keys), None if scales is None else z(32, dtype=scales),
                     z(3, dtype=torch.int64), z(3, index_dim, dtype=model)))

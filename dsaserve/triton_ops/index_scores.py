@@ -5,9 +5,10 @@ the query's future (s > position[t]) or past the columns the request holds. Keys
 model's dtype, or int8 / fp8 with a scale per token (attention/indexer_cache.py), dequantized in registers. One
 program scores one query against a block of positions, all heads at once, so each key is read once per query and
 the per-head scores never leave registers; programs wholly in the query's future only write -inf (a short request
-batched with a long one costs little). With `counts`, each program also adds its scores' top key bytes to its
-query's histogram (those above -inf): the first pass of the top-k that follows (row_topk.py), done while the scores
-are in registers.
+batched with a long one costs little). Each program also adds its scores' top key bytes to its query's histogram
+(those above -inf) in `counts`: the first pass of the top-k that follows (row_topk.py), done while the scores are in
+registers. (Page selections rank pages, not these scores, and leave the counts unread: one kernel form, compiled
+once, for a few atomics a program.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _index_scores_kernel(
     q, weights, keys, key_scales, tables, row_request, positions, out, counts, heads, dim, columns, block_size,
     q_stride_t, q_stride_h, w_stride_t, key_stride_block, key_stride_token, scale_stride_block, table_stride,
     out_stride_t, count_stride_t,
-    HAS_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, FP8_KEYS: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    HAS_SCALE: tl.constexpr, FP8_KEYS: tl.constexpr, NATIVE_FP8: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -58,20 +59,18 @@ def _index_scores_kernel(
     score = tl.sum(tl.maximum(per_head, 0.0) * weight[:, None], axis=0)
     score = tl.where(s <= position, score, float("-inf"))
     tl.store(out + t * out_stride_t + s, score, mask=in_range)
-    if HAS_COUNTS:
-        block_counts = tl.histogram(_key_byte(_order_key(score), 24), 256,
-                                    mask=in_range & (score > float("-inf")))
-        tl.atomic_add(counts + t * count_stride_t + tl.arange(0, 256), block_counts, mask=block_counts > 0)
+    block_counts = tl.histogram(_key_byte(_order_key(score), 24), 256, mask=in_range & (score > float("-inf")))
+    tl.atomic_add(counts + t * count_stride_t + tl.arange(0, 256), block_counts, mask=block_counts > 0)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
                  tables: torch.Tensor, row_request: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
-                 counts: torch.Tensor | None = None) -> None:
+                 counts: torch.Tensor) -> None:
     """q [t, H, D], weights fp32 [t, H], keys [num_blocks, block_size, D] (the cache's data: model dtype, int8 or
     fp8) with key_scales [num_blocks, block_size] for quantized keys, tables [R, max_blocks] block ids per request,
     row_request [t] and positions [t] per query, out fp32 [t, C]: the scores of positions 0 .. C-1 (C at most the
-    tables' width × block_size). counts int32 [t, 256], zeros: where given, each row's row_topk.top_byte_counts are
-    added to it."""
+    tables' width × block_size). counts int32 [t, 256]: each row's row_topk.top_byte_counts are added to it (zeros
+    before: the top-k's first histogram)."""
     t, heads, dim = q.shape
     if keys.shape[-1] != dim or weights.shape != (t, heads) or out.shape[0] != t or out.stride(-1) != 1:
         raise ValueError(f"index scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, keys "
@@ -80,7 +79,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     if columns > tables.shape[1] * keys.shape[1]:
         raise ValueError(f"index scores: {columns} columns but the block tables hold "
                          f"{tables.shape[1] * keys.shape[1]} positions")
-    if counts is not None and (counts.shape != (t, BINS) or counts.dtype != torch.int32 or counts.stride(-1) != 1):
+    if counts.shape != (t, BINS) or counts.dtype != torch.int32 or counts.stride(-1) != 1:
         raise ValueError(f"index scores: counts {tuple(counts.shape)} {counts.dtype} is not int32 [{t}, {BINS}]")
     if t == 0 or columns == 0:
         return
@@ -91,12 +90,10 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     keys = keys.view(torch.uint8) if fp8 else keys  # decoded in the kernel (fp8_e4m3.py)
     grid = (t, triton.cdiv(columns, POSITIONS_PER_PROGRAM))
     _index_scores_kernel[grid](
-        q, weights, keys, scales, tables, row_request, positions, out, out if counts is None else counts, heads, dim,
-        columns, keys.shape[1], q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1),
-        scales.stride(0) if key_scales is not None else 0, tables.stride(0), out.stride(0),
-        0 if counts is None else counts.stride(0), HAS_SCALE=key_scales is not None, HAS_COUNTS=counts is not None,
-        FP8_KEYS=fp8, NATIVE_FP8=native_fp8(q.device),
-        BLOCK_H=max(16, triton.next_power_of_2(heads)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=POSITIONS_PER_PROGRAM, LOW_PRECISION_DOT=low,
-        PRECISION=precision,
+        q, weights, keys, scales, tables, row_request, positions, out, counts, heads, dim, columns, keys.shape[1],
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1),
+        scales.stride(0) if key_scales is not None else 0, tables.stride(0), out.stride(0), counts.stride(0),
+        HAS_SCALE=key_scales is not None, FP8_KEYS=fp8, NATIVE_FP8=native_fp8(q.device),
+        BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_S=POSITIONS_PER_PROGRAM, LOW_PRECISION_DOT=low, PRECISION=precision,
     )
