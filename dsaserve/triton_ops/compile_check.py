@@ -205,11 +205,11 @@ def _tiles(queries: int, count: int) -> TileUnions:
 
 def launches(arch: str, only: str = "") -> list[Launch]:
     """The distinct kernel specializations the engine's wrappers launch for `arch` (of the cases whose names hold
-    `only`)."""
+    `only`, or one of its comma-separated texts)."""
     found: dict[tuple, Launch] = {}
     with _recording(arch) as seen:
         for case, call in _cases():  # each call made as it is yielded: the lambdas read the loop's variables
-            if only not in case:
+            if not any(text in case for text in only.split(",")):
                 continue
             start = len(seen)
             call()
@@ -300,7 +300,8 @@ def table(results: list[Compiled]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="sm90", help=f"comma-separated, of {', '.join(ARCHES)} (default sm90)")
-    parser.add_argument("--only", default="", help="the cases whose names hold this text, e.g. 'selected rows'")
+    parser.add_argument("--only", default="", help="the cases whose names hold this text, e.g. 'selected rows', or "
+                        "one of several, comma-separated")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                         help="processes compiling at once (default: the cores, at most 4)")
     parser.add_argument("--json", help="also write the results to this file")
