@@ -354,6 +354,56 @@ def test_scored_selection_selects_what_the_streaming_selection_does(interpreter,
         assert [set(r.tolist()) for r in got] == [set(r.tolist()) for r in expected]
 
 
+class OtherRanksParts:
+    """all_gather for one rank of a DCP group of two, the other rank's parts computed beforehand (in call order)."""
+
+    def __init__(self, rank: int, parts: list[torch.Tensor]):
+        self.rank, self.parts = rank, parts
+
+    def all_gather(self, x, dim=0):
+        other = self.parts.pop(0)
+        return torch.cat([x, other] if self.rank == 0 else [other, x], dim)
+
+
+@pytest.mark.parametrize("width", [24, 50])  # fewer than both contexts; more than the decode request's
+def test_each_dcp_ranks_scored_selection_merges_to_the_unsharded_selection(interpreter, width):
+    """Decode context parallelism, two ranks: each scores the tokens it holds (position p at local index p // 2 of
+    rank p % 2, in its own paged cache) and keeps its best; merged, each rank's selection is the unsharded streaming
+    selection's set (Triton off for the reference), for a prefill chunk and a decode in one batch."""
+    import dataclasses
+
+    from dsaserve.attention.context_shard import ContextShard
+    from dsaserve.attention.scored_selection import select_scored_sharded, shard_best
+
+    heads, dim, dcp = 4, 16, 2
+    lengths, new = [75, 40], [6, 1]
+    cache, tables, keys = paged_keys("model", lengths, dim, seed=9)  # the unsharded cache (blocks of 16)
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(7, heads, dim, generator=g)
+    weights = torch.rand(7, heads, generator=g) + 0.1
+    triton_ops.configure("off", torch.device("cpu"))
+    expected = select(q, weights, cache, batch_of(lengths, new, tables), Selection(width))
+    triton_ops.configure("on", torch.device("cpu"))
+    shard_tables = [[3, 0, 5], [4, 1]]  # scheduler blocks of 32 tokens, the same ids on both ranks
+    metas = []
+    for rank in range(dcp):
+        shard = ContextShard(rank, dcp, BS)
+        rank_cache = IndexerKeyCache(6, BS, dim, "model", torch.float32, torch.device("cpu"))
+        for k, table in zip(keys, shard_tables):
+            owned = torch.arange(rank, k.shape[0], dcp)
+            rank_cache.write(shard.local_slots(torch.tensor(table), owned), k[owned])
+        meta = BatchMetadata.build([[1] * n for n in new], [n - m for n, m in zip(lengths, new)], shard_tables,
+                                   BS * dcp, [], shard=shard)
+        metas.append((rank_cache, meta))
+    parts = [list(shard_best(q, weights, c, m, width)) for c, m in metas]
+    for rank, (rank_cache, meta) in enumerate(metas):
+        comm = OtherRanksParts(rank, parts[1 - rank])
+        meta = dataclasses.replace(meta, shard=dataclasses.replace(meta.shard, comm=comm))
+        got = select_scored_sharded(q, weights, rank_cache, meta, width)
+        assert got.shape == expected.shape
+        assert [set(r.tolist()) for r in got] == [set(r.tolist()) for r in expected]
+
+
 def test_triton_kernels_on_a_cpu_need_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):

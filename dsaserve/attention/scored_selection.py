@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsaserve.attention.indexer_cache import IndexerKeyCache
+from dsaserve.attention.indexer_selection import merge_shard_best
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.triton_ops.index_scores import index_scores
 from dsaserve.triton_ops.row_topk import BINS, row_topk
@@ -46,6 +47,45 @@ def select_scored(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyC
         else:
             row_topk(rows, min(width, columns), out[t0:t1], counts[: t1 - t0])
     return out
+
+
+def select_scored_sharded(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
+                          width: int) -> torch.Tensor:
+    """Token top-k under decode context parallelism: each rank scores the tokens it holds and keeps its best `width`
+    with their scores (`shard_best`), and the group keeps the best `width` of their union: the top-k over the whole
+    context, since each of its tokens is in its own rank's top-k."""
+    values, positions = shard_best(q, weights, key_cache, meta, width)
+    return merge_shard_best(values, positions, meta.shard, width)
+
+
+def shard_best(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
+               width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores fp32 [T, width], -inf for none; their global positions int64 [T, width], -1 for none) of each query's
+    best tokens among those this rank holds. The rank's cache is a paged sequence of local indices (c holds position
+    c · N + rank, context_shard.py): a query at position p sees the local indices c ≤ (p - rank) // N, which is the
+    position the scoring kernel masks at."""
+    shard = meta.shard
+    t = q.shape[0]
+    local_positions = torch.div(meta.positions - shard.rank, shard.size, rounding_mode="floor")
+    columns = max(1, shard.local_count(max(meta.seq_lens_host)))
+    keep = min(width, columns)
+    values = torch.full((t, width), float("-inf"), device=q.device)
+    ids = torch.full((t, width), -1, dtype=torch.int32, device=q.device)
+    tile = max(1, min(t, SCORE_ELEMENTS // columns))
+    scores = torch.empty(tile, columns, dtype=torch.float32, device=q.device)
+    counts = torch.empty(tile, BINS, dtype=torch.int32, device=q.device)
+    requests = meta.row_requests()
+    for t0 in range(0, t, tile):
+        t1 = min(t0 + tile, t)
+        rows = scores[: t1 - t0]
+        counts.zero_()
+        index_scores(q[t0:t1], weights[t0:t1].float().contiguous(), key_cache.data, key_cache.scale, meta.block_tables,
+                     requests[t0:t1], local_positions[t0:t1], rows, counts[: t1 - t0])
+        row_topk(rows, keep, ids[t0:t1], counts[: t1 - t0])
+        chosen = ids[t0:t1, :keep].long()
+        values[t0:t1, :keep] = torch.where(chosen >= 0, rows.gather(1, chosen.clamp(min=0)), float("-inf"))
+    positions = torch.where(ids >= 0, shard.to_global(ids.long()), -1)
+    return values, positions
 
 
 def page_tokens(page_scores: torch.Tensor, pages: int, block_size: int, positions: torch.Tensor,
