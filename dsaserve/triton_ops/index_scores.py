@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.triton_ops.fp8_e4m3 import e4m3_values, native_fp8
-from dsaserve.triton_ops.row_topk import BINS, _key_byte, _order_key
+from dsaserve.triton_ops.row_topk import BINS, _key_digit, _order_key
 from dsaserve.triton_ops.selected_rows import _operand, dot_inputs
 
 POSITIONS_PER_PROGRAM = 64
@@ -59,7 +59,7 @@ def _index_scores_kernel(
     score = tl.sum(tl.maximum(per_head, 0.0) * weight[:, None], axis=0)
     score = tl.where(s <= position, score, float("-inf"))
     tl.store(out + t * out_stride_t + s, score, mask=in_range)
-    block_counts = tl.histogram(_key_byte(_order_key(score), 24), 256, mask=in_range & (score > float("-inf")))
+    block_counts = tl.histogram(_key_digit(_order_key(score), 24, 8), 256, mask=in_range & (score > float("-inf")))
     tl.atomic_add(counts + t * count_stride_t + tl.arange(0, 256), block_counts, mask=block_counts > 0)
 
 

@@ -1,15 +1,16 @@
 """Each row's top k of a score tile in Triton, by radix selection (the indexer's top-k on the CUDA path).
 
 A score's fp32 bits map to an int32 whose order is the scores' order (`_order_key`). One program per row finds the
-k-th largest key a byte at a time, from the top: a histogram of the next byte over the keys that match the bytes
-found so far says which byte value holds the k-th and how many keys lie above it. Four histograms fix the key
-exactly; one more pass writes the positions of the keys above it and, of the keys equal to it, the first ones by
-position until k are written. Memory is the row and the output: nothing grows with k or the context. The reads are
-whole rows: five passes, four where the scoring kernel counted the first byte as it wrote the scores
-(index_scores.py's `counts`), one where a row has at most k candidates. The candidates are the scores above -inf:
--inf (a position in the query's future, or past its request) and NaN are never chosen, and a row with fewer than k
-candidates fills its remaining entries with -1. -0.0 and +0.0 are one value. The positions come out in no
-particular order (the sparse attention does not care); `top_byte_counts` is the first histogram in torch.
+k-th largest key a digit at a time, from the top: a histogram of the next digit over the keys that match the digits
+found so far says which digit value holds the k-th and how many keys lie above it. Three histograms (the top byte,
+then 12 bits, then the last 12) fix the key exactly; one more pass writes the positions of the keys above it and,
+of the keys equal to it, the first ones by position until k are written. Memory is the row and the output: nothing
+grows with k or the context. The reads are whole rows: four passes, three where the scoring kernel counted the top
+byte as it wrote the scores (index_scores.py's `counts`), one where a row has at most k candidates. The candidates
+are the scores above -inf: -inf (a position in the query's future, or past its request) and NaN are never chosen,
+and a row with fewer than k candidates fills its remaining entries with -1. -0.0 and +0.0 are one value. The
+positions come out in no particular order (the sparse attention does not care); `top_byte_counts` is the first
+histogram in torch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-BINS = 256  # one byte of the key per pass
+BINS = 256  # values of the top byte: the first histogram, the one the scoring kernel counts
 COLUMNS_PER_STEP = 1024
 
 
@@ -31,38 +32,29 @@ def _order_key(x):
 
 
 @triton.jit
-def _key_byte(key, SHIFT: tl.constexpr):
-    """The byte of `key` at SHIFT as a bin, in the keys' order (the top byte's sign bit flipped: negative keys order
-    below non-negative ones)."""
-    byte = (key >> SHIFT) & 0xFF
+def _key_digit(key, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """The BITS bits of `key` from SHIFT up as a bin, in the keys' order (the top byte's sign bit flipped: negative
+    keys order below non-negative ones)."""
+    digit = (key >> SHIFT) & ((1 << BITS) - 1)
     if SHIFT == 24:
-        byte = byte ^ 0x80
-    return byte
+        digit = digit ^ 0x80
+    return digit
 
 
 @triton.jit
-def _byte_histogram(row, columns, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """Counts per value of the byte at SHIFT over the row's candidates whose higher bytes equal `prefix`
-    (key >> (SHIFT + 8) as a signed value; any key at the top byte)."""
-    counts = tl.zeros((256,), tl.int32)
+def _digit_histogram(row, columns, prefix, SHIFT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Counts per value of the digit at SHIFT over the row's candidates whose higher bits equal `prefix`
+    (key >> (SHIFT + BITS) as a signed value; any key for the top byte)."""
+    counts = tl.full((1 << BITS,), 0, tl.int32)
     for start in range(0, columns, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(row + cols, mask=cols < columns, other=float("-inf"))
         key = _order_key(x)
         match = x > float("-inf")
-        if SHIFT < 24:
-            match = match & ((key >> (SHIFT + 8)) == prefix)
-        counts += tl.histogram(_key_byte(key, SHIFT), 256, mask=match)
+        if SHIFT + BITS < 32:
+            match = match & ((key >> (SHIFT + BITS)) == prefix)
+        counts += tl.histogram(_key_digit(key, SHIFT, BITS), 1 << BITS, mask=match)
     return counts
-
-
-@triton.jit
-def _kth_byte(counts, wanted):
-    """(the byte value holding the wanted-th largest key among those counted, how many counted keys lie above it)."""
-    at_or_above = tl.cumsum(counts, axis=0, reverse=True)
-    byte = tl.sum((at_or_above >= wanted).to(tl.int32), axis=0) - 1
-    above = tl.sum(tl.where(tl.arange(0, 256) == byte, at_or_above - counts, 0), axis=0)
-    return byte, above
 
 
 @triton.jit
@@ -73,20 +65,27 @@ def _row_topk_kernel(scores, first_counts, out, columns, k, score_stride, count_
     if HAS_COUNTS:
         counts = tl.load(first_counts + t * count_stride + tl.arange(0, 256))
     else:
-        counts = _byte_histogram(row, columns, 0, 24, BLOCK)
+        counts = _digit_histogram(row, columns, 0, 24, 8, BLOCK)
     candidates = tl.sum(counts, axis=0)
     chosen = tl.minimum(candidates, k)
     prefix = -2147483648  # below every key: where every candidate is chosen, no pass looks further
     wanted = 0  # of the keys equal to prefix, how many go in
     if candidates > k:
         wanted = chosen
-        byte, above = _kth_byte(counts, wanted)
-        wanted -= above
-        prefix = byte - 128  # key >> 24 (signed) of the k-th key
-        for shift in tl.static_range(16, -1, -8):
-            byte, above = _kth_byte(_byte_histogram(row, columns, prefix, shift, BLOCK), wanted)
-            wanted -= above
-            prefix = prefix * 256 + byte
+        prefix = 0  # the digits found so far: key >> shift (signed) of the k-th key
+        for step in tl.static_range(3):  # bits 24-31, 12-23, 0-11
+            if step == 0:
+                level = counts
+            else:
+                level = _digit_histogram(row, columns, prefix, 24 - 12 * step, 12, BLOCK)
+            # The digit value holding the wanted-th largest key among those counted; the keys above it all go in.
+            at_or_above = tl.cumsum(level, axis=0, reverse=True)
+            digit = tl.sum((at_or_above >= wanted).to(tl.int32), axis=0) - 1
+            wanted -= tl.sum(tl.where(tl.arange(0, level.shape[0]) == digit, at_or_above - level, 0), axis=0)
+            if step == 0:
+                prefix = digit - 128  # (the top byte's bins flip the sign bit)
+            else:
+                prefix = prefix * 4096 + digit
     # prefix is the k-th largest key (or below every key); `wanted` of the keys equal to it go in, after those above.
     greater_seen = 0
     equal_seen = 0
@@ -131,7 +130,7 @@ def row_topk(scores: torch.Tensor, k: int, out: torch.Tensor, first_counts: torc
 
 
 def top_byte_counts(scores: torch.Tensor) -> torch.Tensor:
-    """int32 [t, 256]: each row's candidates counted by the top byte of their key (`_order_key`, `_key_byte`), in
+    """int32 [t, 256]: each row's candidates counted by the top byte of their key (`_order_key`, `_key_digit`), in
     torch: what the scoring kernel's `counts` must hold (tests and gpu_check compare them)."""
     bits = scores.contiguous().view(torch.int32)
     bits = torch.where(scores == 0, 0, bits)
