@@ -404,6 +404,20 @@ def test_each_dcp_ranks_scored_selection_merges_to_the_unsharded_selection(inter
         assert [set(r.tolist()) for r in got] == [set(r.tolist()) for r in expected]
 
 
+def test_the_interpreter_wraps_the_language_once_a_launch(interpreter, monkeypatch):
+    """interpreter_calls.py: within one launch, device-function calls after the first of their modules do not wrap
+    triton.language again (Triton 3.9 walks it on every call, about 0.7 ms each; two rows of the top-k make some 40
+    such calls). What the kernels compute under it is every other test of this file."""
+    from triton.runtime import interpreter as triton_interpreter
+
+    from dsaserve.triton_ops.row_topk import row_topk
+
+    walks, walk = [], triton_interpreter._patch_lang
+    monkeypatch.setattr(triton_interpreter, "_patch_lang", lambda fn: walks.append(fn.__name__) or walk(fn))
+    row_topk(torch.randn(2, 300), 8, torch.empty(2, 8, dtype=torch.int32))
+    assert walks[0] == "_row_topk_kernel" and 1 < len(walks) <= 4, walks
+
+
 def test_triton_kernels_on_a_cpu_need_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):

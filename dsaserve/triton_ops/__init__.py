@@ -1,6 +1,7 @@
 """Triton kernels: the CUDA path's sparse MLA (per query, or over tile unions), indexer scores and their top-k, cache
 writes, routed experts and FP8 weight products, each with a torch fallback (and fp8_scaled_mm.py: prefill's FP8
-products on torch's block-scaled matmul; compile_check.py: every kernel compiled for GPUs without one).
+products on torch's block-scaled matmul; compile_check.py: every kernel compiled for GPUs without one;
+interpreter_calls.py: the interpreter's device-function calls made cheaper where kernels run on CPU tensors).
 
 Which process runs them is the engine's `triton_kernels` option (`configure`, once at load): `auto` runs them where
 the engine's device is CUDA and Triton imports, `off` keeps torch's operators there, and `on` also runs them on CPU
@@ -55,6 +56,10 @@ def configure(choice: str, device: torch.device) -> None:
         return
     if device.type == "cuda" or choice == "on":
         _device = device
+    if _device is not None and _device.type == "cpu":
+        from dsaserve.triton_ops import interpreter_calls
+
+        interpreter_calls.install()
 
 
 def runs_on(tensor: torch.Tensor) -> bool:
