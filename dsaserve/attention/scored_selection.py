@@ -26,27 +26,35 @@ def select_scored(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyC
                   pages: int | None, width: int) -> torch.Tensor:
     """int32 [T, width] positions (-1 empty): each query's top `width` tokens, or with `pages` the tokens of its
     best `pages` pages (a page scores as its best visible token) that it may see."""
-    t = q.shape[0]
     bs = meta.block_size
     columns = max(meta.seq_lens_host)
     if pages:
         columns = -(-columns // bs) * bs  # whole pages
-    out = torch.full((t, width), -1, dtype=torch.int32, device=q.device)
+    out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
+    for t0, t1, rows, counts in scored_tiles(q, weights, key_cache, meta, meta.positions, columns):
+        if pages:
+            out[t0:t1] = page_tokens(rows.view(t1 - t0, -1, bs).amax(dim=-1), pages, bs, meta.positions[t0:t1], width)
+        else:
+            row_topk(rows, min(width, columns), out[t0:t1], counts)
+    return out
+
+
+def scored_tiles(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
+                 positions: torch.Tensor, columns: int):
+    """(t0, t1, scores fp32 [t1 - t0, columns], their top-byte counts) for each tile of queries, scored against the
+    first `columns` entries of their requests' paged keys, masked past `positions` (the buffers are reused: each tile
+    is used before the next is made)."""
+    t = q.shape[0]
     tile = max(1, min(t, SCORE_ELEMENTS // columns))
     scores = torch.empty(tile, columns, dtype=torch.float32, device=q.device)
     counts = torch.empty(tile, BINS, dtype=torch.int32, device=q.device)
     requests = meta.row_requests()
     for t0 in range(0, t, tile):
         t1 = min(t0 + tile, t)
-        rows = scores[: t1 - t0]
         counts.zero_()
         index_scores(q[t0:t1], weights[t0:t1].float().contiguous(), key_cache.data, key_cache.scale, meta.block_tables,
-                     requests[t0:t1], meta.positions[t0:t1], rows, counts[: t1 - t0])
-        if pages:
-            out[t0:t1] = page_tokens(rows.view(t1 - t0, -1, bs).amax(dim=-1), pages, bs, meta.positions[t0:t1], width)
-        else:
-            row_topk(rows, min(width, columns), out[t0:t1], counts[: t1 - t0])
-    return out
+                     requests[t0:t1], positions[t0:t1], scores[: t1 - t0], counts[: t1 - t0])
+        yield t0, t1, scores[: t1 - t0], counts[: t1 - t0]
 
 
 def select_scored_sharded(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
@@ -65,27 +73,16 @@ def shard_best(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCach
     c · N + rank, context_shard.py): a query at position p sees the local indices c ≤ (p - rank) // N, which is the
     position the scoring kernel masks at."""
     shard = meta.shard
-    t = q.shape[0]
     local_positions = torch.div(meta.positions - shard.rank, shard.size, rounding_mode="floor")
     columns = max(1, shard.local_count(max(meta.seq_lens_host)))
     keep = min(width, columns)
-    values = torch.full((t, width), float("-inf"), device=q.device)
-    ids = torch.full((t, width), -1, dtype=torch.int32, device=q.device)
-    tile = max(1, min(t, SCORE_ELEMENTS // columns))
-    scores = torch.empty(tile, columns, dtype=torch.float32, device=q.device)
-    counts = torch.empty(tile, BINS, dtype=torch.int32, device=q.device)
-    requests = meta.row_requests()
-    for t0 in range(0, t, tile):
-        t1 = min(t0 + tile, t)
-        rows = scores[: t1 - t0]
-        counts.zero_()
-        index_scores(q[t0:t1], weights[t0:t1].float().contiguous(), key_cache.data, key_cache.scale, meta.block_tables,
-                     requests[t0:t1], local_positions[t0:t1], rows, counts[: t1 - t0])
-        row_topk(rows, keep, ids[t0:t1], counts[: t1 - t0])
+    values = torch.full((q.shape[0], width), float("-inf"), device=q.device)
+    ids = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
+    for t0, t1, rows, counts in scored_tiles(q, weights, key_cache, meta, local_positions, columns):
+        row_topk(rows, keep, ids[t0:t1], counts)
         chosen = ids[t0:t1, :keep].long()
         values[t0:t1, :keep] = torch.where(chosen >= 0, rows.gather(1, chosen.clamp(min=0)), float("-inf"))
-    positions = torch.where(ids >= 0, shard.to_global(ids.long()), -1)
-    return values, positions
+    return values, torch.where(ids >= 0, shard.to_global(ids.long()), -1)
 
 
 def page_tokens(page_scores: torch.Tensor, pages: int, block_size: int, positions: torch.Tensor,
