@@ -6,7 +6,8 @@ member's local indices form an ordinary paged sequence: local index c sits at sl
 table[c // block_size] · block_size + c mod block_size of its own cache, where `table` is the
 request's block table, the same block ids on every member. So the scheduler sees blocks of
 N × block_size tokens (block b holds positions [b·N·bs, (b+1)·N·bs)), each member stores
-block_size of them per block, and the KV capacity per rank grows N-fold.
+block_size of them per block, and the KV capacity per rank grows N-fold. `merge_best` makes the group's indexer
+selection from each member's own.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ class ContextShard:
 
     def to_global(self, local_index: torch.Tensor) -> torch.Tensor:
         return local_index * self.size + self.rank
+
+    def merge_best(self, values: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+        """The group's indexer selection, int32 [T, width] (-1 empty), from each member's best `width` candidates
+        among the tokens it holds: values fp32 [T, width] (-inf: none) and their global positions int64 [T, width].
+        The top-k of the union is the top-k of the whole context: each of its tokens is in its own member's."""
+        every_value = self.comm.all_gather(values, dim=1)  # [T, N · width]
+        every_position = self.comm.all_gather(positions, dim=1)
+        best, order = every_value.topk(width, dim=1, sorted=False)
+        return torch.where(best == float("-inf"), -1, every_position.gather(1, order)).to(torch.int32)
 
     def local_slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Cache slots of owned global `positions` of a request whose block table is `table` (1-D, or

@@ -167,17 +167,8 @@ def select_sharded(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKey
             positions[t0:t1] = torch.where(best == float("-inf"), -1, ids)
         scored[split:end] = True
     out = all_visible(meta.positions, width)
-    out[scored] = merge_shard_best(values, positions, meta.shard, width)[scored]
+    out[scored] = shard.merge_best(values, positions, width)[scored]
     return out
-
-
-def merge_shard_best(values: torch.Tensor, positions: torch.Tensor, shard: ContextShard, width: int) -> torch.Tensor:
-    """The group's selection, int32 [T, width] (-1 empty), from each rank's best `width` candidates of the tokens it
-    holds: values fp32 [T, width] (-inf: none) and their global positions int64 [T, width]."""
-    every_value = shard.comm.all_gather(values, dim=1)  # [T, N · width]
-    every_position = shard.comm.all_gather(positions, dim=1)
-    best, order = every_value.topk(width, dim=1, sorted=False)
-    return torch.where(best == float("-inf"), -1, every_position.gather(1, order)).to(torch.int32)
 
 
 def score_dtype(q: torch.Tensor) -> torch.dtype:

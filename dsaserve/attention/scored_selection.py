@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from dsaserve.attention.indexer_cache import IndexerKeyCache
-from dsaserve.attention.indexer_selection import merge_shard_best
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.triton_ops.index_scores import index_scores
 from dsaserve.triton_ops.row_topk import BINS, row_topk
@@ -63,7 +62,7 @@ def select_scored_sharded(q: torch.Tensor, weights: torch.Tensor, key_cache: Ind
     with their scores (`shard_best`), and the group keeps the best `width` of their union: the top-k over the whole
     context, since each of its tokens is in its own rank's top-k."""
     values, positions = shard_best(q, weights, key_cache, meta, width)
-    return merge_shard_best(values, positions, meta.shard, width)
+    return meta.shard.merge_best(values, positions, width)
 
 
 def shard_best(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKeyCache, meta: BatchMetadata,
