@@ -68,10 +68,6 @@ def select_written(queries: Callable[[], tuple[torch.Tensor, torch.Tensor]], key
         return every
     q, weights = queries()
     if meta.shard is not None:
-        if triton_ops.runs_on(q) and not selection.pages:  # each rank's scores and top-k in Triton
-            from dsaserve.attention.scored_selection import select_scored_sharded
-
-            return select_scored_sharded(q, weights, key_cache, meta, selection.index_topk)
         return select_sharded(q, weights, key_cache, meta, selection)
     return select(q, weights, key_cache, meta, selection)
 
@@ -148,6 +144,10 @@ def select_sharded(q: torch.Tensor, weights: torch.Tensor, key_cache: IndexerKey
     """`select` under decode context parallelism (token top-k): each rank streams the top-k of the keys
     it holds, the group exchanges (score, position) pairs, and every rank keeps the top-k of their union:
     the same set as the top-k over the whole context, since each of those is in its own rank's top-k."""
+    if triton_ops.runs_on(q):  # each rank's scores and top-k in Triton (the CUDA path)
+        from dsaserve.attention.scored_selection import select_scored_sharded
+
+        return select_scored_sharded(q, weights, key_cache, meta, selection.index_topk)
     shard = meta.shard
     width = selection.index_topk
     values = torch.full((q.shape[0], width), float("-inf"), device=q.device)
