@@ -222,7 +222,7 @@ def section_kernels(device: str) -> dict:
             "queries": n, "context": context, "heads": iheads, "triton_ms": t_ms, "torch_ms": r_ms, "topk_ms": top_ms,
             "radix_topk_ms": radix_ms, "max_rel_diff": max_rel_diff,
             **radix_agreement(q, keys, key_scales, tables, requests, scores, counts, chosen, g)}
-    result.update(fp8_products(device, g))
+    result.update(weight_products(device, g))
     return result
 
 
@@ -294,39 +294,45 @@ def sparse_prefill(device: str, g) -> dict:
     return {"sparse_prefill": result}
 
 
-def fp8_products(device: str, g) -> dict:
-    """An FP8 weight as shipped (a GLM-5.2 projection's shape: 6,144 → 12,288 on a GPU) by the Triton kernel, against
-    torch's bf16 matmul of the same weight dequantized (twice the bytes), and prefill rows on the FP8 tensor cores
-    (fp8_scaled_mm.py, where its check passes): ms per product at decode and prefill rows."""
+def weight_products(device: str, g) -> dict:
+    """A quantized weight (a GLM-5.2 projection's shape: 6,144 → 12,288 on a GPU) by the Triton kernel in each stored
+    form (FP8 as shipped, int8, int4: half and a quarter of bf16's bytes), against torch's bf16 matmul of the same
+    weight dequantized, and FP8 prefill rows on the FP8 tensor cores (fp8_scaled_mm.py, where its check passes): ms
+    per product at decode and prefill rows, and whether each form pays (its ms under bf16's)."""
     import torch
 
-    from dsaserve.quantization.formats import dequantize_reference, quantize_fp8_rows
+    from dsaserve.quantization import formats
     from dsaserve.triton_ops import fp8_scaled_mm
-    from dsaserve.triton_ops.fp8_linear import fp8_matmul
+    from dsaserve.triton_ops.quantized_linear import quantized_matmul
 
     n, k = (12288, 6144) if device == "cuda" else (96, 160)
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
-    q, scale = quantize_fp8_rows(weight)
-    if n % 128 == 0 and k % 128 == 0:  # a checkpoint's form: one scale per 128 × 128 block (what FP8 releases ship)
-        scale = scale.view(n // 128, 128, -1).amax(dim=1).repeat_interleave(128, dim=0)
-        q = fp8_scaled_mm.fp8_bytes(weight, scale)
-    q, scale = q.to(device), scale.to(device)
-    dense = dequantize_reference("fp8", q, scale).to(torch.bfloat16)
-    blocks = fp8_scaled_mm.block_scales(scale)
     why_not = fp8_scaled_mm.unavailable(torch.device(device))
     result = {"fp8_tensor_cores": "used for 64+ bf16 rows" if why_not is None else f"not used: {why_not}"}
-    for rows in ((1, 16, 2048) if device == "cuda" else (1, 4)):
-        x = torch.randn(rows, k, device=device, generator=g).to(torch.bfloat16)
-        got, expected = fp8_matmul(x, q, scale).float(), (x @ dense.T).float()
-        result[f"fp8_linear_{rows}_rows"] = {
-            "n": n, "k": k, "triton_ms": timed(lambda: fp8_matmul(x, q, scale), device, 10),
-            "torch_bf16_ms": timed(lambda: x @ dense.T, device, 10),
-            "max_rel_diff": float((got - expected).abs().max() / expected.abs().max())}
-        if why_not is None and blocks is not None and rows >= fp8_scaled_mm.MIN_ROWS:
-            scaled = fp8_scaled_mm.scaled_matmul(x, q, blocks).float()
-            result[f"fp8_linear_{rows}_rows"].update(
-                scaled_mm_ms=timed(lambda: fp8_scaled_mm.scaled_matmul(x, q, blocks), device, 10),
-                scaled_mm_max_rel_diff=float((scaled - expected).abs().max() / expected.abs().max()))
+    for kind in ("fp8", "int8", "int4"):
+        if kind == "fp8":
+            q, scale = formats.quantize_fp8_rows(weight)
+            if n % 128 == 0 and k % 128 == 0:  # a checkpoint's form: one scale per 128 × 128 block (as FP8 ships)
+                scale = scale.view(n // 128, 128, -1).amax(dim=1).repeat_interleave(128, dim=0)
+                q = fp8_scaled_mm.fp8_bytes(weight, scale)
+            values = q
+        else:
+            values, scale = formats.quantize(kind, weight)
+            q = formats.pack_int4_rows(values) if kind == "int4" else values
+        dense = formats.dequantize_reference(kind, values, scale).to(device=device, dtype=torch.bfloat16)
+        q, scale = q.to(device), scale.to(device)
+        blocks = fp8_scaled_mm.block_scales(scale) if kind == "fp8" else None
+        for rows in ((1, 16, 2048) if device == "cuda" else (1, 4)):
+            x = torch.randn(rows, k, device=device, generator=g).to(torch.bfloat16)
+            got, expected = quantized_matmul(x, q, scale, kind).float(), (x @ dense.T).float()
+            entry = result[f"{kind}_linear_{rows}_rows"] = {
+                "n": n, "k": k, "triton_ms": timed(lambda: quantized_matmul(x, q, scale, kind), device, 10),
+                "torch_bf16_ms": timed(lambda: x @ dense.T, device, 10),
+                "max_rel_diff": float((got - expected).abs().max() / expected.abs().max())}
+            if why_not is None and blocks is not None and rows >= fp8_scaled_mm.MIN_ROWS:
+                scaled = fp8_scaled_mm.scaled_matmul(x, q, blocks).float()
+                entry.update(scaled_mm_ms=timed(lambda: fp8_scaled_mm.scaled_matmul(x, q, blocks), device, 10),
+                             scaled_mm_max_rel_diff=float((scaled - expected).abs().max() / expected.abs().max()))
     return result
 
 
@@ -511,8 +517,8 @@ def summary(results: dict, device: str) -> str:
                      f"{get('kernels', 'sparse_prefill', f'union_build_ms_{heads}_heads', fmt='{:.3f}')} "
                      f"({get('kernels', 'sparse_prefill', f'union_rows_per_tile_{heads}_heads', fmt='{:.0f}')}; "
                      f"{get('kernels', 'sparse_prefill', f'union_max_diff_{heads}_heads', fmt='{:.1e}')}) |")
-    for kernel in sorted(k for k in results.get("kernels", {}) if k.startswith("fp8_linear")):
-        lines.append(f"| {kernel}: Triton FP8 ms / torch bf16 ms / FP8 tensor cores ms | "
+    for kernel in (k for k in results.get("kernels", {}) if "_linear_" in k):
+        lines.append(f"| {kernel}: Triton {kernel.split('_')[0]} ms / torch bf16 ms / FP8 tensor cores ms | "
                      f"{get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "
                      f"{get('kernels', kernel, 'torch_bf16_ms', fmt='{:.3f}')} / "
                      f"{get('kernels', kernel, 'scaled_mm_ms', fmt='{:.3f}')} |")

@@ -21,7 +21,8 @@ def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
     assert {"triton_on", "triton_off", "fp8_triton_on"} <= set(results["parity"])  # an FP8 checkpoint kept in FP8
     assert all(p["tokens_identical"] and p["max_logprob_diff"] < 1e-3 for p in results["parity"].values()
                if isinstance(p, dict))
-    assert results["kernels"]["fp8_linear_4_rows"]["max_rel_diff"] < 2e-2
+    for kind in ("fp8", "int8", "int4"):  # each stored form's product agrees with bf16's of the dequantized weight
+        assert results["kernels"][f"{kind}_linear_4_rows"]["max_rel_diff"] < 2e-2
     for kind in ("bf16", "fp8"):  # the radix top-k and the scoring kernel's first histogram agree with torch
         assert results["kernels"][f"index_scores_{kind}"]["radix_same_values"]
         assert results["kernels"][f"index_scores_{kind}"]["counts_match"]

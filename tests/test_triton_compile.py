@@ -70,12 +70,12 @@ RECORD_AND_LOOK = """
 from triton import knobs
 from triton.runtime.driver import driver
 from dsaserve import triton_ops
-from dsaserve.triton_ops import compile_check, fp8_e4m3, fp8_linear, moe
-from dsaserve.triton_ops.fp8_linear import _fp8_linear_kernel
+from dsaserve.triton_ops import compile_check, fp8_e4m3, moe, quantized_linear
+from dsaserve.triton_ops.quantized_linear import _quantized_linear_kernel
 assert compile_check.launches("sm90", "fp8 weights 4")
-print(fp8_linear.native_fp8 is moe.native_fp8 is fp8_e4m3.native_fp8, driver._active is None,
+print(quantized_linear.native_fp8 is moe.native_fp8 is fp8_e4m3.native_fp8, driver._active is None,
       knobs.runtime.jit_cache_hook is None, triton_ops.active_device() is None,
-      sorted(map(str, _fp8_linear_kernel.device_caches)))
+      sorted(map(str, _quantized_linear_kernel.device_caches)))
 """
 
 

@@ -278,55 +278,70 @@ def test_every_fp8_byte_decodes_to_torchs_value_with_and_without_the_hardware_co
     assert finite.sum() == 254 and torch.equal(out[finite], expected[finite])
 
 
+def quantized_form(kind: str, n: int, k: int, col_offset: int,
+                   g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(stored bytes, scales, the weight they dequantize to [n, k]) of a weight in the row layout of `kind`
+    (triton_ops/weight_tiles.py). FP8 as a checkpoint ships it (fp8_weight); int8 and int4 with every row, and every
+    128-column group of a row, of its own magnitude, so a scale read from the wrong row or group shows."""
+    from dsaserve.quantization import formats
+
+    if kind == "fp8":
+        q, scale = fp8_weight(n, k, col_offset, g)
+        return q, scale, formats.dequantize_reference("fp8", q, scale, col_offset)
+    magnitude = (torch.rand(n, -(-k // 128), generator=g) * 4 + 0.05).repeat_interleave(128, 1)[:, :k]
+    q, scale = formats.quantize(kind, torch.randn(n, k, generator=g) * magnitude)
+    dense = formats.dequantize_reference(kind, q, scale)
+    return (formats.pack_int4_rows(q) if kind == "int4" else q), scale, dense
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# decode rows; prefill rows past one tile, two row blocks of scales, a slice starting inside its first column block;
-# per-head weights in one launch (W_UK's form), the activations strided as attention hands them over
-@pytest.mark.parametrize("rows, n, k, col_offset, heads", [(3, 40, 300, 0, None), (70, 200, 260, 40, None),
+# decode rows of an odd width; prefill rows past one tile, two row blocks of scales, a slice starting inside its first
+# column block (FP8); per-head weights in one launch (W_UK's form), the activations strided as attention hands them
+@pytest.mark.parametrize("rows, n, k, col_offset, heads", [(3, 40, 301, 0, None), (70, 200, 260, 40, None),
                                                            (5, 24, 136, 0, 3)])
-@pytest.mark.parametrize("native", [True, False])  # Triton's fp8 conversion, or the integer decode (A100)
-def test_fp8_linear_kernel_scales_each_block_of_the_weight_as_shipped(interpreter, dtype, rows, n, k, col_offset,
-                                                                       heads, native, monkeypatch):
-    import dsaserve.triton_ops.fp8_linear as fp8_linear
-    from dsaserve.quantization.formats import dequantize_reference
-    from dsaserve.triton_ops.fp8_linear import fp8_matmul
+# FP8 by Triton's conversion or by the integer decode (A100); int8; int4
+@pytest.mark.parametrize("kind", ["fp8", "fp8-integer-decode", "int8", "int4"])
+def test_quantized_linear_kernel_scales_each_group_of_the_weight_in_its_stored_form(interpreter, dtype, rows, n, k,
+                                                                                    col_offset, heads, kind,
+                                                                                    monkeypatch):
+    import dsaserve.triton_ops.quantized_linear as quantized_linear
 
-    monkeypatch.setattr(fp8_linear, "native_fp8", lambda device: native)
-
+    monkeypatch.setattr(quantized_linear, "native_fp8", lambda device: kind == "fp8")
+    kind = kind.removesuffix("-integer-decode")
+    col_offset = col_offset if kind == "fp8" else 0  # (only an FP8 tensor's slice starts inside a block)
     g = torch.Generator().manual_seed(rows + n)
-    forms = [fp8_weight(n, k, col_offset, g) for _ in range(heads or 1)]
-    q, scale = torch.stack([f[0] for f in forms]), torch.stack([f[1] for f in forms])
+    forms = [quantized_form(kind, n, k, col_offset, g) for _ in range(heads or 1)]
+    q, scale, dense = (torch.stack([f[i] for f in forms]) for i in range(3))
     x = torch.randn(rows, heads or 1, k, generator=g).to(dtype).transpose(0, 1)  # [heads, rows, k], strided
-    got = fp8_matmul(x, q, scale, col_offset) if heads else fp8_matmul(x[0], q[0], scale[0], col_offset)[None]
-    expected = torch.stack([x[h].float() @ dequantize_reference("fp8", q[h], scale[h], col_offset).T
-                            for h in range(heads or 1)])
+    got = (quantized_linear.quantized_matmul(x, q, scale, kind, col_offset) if heads
+           else quantized_linear.quantized_matmul(x[0], q[0], scale[0], kind, col_offset)[None])
+    expected = torch.stack([x[h].float() @ dense[h].T for h in range(heads or 1)])
     assert got.dtype == dtype and got.shape == expected.shape
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the output's rounding
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
-# a rank's share of the intermediate starting inside a block; the integer fp8 decode (GPUs without fp8 conversion)
-@pytest.mark.parametrize("down_offset, native", [(0, True), (24, True), (24, False)])
-def test_routed_experts_kernels_take_fp8_experts_as_shipped(down_offset, native, monkeypatch):
-    """FP8 gate|up and down (bytes and per-block scales, widths past one 128-column block) through the grouped
+# FP8: a rank's share of the intermediate starting inside a block; the integer fp8 decode (GPUs without fp8 conversion)
+@pytest.mark.parametrize("kind, down_offset, native", [("fp8", 0, True), ("fp8", 24, True), ("fp8", 24, False),
+                                                       ("int8", 0, False), ("int4", 0, False)])
+def test_routed_experts_kernels_take_quantized_experts_in_their_stored_form(kind, down_offset, native, monkeypatch):
+    """Quantized gate|up and down (stored bytes and scales, widths past one 128-column group) through the grouped
     GEMMs: the reference over the dequantized experts."""
     import dsaserve.triton_ops.moe as moe
-    from dsaserve.quantization.formats import dequantize_reference
 
     monkeypatch.setattr(moe, "native_fp8", lambda device: native)
 
     g = torch.Generator().manual_seed(down_offset)
     experts, top_k, hidden, inter, tokens = 4, 2, 160, 144, 19
-    gate_up = [fp8_weight(2 * inter, hidden, 0, g) for _ in range(experts)]
-    down = [fp8_weight(hidden, inter, down_offset, g) for _ in range(experts)]
+    gate_up = [quantized_form(kind, 2 * inter, hidden, 0, g) for _ in range(experts)]
+    down = [quantized_form(kind, hidden, inter, down_offset, g) for _ in range(experts)]
     x = torch.randn(tokens, hidden, generator=g)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g)
-    got = moe.routed_experts(x, ids, weights, torch.stack([q for q, _ in gate_up]), torch.stack([q for q, _ in down]),
-                             0, None, (torch.stack([s for _, s in gate_up]), torch.stack([s for _, s in down])),
-                             down_offset)
-    dense_gate_up = torch.stack([dequantize_reference("fp8", q, s) for q, s in gate_up])
-    dense_down = torch.stack([dequantize_reference("fp8", q, s, down_offset) for q, s in down])
-    expected = routed_reference(x, ids, weights, dense_gate_up, dense_down, 0, None)
+    stacked = [torch.stack([form[i] for form in forms]) for forms in (gate_up, down) for i in range(3)]
+    got = moe.routed_experts(x, ids, weights, stacked[0], stacked[3], 0, None, (stacked[1], stacked[4]), down_offset,
+                             kind)
+    expected = routed_reference(x, ids, weights, stacked[2], stacked[5], 0, None)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
@@ -488,22 +503,22 @@ def test_an_fp8_checkpoint_on_the_triton_path_stays_fp8_and_generates_what_the_c
                                                                                             make_checkpoint,
                                                                                             monkeypatch):
     """Every tensor an FP8 checkpoint ships in FP8 is held as its bytes ([N, K] uint8) and per-block scales, and
-    multiplied so (the projections by fp8_linear, the routed experts by the grouped GEMMs with their scales), not
+    multiplied so (the projections by quantized_linear, the routed experts by the grouped GEMMs with their scales), not
     widened at load; greedy tokens are the CPU path's and logprobs within the CUDA-vs-CPU bound."""
-    import dsaserve.triton_ops.fp8_linear as fp8_linear
     import dsaserve.triton_ops.moe as moe
+    import dsaserve.triton_ops.quantized_linear as quantized_linear
     from dsaserve.model.loader import fp8_params
     from dsaserve.quantization.quantized_weight import ROWS, QuantizedWeight
 
     calls = {"linear": 0, "experts": 0}
-    real_linear, real_experts = fp8_linear.fp8_matmul, moe.routed_experts
+    real_linear, real_experts = quantized_linear.quantized_matmul, moe.routed_experts
 
     def count_experts(*args):
         calls["experts"] += len(args) > 7  # the FP8 experts' call (scales given)
         return real_experts(*args)
 
-    monkeypatch.setattr(fp8_linear, "fp8_matmul", lambda *a: calls.__setitem__("linear", calls["linear"] + 1)
-                        or real_linear(*a))
+    monkeypatch.setattr(quantized_linear, "quantized_matmul",
+                        lambda *a: calls.__setitem__("linear", calls["linear"] + 1) or real_linear(*a))
     monkeypatch.setattr(moe, "routed_experts", count_experts)
     path = make_checkpoint("fp8-split", seed=0, fp8=True, intermediate_size=384, moe_intermediate_size=96)
     prompts = [torch.randint(30, 600, (50,), generator=torch.Generator().manual_seed(7050)).tolist()]
@@ -534,46 +549,67 @@ def test_an_fp8_checkpoint_on_the_triton_path_stays_fp8_and_generates_what_the_c
         assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-3
 
 
-def test_a_float_checkpoint_quantized_to_fp8_on_the_triton_path_generates_what_the_cpu_path_does(interpreter,
-                                                                                                tiny_checkpoint):
-    """--quantization fp8 on the CUDA path: every projection quantized at load into the row layout (W_UK and W_UV, the
-    per-head products, included: one batched launch each), the CPU path's tokens."""
+@pytest.mark.parametrize("quantization", ["fp8", "int8", "int4"])
+def test_a_float_checkpoint_quantized_on_the_triton_path_generates_what_the_cpu_path_does(interpreter,
+                                                                                        tiny_checkpoint, quantization,
+                                                                                        monkeypatch):
+    """--quantization on the CUDA path: every projection quantized at load into its row layout (W_UK and W_UV, the
+    per-head products, included: one batched launch each) and multiplied in it (the projections by quantized_linear,
+    the routed experts by the grouped GEMMs with their scales: counted), the CPU path's tokens."""
+    import dsaserve.triton_ops.moe as moe
+    import dsaserve.triton_ops.quantized_linear as quantized_linear
     from dsaserve.quantization.quantized_weight import ROWS, QuantizedWeight
 
+    calls = {"linear": 0, "experts": 0}
+    real_linear, real_experts = quantized_linear.quantized_matmul, moe.routed_experts
+
+    def count_linear(x, qweight, scale, kind, *rest):
+        calls["linear"] += kind == quantization
+        return real_linear(x, qweight, scale, kind, *rest)
+
+    def count_experts(*args):
+        calls["experts"] += args[-1] == quantization  # the quantized experts' call (its kind last)
+        return real_experts(*args)
+
+    monkeypatch.setattr(quantized_linear, "quantized_matmul", count_linear)
+    monkeypatch.setattr(moe, "routed_experts", count_experts)
     prompt = torch.randint(30, 600, (40,), generator=torch.Generator().manual_seed(9)).tolist()
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     outs = {}
     for mode in ("on", "off"):
-        llm = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=128, quantization="fp8",
+        llm = LLM(tiny_checkpoint, dtype="float32", block_size=16, max_model_len=128, quantization=quantization,
                   triton_kernels=mode, indexer_cache_dtype="model", progress=False)  # (as above: model-dtype keys)
         weights = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, QuantizedWeight)}
         assert "model.layers.1.self_attn.w_uk" in weights and "model.layers.1.self_attn.w_uv" in weights
         weights = list(weights.values())
-        assert len(weights) > 10 and all(w.kind == "fp8" for w in weights)
+        assert len(weights) > 10 and all(w.kind == quantization for w in weights)
         assert mode == "off" or all(w.layout == ROWS for w in weights)
         outs[mode] = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
+        if mode == "on":
+            assert calls["linear"] and calls["experts"]
+            counted = dict(calls)
+    assert calls == counted  # the CPU path called neither
     assert outs["on"].token_ids == outs["off"].token_ids
     assert max(abs(x[t].logprob - y[t].logprob)
                for x, y, t in zip(outs["on"].logprobs, outs["off"].logprobs, outs["off"].token_ids)) < 1e-3
 
 
-def test_on_cuda_weights_are_stored_quantized_only_in_fp8_and_only_through_triton():
-    """The forms a CUDA engine may hold: FP8 (a checkpoint's own, or --quantization fp8) where the Triton kernels run;
-    int8 and int4, or FP8 without Triton, are refused naming the flag."""
+def test_on_cuda_weights_are_stored_quantized_only_through_triton():
+    """The forms a CUDA engine may hold: FP8 (a checkpoint's own, or --quantization fp8), int8 and int4 where the
+    Triton kernels run; any quantization without them is refused naming the option."""
     from dsaserve.quantization.apply import weight_forms
 
     cuda = torch.device("cuda")
     try:
         triton_ops.configure("auto", cuda)
-        assert weight_forms("fp8", set(), torch.bfloat16, cuda)("any.weight") == "fp8"
+        for kind in ("fp8", "int8", "int4"):
+            assert weight_forms(kind, set(), torch.bfloat16, cuda)("any.weight") == kind
         shipped = weight_forms(None, {"a.weight"}, torch.bfloat16, cuda)
         assert shipped("a.weight") == "fp8" and shipped("b.weight") is None
         assert weight_forms(None, set(), torch.bfloat16, cuda) is None
-        with pytest.raises(ValueError, match="quantization='int8' on cuda.*--quantization fp8"):
-            weight_forms("int8", set(), torch.bfloat16, cuda)
         triton_ops.configure("off", cuda)
-        with pytest.raises(ValueError, match="quantization='fp8' on cuda.*Triton"):
-            weight_forms("fp8", set(), torch.bfloat16, cuda)
+        with pytest.raises(ValueError, match="quantization='int8' on cuda.*triton_kernels auto or on"):
+            weight_forms("int8", set(), torch.bfloat16, cuda)
     finally:
         triton_ops.configure("auto", torch.device("cpu"))
 
@@ -585,8 +621,8 @@ def test_weights_packed_for_the_cpu_kernels_are_refused_on_another_device(tiny_c
     from dsaserve.model import load_model
 
     cfg = ModelConfig.from_pretrained(tiny_checkpoint)
-    with pytest.raises(ValueError, match="int8.*exist only on the CPU"):
-        load_model(cfg, tiny_checkpoint, torch.float32, torch.device("meta"), weight_forms="int8", progress=False)
+    with pytest.raises(ValueError, match="int4.*exist only on the CPU"):
+        load_model(cfg, tiny_checkpoint, torch.float32, torch.device("meta"), weight_forms="int4", progress=False)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm5_next"])
@@ -614,7 +650,7 @@ def test_the_other_families_through_the_triton_kernels_generate_what_the_cpu_pat
 # ---- FP8 weights on the FP8 tensor cores (triton_ops/fp8_scaled_mm.py) -------------------------------------------
 # torch's block-scaled matmul runs on Hopper GPUs only; here it is replaced by this emulation of its documented
 # semantics, which also asserts the scales' shapes and layout that the CUDA kernel requires. On a GPU the engine checks
-# the real kernel against fp8_linear.py once before using it (fp8_scaled_mm.unavailable).
+# the real kernel against quantized_linear.py once before using it (fp8_scaled_mm.unavailable).
 
 
 def emulated_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16):
@@ -664,14 +700,14 @@ def test_activations_are_quantized_per_row_and_128_columns():
 
 
 def test_scaled_matmul_agrees_with_the_fp8_kernel(interpreter, monkeypatch):
-    from dsaserve.triton_ops.fp8_linear import fp8_matmul
     from dsaserve.triton_ops.fp8_scaled_mm import block_scales, scaled_matmul
+    from dsaserve.triton_ops.quantized_linear import quantized_matmul
 
     monkeypatch.setattr(F, "scaled_mm", emulated_scaled_mm)
     g = torch.Generator().manual_seed(3)
     q, scales = checkpoint_blocks(256, 640, g)
     x = torch.randn(66, 640, generator=g).to(torch.bfloat16)
-    got, expected = scaled_matmul(x, q, block_scales(scales)).float(), fp8_matmul(x, q, scales).float()
+    got, expected = scaled_matmul(x, q, block_scales(scales)).float(), quantized_matmul(x, q, scales, "fp8").float()
     assert got.shape == (66, 256)
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()  # 8-bit activations' rounding
 

@@ -16,13 +16,13 @@ from dsaserve.quantization.quantized_weight import ROWS, QuantizedWeight
 
 
 def refuse_cpu_forms(model, device: torch.device) -> None:
-    """Off the CPU, the one stored form a weight may take is FP8 in the row layout (the Triton kernels read it)."""
-    cpu_only = sorted({m.kind for m in model.modules()
-                       if isinstance(m, QuantizedWeight) and (m.kind, m.layout) != ("fp8", ROWS)})
+    """Off the CPU, a quantized weight takes the row layout (what the Triton kernels read), never the CPU kernels'
+    packed blocks."""
+    cpu_only = sorted({m.kind for m in model.modules() if isinstance(m, QuantizedWeight) and m.layout != ROWS})
     if cpu_only:
         raise ValueError(f"weights packed for the CPU kernels ({', '.join(cpu_only)}) on device {device.type!r}: "
-                         "those forms exist only on the CPU (off it, FP8 weights are kept as shipped where the Triton "
-                         "kernels run); load without quantization there")
+                         "those forms exist only on the CPU (off it, quantized weights take the row layout the Triton "
+                         "kernels read); load with triton_kernels auto or on, or without quantization")
 
 
 def load_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,

@@ -17,7 +17,7 @@ from dsaserve.model.layers import GatedMLP, GatedMlpBinding, one_operator, swigl
 from dsaserve.model.linear import expert_weight, linear
 from dsaserve.prepared_calls import PreparedCalls
 from dsaserve.quantization.packed_experts import add_routed_experts, fused_applies
-from dsaserve.quantization.quantized_weight import KERNEL_ROWS, QuantizedWeight, fp8_rows
+from dsaserve.quantization.quantized_weight import KERNEL_ROWS, QuantizedWeight, row_layout
 
 
 @dataclass(frozen=True)
@@ -135,14 +135,15 @@ class MoE(PreparedCalls):
             add_routed_experts(x, gate_up, down, ids, weights, out, shared if in_call else None, self.swiglu_limit)
             return self.comm.all_reduce(out)
         out = self._shared_output(x)
-        if triton_ops.runs_on(x) and (isinstance(gate_up, torch.Tensor) or fp8_rows(gate_up) and fp8_rows(down)):
+        if triton_ops.runs_on(x) and (isinstance(gate_up, torch.Tensor) or row_layout(gate_up) and row_layout(down)
+                                      and gate_up.kind == down.kind):
             from dsaserve.triton_ops.moe import routed_experts  # grouped GEMMs, no host sync (the CUDA path)
 
             if isinstance(gate_up, torch.Tensor):
                 routed = routed_experts(x, ids, weights, gate_up, down, self.first_expert, self.swiglu_limit)
-            else:  # FP8 experts as shipped
+            else:  # quantized experts in their stored form
                 routed = routed_experts(x, ids, weights, gate_up.qweight, down.qweight, self.first_expert,
-                                        self.swiglu_limit, (gate_up.scale, down.scale), down.col_offset)
+                                        self.swiglu_limit, (gate_up.scale, down.scale), down.col_offset, gate_up.kind)
             return self.comm.all_reduce(out + routed.to(out.dtype))
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)

@@ -1,6 +1,6 @@
 """Which form the model's weights take, and swapping float weights for packed ones before loading.
 
-    --quantization fp8 | int8 | int4   quantize every projection at load (vLLM's flag); on CUDA fp8 only
+    --quantization fp8 | int8 | int4   quantize every projection at load (vLLM's flag); on CUDA through Triton
     an FP8 checkpoint                   kept in FP8 as shipped, where the native or the Triton kernels run (else
                                         dequantized, as before)
     a bf16 model on a CPU with kernels  packed bf16, for the bandwidth kernel (also where dtype=auto computes in
@@ -38,18 +38,18 @@ def weight_forms(quantization: str | None, fp8_params: set[str], dtype: torch.dt
     """The packed kind of each projection, as a function of its parameter name (None: a float weight).
     fp8_params: the parameters an FP8 checkpoint ships in FP8 (they stay so; the others are not
     requantized, they take the model dtype's form). keep_bf16: a bf16 checkpoint computed in fp32 (widened_for_cpu),
-    its weights packed in bf16. Where the Triton kernels run (the CUDA path), FP8 weights stay FP8 in torch's row
-    layout and everything else is a float weight."""
+    its weights packed in bf16. Where the Triton kernels run (the CUDA path), quantized weights take their row
+    layouts (FP8 as shipped) and everything else is a float weight."""
     triton = triton_ops.active_device() is not None
     if quantization is not None:
         if quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization={quantization!r} is not supported; "
                              f"use one of {', '.join(QUANTIZATION_MODES)}")
-        if device.type != "cpu" and (quantization != "fp8" or not triton):
-            raise ValueError(f"quantization={quantization!r} on {device.type}: only fp8 weights run there so far, "
-                             "through the Triton kernels (triton_kernels auto or on); use --quantization fp8 or drop "
-                             "the flag")
-        if not kernels_here(device) and not (triton and quantization == "fp8"):
+        if device.type != "cpu" and not triton:
+            raise ValueError(f"quantization={quantization!r} on {device.type}: quantized weights run there only "
+                             "through the Triton kernels; use triton_kernels auto or on (with Triton installed), or "
+                             "drop the flag")
+        if not kernels_here(device) and not triton:
             how = ("int8 weights are kept in torch's row layout and multiplied by torch's int8 matmul up to 16 rows "
                    "at a time, with activations and scales rounded to bf16 for it (an error of the order of the "
                    "int8 weights' own); more rows, and other forms, dequantize" if quantization == "int8"

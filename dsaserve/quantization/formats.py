@@ -86,6 +86,21 @@ def quantize_fp8_rows(w: torch.Tensor, col_offset: int = 0,
     return q[:, col_offset:].contiguous().view(torch.uint8), scale_inv.repeat_interleave(block, 0)[: w.shape[0]]
 
 
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """int4 values q [N, K] (-8 … 7) in the row layout the Triton kernels read: uint8 [N, ⌈K / 2⌉], column 2j in the
+    low nibble and 2j + 1 in the high one, each value + 8 (an odd K's last high nibble holds 8, a zero)."""
+    n, k = q.shape
+    nibbles = torch.full((n, k + k % 2), 8, dtype=torch.uint8, device=q.device)
+    nibbles[:, :k] = (q.to(torch.int16) + 8).to(torch.uint8)
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+
+
+def unpack_int4_rows(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The inverse of pack_int4_rows: int8 values [N, k]."""
+    pairs = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)[:, :k]
+    return (pairs.to(torch.int16) - 8).to(torch.int8)
+
+
 def pack(kind: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [N, K] in its kind's values, scale [N, G]) → the packed (q, scale)."""
     n, k = q.shape

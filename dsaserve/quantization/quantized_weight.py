@@ -4,8 +4,9 @@ For a few activation rows (decode, draft verification) the native kernel reads t
 and converts it in registers; for many rows (prefill) the weight is dequantized, transposed, and the
 torch GEMM does the work. Where no native body multiplies packed weights, int8 weights are kept in torch's row
 layout instead (ROWS: [N, K] and a scale per row), which torch's int8 matmul reads: the blocks serve only the
-kernels. Where the Triton kernels run (the CUDA path), FP8 weights take the row layout too ([N, K] bytes and a scale
-per row and 128-column block) and triton_ops/fp8_linear.py multiplies them as they ship.
+kernels. Where the Triton kernels run (the CUDA path), every quantized form takes a row layout (FP8: [N, K] bytes and
+a scale per row and 128-column block, as shipped; int8: as above; int4: two columns a byte, [N, ⌈K / 2⌉], and a
+scale per row and 128 columns; triton_ops/weight_tiles.py) and triton_ops/quantized_linear.py multiplies it so.
 Stacked experts share one QuantizedWeight with a leading expert dimension; `expert(e)` views one of them in place.
 Loading writes rows from float tensors (quantizing them) or, for FP8 checkpoints read as shipped, from the
 checkpoint's own bytes and block scales.
@@ -27,21 +28,21 @@ BLOCKS, ROWS = "blocks", "rows"  # the native kernels' packed layout; [N, K] and
 
 
 def layout_for(kind: str, k: int, col_offset: int) -> str:
-    """ROWS for FP8 weights where the Triton kernels run, and for int8 weights (not starting inside a scale group)
+    """ROWS for quantized weights where the Triton kernels run, and for int8 weights (not starting inside a scale group)
     where no native body runs the packed products and torch has its int8 matmul; BLOCKS otherwise. Chosen when the
     weight is made, from the process's kernels.
     Torch's int8 matmul reads past rows whose length is not a multiple of 16 (a segfault with torch 2.13 on
     AVX-512): those widths, rare in real models, keep the blocks and the dequantized slabs."""
-    if kind == "fp8" and triton_ops.active_device() is not None:
+    if kind in formats.QUANTIZATION_MODES and triton_ops.active_device() is not None:
         return ROWS
     if kind == "int8" and not col_offset and k % 64 == 0 and hasattr(torch, "_weight_int8pack_mm"):
         return BLOCKS if torch_ops.runs("packed_products") else ROWS
     return BLOCKS
 
 
-def fp8_rows(weight) -> bool:
-    """Whether `weight` is FP8 in the row layout (what the Triton kernels multiply)."""
-    return isinstance(weight, QuantizedWeight) and weight.kind == "fp8" and weight.layout == ROWS
+def row_layout(weight) -> bool:
+    """Whether `weight` is quantized in the row layout (what the Triton kernels multiply)."""
+    return isinstance(weight, QuantizedWeight) and weight.layout == ROWS
 
 
 def operator_args(kind: str, n: int, k: int, col_offset: int) -> tuple[int, int, int, int, int]:
@@ -73,8 +74,10 @@ class PackedMatrix:
         rows = x if x.dim() == 2 else x.reshape(-1, self.k)  # (a reshape is one more operator call per product)
         if rows.shape[0] == 0:  # e.g. lm_head in a step of prompt chunks only
             return x.new_empty(*x.shape[:-1], self.n)
-        if self.layout == ROWS and self.kind == "fp8":
-            y = self._fp8_rows(rows) if triton_ops.runs_on(rows) else self._by_slabs(rows, self._rows_slab)
+        if self.layout == ROWS and triton_ops.runs_on(rows):
+            y = self._triton_rows(rows)
+        elif self.layout == ROWS and self.kind != "int8":
+            y = self._by_slabs(rows, self._rows_slab)
         elif self.layout == ROWS:
             y = self._int8_rows(rows) if rows.shape[0] <= KERNEL_ROWS else self._by_slabs(rows, self._rows_slab)
         elif x.is_cpu and torch_ops.runs("packed_products"):
@@ -118,20 +121,20 @@ class PackedMatrix:
                                       self.scale.view(-1).to(torch.bfloat16))
         return y.to(rows.dtype)
 
-    def _fp8_rows(self, rows: torch.Tensor) -> torch.Tensor:
+    def _triton_rows(self, rows: torch.Tensor) -> torch.Tensor:
         from dsaserve.triton_ops import fp8_scaled_mm
-        from dsaserve.triton_ops.fp8_linear import fp8_matmul  # the weight's bytes as shipped, widened in registers
+        from dsaserve.triton_ops.quantized_linear import quantized_matmul  # the stored form, widened in registers
 
         if self.block_scale is not None and fp8_scaled_mm.takes(rows, self.k, self.n, self.col_offset):
             return fp8_scaled_mm.scaled_matmul(rows, self.qweight, self.block_scale)  # on Hopper's FP8 tensor cores
-        return fp8_matmul(rows, self.qweight, self.scale, self.col_offset)
+        return quantized_matmul(rows, self.qweight, self.scale, self.kind, self.col_offset)
 
     def _rows_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
         """Rows [r0, r1) of a row-layout weight, dequantized and transposed: [K, r1 - r0]."""
-        if self.kind == "fp8":
-            return formats.dequantize_reference("fp8", self.qweight[r0:r1], self.scale[r0:r1], self.col_offset).to(
-                dtype).T
-        return (self.qweight[r0:r1].float() * self.scale[r0:r1]).to(dtype).T
+        if self.kind == "int8":
+            return (self.qweight[r0:r1].float() * self.scale[r0:r1]).to(dtype).T
+        q = formats.unpack_int4_rows(self.qweight[r0:r1], self.k) if self.kind == "int4" else self.qweight[r0:r1]
+        return formats.dequantize_reference(self.kind, q, self.scale[r0:r1], self.col_offset).to(dtype).T
 
     def _native_slab(self, dtype: torch.dtype, r0: int, r1: int) -> torch.Tensor:
         """Rows [r0, r1) of the weight, transposed and dequantized by the native kernel: [K, r1 - r0]."""
@@ -175,11 +178,10 @@ class QuantizedWeight(PreparedCalls):
         self.kind, self.out_features, self.in_features, self.col_offset = kind, out_features, in_features, col_offset
         self.args = operator_args(kind, out_features, in_features, col_offset)
         self.layout = layout_for(kind, in_features, col_offset)
-        if self.layout == ROWS and kind == "fp8":
-            qshape, qdtype = (out_features, in_features), torch.uint8
+        if self.layout == ROWS:
+            stored = -(-in_features // 2) if kind == "int4" else in_features
+            qshape, qdtype = (out_features, stored), torch.int8 if kind == "int8" else torch.uint8
             sshape = (out_features, formats.scale_columns(kind, in_features, col_offset))
-        elif self.layout == ROWS:
-            qshape, qdtype, sshape = (out_features, in_features), torch.int8, (out_features, 1)
         else:
             qshape, qdtype, sshape = formats.packed_shapes(kind, out_features, in_features, col_offset)
         lead = () if experts is None else (experts,)
@@ -213,10 +215,10 @@ class QuantizedWeight(PreparedCalls):
             return x.new_empty(x.shape[0], 0, self.out_features)
         if x.is_cpu and self.layout == BLOCKS and torch_ops.runs("packed_products") and x.shape[1] <= KERNEL_ROWS:
             return torch.ops.dsaserve.quant_linear.default(x, self.qweight, self.scale, *self.args)  # strided x too
-        if self.layout == ROWS and self.kind == "fp8" and triton_ops.runs_on(x):  # every head in one launch
-            from dsaserve.triton_ops.fp8_linear import fp8_matmul
+        if self.layout == ROWS and triton_ops.runs_on(x):  # every head in one launch
+            from dsaserve.triton_ops.quantized_linear import quantized_matmul
 
-            return fp8_matmul(x, self.qweight, self.scale, self.col_offset)
+            return quantized_matmul(x, self.qweight, self.scale, self.kind, self.col_offset)
         return torch.stack([self.matrix(b).matmul(x[b]) for b in range(x.shape[0])])
 
     def nbytes(self) -> int:
@@ -232,7 +234,7 @@ class QuantizedWeight(PreparedCalls):
         q, scale = self._stored_form(source)
         qweight, scales = (self.qweight, self.scale) if expert is None else (self.qweight[expert], self.scale[expert])
         if self.layout == ROWS:
-            qweight[first:first + n] = q
+            qweight[first:first + n] = formats.pack_int4_rows(q) if self.kind == "int4" else q
             scales[first:first + n] = scale
             return
         b0, b1 = first // 16, -(-(first + n) // 16)

@@ -1,5 +1,5 @@
 """Triton kernels: the CUDA path's sparse MLA (per query, or over tile unions), indexer scores and their top-k, cache
-writes, routed experts and FP8 weight products, each with a torch fallback (and fp8_scaled_mm.py: prefill's FP8
+writes, routed experts and quantized weight products, each with a torch fallback (and fp8_scaled_mm.py: prefill's FP8
 products on torch's block-scaled matmul; compile_check.py: every kernel compiled for GPUs without one;
 interpreter_calls.py: the interpreter's device-function calls made cheaper where kernels run on CPU tensors).
 
@@ -89,6 +89,6 @@ def summary() -> str:
     where = "CUDA" if _device.type == "cuda" else "CPU tensors, under Triton's interpreter"
     return (f"on ({where}): sparse MLA over selected rows (prompt rows by tile unions at up to 8 heads per rank), "
             "indexer scores over the paged key cache with each row's top-k by radix selection, latent rows "
-            "(norm, rope, write) and indexer key writes, routed experts (grouped GEMMs), FP8 weights multiplied as "
-            "shipped (block-scaled; prefill rows on Hopper's FP8 tensor cores where torch's block-scaled matmul passes "
-            "its check)")
+            "(norm, rope, write) and indexer key writes, routed experts (grouped GEMMs), quantized weights multiplied "
+            "in their stored form (FP8 as shipped, block-scaled, prefill rows on Hopper's FP8 tensor cores where "
+            "torch's block-scaled matmul passes its check; int8 and int4 from --quantization)")

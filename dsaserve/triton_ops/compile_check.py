@@ -34,10 +34,10 @@ import torch
 # The wrappers, imported before any recording so that _recording finds (and points at the target GPU) the fp8 check
 # each of them imported.
 from dsaserve.triton_ops.cache_write import write_rows
-from dsaserve.triton_ops.fp8_linear import fp8_matmul
 from dsaserve.triton_ops.index_scores import index_scores
 from dsaserve.triton_ops.latent_write import write_latent_rows
 from dsaserve.triton_ops.moe import routed_experts
+from dsaserve.triton_ops.quantized_linear import quantized_matmul
 from dsaserve.triton_ops.row_topk import row_topk
 from dsaserve.triton_ops.selected_rows import attend_selected_rows
 from dsaserve.triton_ops.union_rows import attend_union_rows
@@ -54,6 +54,10 @@ ARCHES = {
 
 # Ends the names of cases whose kernels take the same dtypes in every model (the row top-k: fp32 scores).
 ANY_DTYPE = "any model dtype"
+
+# The quantized weight forms (triton_ops/weight_tiles.py) of a [N, 256] weight: (kind, columns a byte, scale columns).
+WEIGHT_FORMS = (("fp8", 1, 2), ("int8", 1, 1), ("int4", 2, 2))
+WEIGHT_BYTES = {"fp8": torch.uint8, "int8": torch.int8, "int4": torch.uint8}
 
 # The served families' attention geometry: (name, latent width, rope width, indexer heads, indexer dim).
 GEOMETRIES = (("GLM-5.2", 512, 64, 32, 128), ("GLM-5.3-Flash", 512, 0, 32, 128), ("DeepSeek-V3.2", 512, 64, 64, 128))
@@ -183,17 +187,19 @@ def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
                 yield (f"indexer key writes {family} {key_name} keys {dt}", lambda: write_rows(
                     z(32, index_dim, dtype=keys), None if scales is None else z(32, dtype=scales),
                     z(3, dtype=torch.int64), z(3, index_dim, dtype=model)))
-        for rows in (4, 100):  # decode rows and prefill rows take different tiles
-            yield (f"fp8 weights {rows} rows {dt}", lambda: fp8_matmul(
-                z(rows, 256, dtype=model), z(192, 256, dtype=torch.uint8), z(192, 2)))
-        for fp8 in (False, True):
+        for kind, stored, groups in WEIGHT_FORMS:
+            for rows in (4, 100):  # decode rows and prefill rows take different tiles
+                yield (f"{kind} weights {rows} rows {dt}", lambda: quantized_matmul(
+                    z(rows, 256, dtype=model), z(192, 256 // stored, dtype=WEIGHT_BYTES[kind]), z(192, groups), kind))
+        for kind, stored, groups in (("float", 1, 0), *WEIGHT_FORMS):
             for limit in (None, 7.0):
-                experts = torch.uint8 if fp8 else model
-                yield (f"routed experts {'fp8' if fp8 else dt} weights{' swiglu limit' if limit else ''} {dt}",
-                       lambda: routed_experts(
-                           z(5, 256, dtype=model), torch.tensor([[0, 1]] * 5), z(5, 2), z(2, 256, 256, dtype=experts),
-                           z(2, 256, 128, dtype=experts), 0, limit,
-                           (z(2, 256, 2), z(2, 256, 1)) if fp8 else None))
+                experts = model if kind == "float" else WEIGHT_BYTES[kind]
+                yield (f"routed experts {dt if kind == 'float' else kind} weights{' swiglu limit' if limit else ''} "
+                       f"{dt}", lambda: routed_experts(
+                           z(5, 256, dtype=model), torch.tensor([[0, 1]] * 5), z(5, 2),
+                           z(2, 256, 256 // stored, dtype=experts), z(2, 256, 128 // stored, dtype=experts), 0, limit,
+                           None if kind == "float" else (z(2, 256, groups), z(2, 256, -(-groups // 2))), 0,
+                           "fp8" if kind == "float" else kind))
 
 
 def _tiles(queries: int, count: int) -> TileUnions:

@@ -3,12 +3,12 @@ e4m3 per row and 128 columns and the weight's 128 × 128 blocks as the checkpoin
 and GLM checkpoints were trained for).
 
 It serves products of at least MIN_ROWS rows of bf16/fp16 activations (prefill chunks: compute-bound, where FP8
-doubles the tensor cores' rate). Fewer rows keep fp8_linear.py, which reads the same FP8 bytes with exact
+doubles the tensor cores' rate). Fewer rows keep quantized_linear.py, which reads the same FP8 bytes with exact
 activations (decode is bound by those reads either way), and so do fp32 models (their parity with the CPU path is
 held to 1e-3, beyond what 8-bit activations keep).
 
 Whether this GPU and torch build run it is found once per device by `unavailable`: it multiplies a small problem and
-compares the result with fp8_linear.py's; anything else (a CPU, a GPU before Hopper, a build without block-scaled
+compares the result with quantized_linear.py's; anything else (a CPU, a GPU before Hopper, a build without block-scaled
 FP8, a wrong answer) keeps the Triton kernel for every product, and the log says why.
 """
 
@@ -69,7 +69,7 @@ def scaled_matmul(x: torch.Tensor, qweight: torch.Tensor, blocks: torch.Tensor) 
 
 @functools.cache
 def unavailable(device: torch.device) -> str | None:
-    """None where scaled_matmul runs on `device` and agrees with fp8_linear.py, else why not (logged once)."""
+    """None where scaled_matmul runs on `device` and agrees with quantized_linear.py, else why not (logged once)."""
     reason = _probe(device)
     if reason is None:
         logger.info("FP8 weights: products of %d rows or more on the FP8 tensor cores (torch's block-scaled matmul, "
@@ -84,7 +84,7 @@ def _probe(device: torch.device) -> str | None:
         return "it runs on CUDA only"
     if torch.cuda.get_device_capability(device) != (9, 0):
         return f"it needs compute capability 9.0 (Hopper), this GPU has {torch.cuda.get_device_capability(device)}"
-    from dsaserve.triton_ops.fp8_linear import fp8_matmul
+    from dsaserve.triton_ops.quantized_linear import quantized_matmul
 
     g = torch.Generator().manual_seed(0)
     # Blocks of different magnitudes, so a scale read from the wrong block shows.
@@ -97,7 +97,7 @@ def _probe(device: torch.device) -> str | None:
         got = scaled_matmul(x, q, blocks).float()
     except Exception as error:  # a build or driver without block-scaled FP8
         return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    expected = fp8_matmul(x, q, row_scales).float()
+    expected = quantized_matmul(x, q, row_scales, "fp8").float()
     difference = float((got - expected).abs().max() / expected.abs().max())
     if difference > PROBE_TOLERANCE:
         return f"its product differs from the Triton kernel's by {difference:.2g} of the largest value"

@@ -8,9 +8,9 @@ weight and writes the pair's own output row, so the k choices of a token are sum
 (no atomics: the same bits every run). The grid covers every expert × the most tiles one expert could need;
 programs past an expert's count return at once. Tokens are taken in chunks so the pair buffers stay bounded.
 
-FP8 experts (their bytes as shipped, one scale per row and 128-column block) are widened in registers, and each K
-step's product scaled once per output column, as in fp8_linear.py: the K loop then steps through whole scale blocks,
-starting where they start (a rank's share of the intermediate columns may begin inside one).
+Quantized experts (FP8 as shipped, one scale per row and 128-column block; int8 and int4 from --quantization) are
+widened in registers and each K step's product scaled once per output column (weight_tiles.py): the K loop steps
+through whole scale groups, starting where they start (a rank's share of an FP8 intermediate may begin inside one).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.triton_ops.fp8_e4m3 import e4m3_values, native_fp8
+from dsaserve.triton_ops.fp8_e4m3 import native_fp8
 from dsaserve.triton_ops.selected_rows import _operand, dot_inputs
+from dsaserve.triton_ops.weight_tiles import FLOAT, KIND_CODES, weight_product
 
 PAIR_BUFFER_ELEMENTS = 1 << 24  # fp32 elements of a chunk's per-pair outputs: 64 MiB
 BLOCK_M = 16  # pairs per tile (tl.dot's smallest)
@@ -35,26 +36,10 @@ def _tile_pairs(starts, counts, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _weight_product(a, w_rows, s_rows, k, k0, k_ok, col_ok, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                    LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """a [M, K] times the weight rows' tile [K, N] (columns k); an FP8 tile widened, and scaled by its block's
-    scales (k0 // 128: the step lies inside one block)."""
-    mask = col_ok[None, :] & k_ok[:, None]
-    # if/else, one return: the compiler types the code after a constexpr branch's return too (see _operand)
-    if FP8:
-        w = e4m3_values(tl.load(w_rows + k[:, None], mask=mask, other=0), NATIVE_FP8).to(a.dtype)
-        product = tl.dot(a, w, input_precision=PRECISION) * tl.load(s_rows + k0 // 128, mask=col_ok, other=0.0)[None, :]
-    else:
-        w = _operand(tl.load(w_rows + k[:, None], mask=mask, other=0.0), LOW_PRECISION_DOT)
-        product = tl.dot(a, w, input_precision=PRECISION)
-    return product
-
-
-@triton.jit
 def _gate_up_kernel(x, weights, scales, token_of, starts, counts, hidden_out, hidden, inter, x_stride, w_stride_e,
                     w_stride_n, s_stride_e, s_stride_n, h_stride, limit,
                     HAS_LIMIT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                    BLOCK_K: tl.constexpr, KIND: tl.constexpr, NATIVE_FP8: tl.constexpr,
                     LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr):
     expert = tl.program_id(0)
     if tl.program_id(1) * BLOCK_M >= tl.load(counts + expert):  # past this expert's pairs
@@ -72,10 +57,10 @@ def _gate_up_kernel(x, weights, scales, token_of, starts, counts, hidden_out, hi
         k_ok = k < hidden
         a = _operand(tl.load(x + token[:, None] * x_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                              other=0.0), LOW_PRECISION_DOT)
-        gate += _weight_product(a, w + n[None, :] * w_stride_n, s + n * s_stride_n, k, k0, k_ok, col_ok, FP8,
+        gate += weight_product(a, w + n[None, :] * w_stride_n, s + n * s_stride_n, k, k0, k_ok, col_ok, KIND,
                                 NATIVE_FP8, LOW_PRECISION_DOT, PRECISION)
-        up += _weight_product(a, w + (inter + n[None, :]) * w_stride_n, s + (inter + n) * s_stride_n, k, k0, k_ok,
-                              col_ok, FP8, NATIVE_FP8, LOW_PRECISION_DOT, PRECISION)
+        up += weight_product(a, w + (inter + n[None, :]) * w_stride_n, s + (inter + n) * s_stride_n, k, k0, k_ok,
+                              col_ok, KIND, NATIVE_FP8, LOW_PRECISION_DOT, PRECISION)
     if ROUND:  # a bf16/fp16 model rounds the projection's output, as torch's path does
         gate = gate.to(hidden_out.dtype.element_ty).to(tl.float32)
         up = up.to(hidden_out.dtype.element_ty).to(tl.float32)
@@ -91,7 +76,7 @@ def _gate_up_kernel(x, weights, scales, token_of, starts, counts, hidden_out, hi
 def _down_kernel(hidden_in, weights, scales, pair_index, pair_weight, starts, counts, out, hidden, inter, col_offset,
                  h_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, out_stride,
                  ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
+                 KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
                  PRECISION: tl.constexpr):
     expert = tl.program_id(0)
     if tl.program_id(1) * BLOCK_M >= tl.load(counts + expert):  # past this expert's pairs
@@ -107,7 +92,7 @@ def _down_kernel(hidden_in, weights, scales, pair_index, pair_weight, starts, co
         k_ok = (k >= 0) & (k < inter)
         a = _operand(tl.load(hidden_in + pair[:, None].to(tl.int64) * h_stride + k[None, :],
                              mask=row_ok[:, None] & k_ok[None, :], other=0.0), LOW_PRECISION_DOT)
-        acc += _weight_product(a, w + n[None, :] * w_stride_n, s + n * s_stride_n, k, k0, k_ok, col_ok, FP8,
+        acc += weight_product(a, w + n[None, :] * w_stride_n, s + n * s_stride_n, k, k0, k_ok, col_ok, KIND,
                                NATIVE_FP8, LOW_PRECISION_DOT, PRECISION)
     if ROUND:
         acc = acc.to(hidden_in.dtype.element_ty).to(tl.float32)
@@ -119,16 +104,19 @@ def _down_kernel(hidden_in, weights, scales, pair_index, pair_weight, starts, co
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, first_expert: int, limit: float | None = None,
-                   scales: tuple[torch.Tensor, torch.Tensor] | None = None, down_offset: int = 0) -> torch.Tensor:
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None, down_offset: int = 0,
+                   kind: str = "fp8") -> torch.Tensor:
     """Σ_j weights[t, j] · down_e(swiglu(gate_up_e(x[t]))) over token t's choices e = ids[t, j] held here
     (experts [first_expert, first_expert + E)); fp32 [T, H]. gate_up [E, 2I, H] (gate rows, then up), down [E, H, I].
-    FP8 experts: gate_up and down are their bytes (uint8), `scales` theirs ([E, 2I, ⌈H / 128⌉], [E, H, G]) and
-    down_offset down's first column inside its scale block."""
-    fp8 = scales is not None
-    gate_up_scale, down_scale = scales if fp8 else (gate_up, down)  # (unread without FP8)
+    Quantized experts (with `scales`): gate_up and down in the row layout of `kind` (weight_tiles.py: FP8's bytes as
+    shipped, int8, int4's packed pairs), `scales` theirs ([E, 2I, G], [E, H, G]) and down_offset an FP8 down's first
+    column inside its scale block."""
+    quantized = scales is not None
+    gate_up_scale, down_scale = scales if quantized else (gate_up, down)  # (unread for float experts)
+    code = KIND_CODES[kind] if quantized else FLOAT
     tokens, hidden = x.shape
     top_k = ids.shape[1]
-    experts, inter = down.shape[0], down.shape[2]
+    experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     total = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
     chunk = max(1, PAIR_BUFFER_ELEMENTS // (top_k * max(hidden, inter)))
     low, precision = dot_inputs(x.dtype)
@@ -154,14 +142,15 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
             x, gate_up, gate_up_scale, token_of, starts, counts, hidden_buffer, hidden, inter, x.stride(0),
             gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
             hidden_buffer.stride(0), float(limit or 0.0), HAS_LIMIT=limit is not None,
-            ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8,
+            ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, KIND=code,
             NATIVE_FP8=native, LOW_PRECISION_DOT=low, PRECISION=precision)
         block_n = max(16, min(64, triton.next_power_of_2(hidden)))
         block_k = max(16, min(64, triton.next_power_of_2(inter)))
         _down_kernel[(experts, tiles, triton.cdiv(hidden, block_n))](
             hidden_buffer, down, down_scale, order.contiguous(), pair_weight, starts, counts, pair_out, hidden, inter,
-            down_offset if fp8 else 0, hidden_buffer.stride(0), down.stride(0), down.stride(1), down_scale.stride(0),
-            down_scale.stride(1), pair_out.stride(0), ROUND=x.dtype != torch.float32, BLOCK_M=BLOCK_M,
-            BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, NATIVE_FP8=native, LOW_PRECISION_DOT=low, PRECISION=precision)
+            down_offset if quantized else 0, hidden_buffer.stride(0), down.stride(0), down.stride(1),
+            down_scale.stride(0), down_scale.stride(1), pair_out.stride(0), ROUND=x.dtype != torch.float32,
+            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, KIND=code, NATIVE_FP8=native, LOW_PRECISION_DOT=low,
+            PRECISION=precision)
         total[t0:t1] = pair_out.view(t1 - t0, top_k, hidden).sum(1)
     return total
