@@ -4,6 +4,7 @@ without it (batches, 7-token chunks, prefix hits, preemption, n = 2), the sample
 the formulas, and loading."""
 
 import collections
+import sys
 
 import pytest
 import torch
@@ -274,6 +275,35 @@ def test_the_mtp_indexer_runs_once_per_round_when_shared(make_checkpoint, monkey
     llm.generate([PROMPTS[2]], SamplingParams(max_tokens=13, temperature=0, ignore_eos=True), use_tqdm=False)
     assert max(rounds) == 3
     assert 0 in rounds and runs["indexer"] == sum((n > 0) + (0 if share else max(n - 1, 0)) for n in rounds)
+
+
+def test_the_drafter_reads_its_drafts_back_once_a_round(mtp_checkpoint, monkeypatch):
+    """Each draft step feeds its tokens to the next on the device: a round of 3 drafts reads them back to the host
+    once (on a GPU, one synchronisation a round instead of one a draft), and every round does read them."""
+    from dsaserve.engine.speculative.mtp_drafter import propose as real
+
+    llm = make_llm(mtp_checkpoint, 3)
+    reads, rounds = collections.Counter(), []
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args):
+            reads[len(rounds)] += sys._getframe(1).f_code.co_filename.endswith("mtp_drafter.py")
+            return original(self, *args)
+        return read
+
+    def recorded(model, kv_cache, inputs, hidden, share_index):
+        rounds.append(max(item.num_drafts for item in inputs))
+        with monkeypatch.context() as patch:
+            for name in ("tolist", "item", "__int__", "__bool__", "cpu"):
+                patch.setattr(torch.Tensor, name, counted(name))
+            return real(model, kv_cache, inputs, hidden, share_index)
+
+    monkeypatch.setattr(runner_module, "propose", recorded)
+    llm.generate([PROMPTS[2]], SamplingParams(max_tokens=13, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert max(rounds) == 3
+    assert [reads[i + 1] for i in range(len(rounds))] == [int(n > 0) for n in rounds]
 
 
 def rms(x, weight, eps=1e-6):

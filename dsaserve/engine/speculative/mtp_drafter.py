@@ -14,6 +14,7 @@ first step made for the request's last row, plus the positions drafted since (al
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,25 +60,30 @@ def propose(model, kv_cache, inputs: list[DraftInput], hidden: torch.Tensor, sha
     meta = batch(drafting, [[item.next_tokens[-1]] for item in drafting], positions, list(range(len(drafting))))
     last = torch.tensor([item.hidden_rows[-1] for item in drafting], dtype=torch.long, device=device)
     prev, topk = model.draft(meta, hidden[last], kv_cache.latent, kv_cache.indexer)
-    drafts = {item.request_id: [t] for item, t in zip(drafting, model.draft_logits(prev).argmax(-1).tolist())}
+    tokens = model.draft_logits(prev).argmax(-1)
+    # Each step's drafts stay on the device and feed the next step there: one read back at the end, not one a step.
+    steps = [(list(range(len(drafting))), tokens)]  # (the drafting requests it covers, their tokens)
+    active = steps[0][0]
     shared = topk if (share_index and topk is not None) else None
     for step in range(1, max(item.num_drafts for item in drafting)):
-        active = [j for j, item in enumerate(drafting) if item.num_drafts > step]
-        if not active:
-            break
-        pick = torch.tensor(active, device=device)
-        items = [drafting[j] for j in active]
-        meta = batch(items, [[drafts[item.request_id][-1]] for item in items], [positions[j] + step for j in active],
+        kept = [j for j, previous in enumerate(active) if drafting[previous].num_drafts > step]
+        pick = torch.tensor(kept, device=device)
+        active = [active[j] for j in kept]
+        meta = batch([drafting[j] for j in active], [[0]] * len(active), [positions[j] + step for j in active],
                      list(range(len(active))))
+        meta = dataclasses.replace(meta, input_ids=tokens[pick], derived={})
         select = None
         if shared is not None:
+            shared = shared[pick]
             new = torch.tensor([[positions[j] + s for s in range(1, step + 1)] for j in active], dtype=shared.dtype,
                                device=device)
-            select = torch.cat([shared[pick], new], dim=1)
-            shared = shared[pick]
+            select = torch.cat([shared, new], dim=1)
         prev, _ = model.draft(meta, prev[pick], kv_cache.latent, kv_cache.indexer, select)
-        for item, t in zip(items, model.draft_logits(prev).argmax(-1).tolist()):
-            drafts[item.request_id].append(t)
-        positions = [positions[j] for j in active]
-        drafting = items
+        tokens = model.draft_logits(prev).argmax(-1)
+        steps.append((active, tokens))
+    read = iter(torch.cat([t for _, t in steps]).tolist())
+    drafts = {item.request_id: [] for item in drafting}
+    for covered, _ in steps:
+        for j in covered:
+            drafts[drafting[j].request_id].append(next(read))
     return drafts
