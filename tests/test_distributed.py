@@ -327,13 +327,13 @@ def test_an_fp8_checkpoint_kept_in_fp8_on_the_triton_path_under_tp2_matches_one_
 
 
 def test_the_triton_path_under_tp2_with_expert_and_context_parallelism_matches_one_rank(single_rank, monkeypatch):
-    """triton_kernels='on' (CPU tensors under Triton's interpreter, conftest.py) on two ranks holding 8 experts each
-    and each half of every context (DCP 2: each rank's indexer scores and ranks its own tokens in Triton, the group
-    merges): the routed-experts kernels skip the choices held by the other rank, and with the Triton selection and
-    sparse attention the batch (chunks, a prefix hit, preemption) gives the single CPU rank's greedy tokens, logprobs
-    within the CUDA-vs-CPU bound (torch's operators replace the native ones on this path). Two of the batch's prompts,
-    the second sharing the first's prefix (the interpreter's time): a request's output does not depend on its
-    batch."""
+    """triton_kernels='on' (CPU tensors under Triton's interpreter, conftest.py) on two ranks holding 8 experts each and
+    each half of every context (DCP 2: each rank's indexer scores and ranks its own tokens in Triton, and attends to the
+    selected ones it holds in Triton; the group merges both): the routed-experts kernels skip the choices held by the
+    other rank, and with the Triton selection and sparse attention the batch (chunks, a prefix hit, preemption) gives
+    the single CPU rank's greedy tokens, logprobs within the CUDA-vs-CPU bound (torch's operators replace the native
+    ones on this path). Two of the batch's prompts, the second sharing the first's prefix (the interpreter's time): a
+    request's output does not depend on its batch."""
     path, prompts, expected = single_rank("expert_groups")
     chosen = [0, 2]
     with engine(path, max_num_batched_tokens=24, tensor_parallel_size=2, enable_expert_parallel=True,

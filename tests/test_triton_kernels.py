@@ -419,6 +419,46 @@ def test_each_dcp_ranks_scored_selection_merges_to_the_unsharded_selection(inter
         assert [set(r.tolist()) for r in got] == [set(r.tolist()) for r in expected]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_dcp_ranks_attention_parts_are_the_torch_paths(interpreter, dtype):
+    """Decode context parallelism, two ranks: each rank's partial attention (out and log-sum-exp per head) over the
+    selected positions it holds, in one Triton call, equals the torch path's per-request loop (Triton off): a prefill
+    chunk past the selection's width whose selections hold -1s and a future position, a decode, and a prompt's first
+    rows (every visible position selected; on rank 1, the row at position 0 holds none: zeros and -inf)."""
+    from dsaserve.attention.context_parallel import local_partials
+    from dsaserve.attention.context_shard import ContextShard
+
+    heads, value, rest, width, dcp = 3, 16, 8, 24, 2
+    lengths, new = [75, 40, 3], [6, 1, 3]
+    shard_tables = [[3, 0, 5], [4, 1], [2]]  # scheduler blocks of 32 tokens, the same ids on both ranks
+    meta_args = ([[1] * n for n in new], [n - m for n, m in zip(lengths, new)], shard_tables, BS * dcp, [])
+    g = torch.Generator().manual_seed(11)
+    query = torch.randn(sum(new), heads, value + rest, generator=g).to(dtype)
+    positions = BatchMetadata.build(*meta_args).positions
+    topk = torch.full((sum(new), width), -1, dtype=torch.int32)
+    for row, p in enumerate(positions.tolist()):
+        if p < width:
+            topk[row, :p + 1] = torch.arange(p + 1)
+        else:
+            chosen = torch.randperm(p + 1, generator=g)[:width - 4]
+            topk[row, :width - 4] = chosen
+            topk[row, width - 4] = p + 1  # a future position: never attended
+    for rank in range(dcp):
+        shard = ContextShard(rank, dcp, BS)
+        cache = (torch.randn(6, BS, value + rest, generator=g) * 2).to(dtype)
+        meta = BatchMetadata.build(*meta_args, shard=shard)
+        got_out, got_lse = local_partials(query, cache, meta, 0.3, value, topk)
+        triton_ops.configure("off", torch.device("cpu"))
+        try:
+            out, lse = local_partials(query, cache, meta, 0.3, value, topk)
+        finally:
+            triton_ops.configure("on", torch.device("cpu"))
+        assert (lse == float("-inf")).any() == (rank == 1)
+        torch.testing.assert_close(got_lse, lse, rtol=1e-4, atol=1e-4)
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got_out, out, rtol=tolerance, atol=tolerance)
+
+
 def test_the_interpreter_wraps_the_language_once_a_launch(interpreter, monkeypatch):
     """interpreter_calls.py: within one launch, device-function calls after the first of their modules do not wrap
     triton.language again (Triton 3.9 walks it on every call, about 0.7 ms each; two rows of the top-k make some 40

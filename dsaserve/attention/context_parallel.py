@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from dsaserve import triton_ops
 from dsaserve.attention.dense import SCORE_BUDGET
 from dsaserve.attention.metadata import BatchMetadata
 
@@ -39,6 +40,8 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, comm) -> torch.Tensor:
 def local_partials(query: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, scale: float, value_dim: int,
                    topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out fp32 [T, H, V], lse fp32 [T, H]) over the tokens this rank holds; lse -inf where none."""
+    if topk is not None and triton_ops.runs_on(query):
+        return selected_partials(query, cache, meta, scale, value_dim, topk)
     tokens, heads = query.shape[:2]
     out = torch.zeros(tokens, heads, value_dim, device=query.device)
     lse = torch.full((tokens, heads), NEG_INF, device=query.device)
@@ -51,6 +54,25 @@ def local_partials(query: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata
             _visible_partials(query, rows, meta, i, (start, split), scale, value_dim, out, lse)
         if end > split:
             _selected_partials(query, rows, meta, i, (split, end), topk, scale, value_dim, out, lse)
+    return out, lse
+
+
+def selected_partials(query: torch.Tensor, cache: torch.Tensor, meta: BatchMetadata, scale: float, value_dim: int,
+                      topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """local_partials over each row's selected positions this rank holds, in one Triton call (the CUDA path: no host
+    loop over requests, no host read). A row that sees at most the selection's width has every visible position in
+    its selection (the scored selection keeps every candidate when there are no more than the width), so the rows
+    need no split."""
+    from dsaserve.triton_ops.selected_rows import attend_selected_rows
+
+    shard = meta.shard
+    selected = topk.long()
+    held = (selected >= 0) & shard.owns(selected) & (selected <= meta.positions[:, None])
+    tables = meta.block_tables[meta.row_requests()]
+    slots = shard.local_slots(tables, torch.where(held, selected, shard.rank)).masked_fill_(~held, -1)
+    out = query.new_empty(*query.shape[:2], value_dim, dtype=torch.float32)
+    lse = query.new_empty(query.shape[:2], dtype=torch.float32)
+    attend_selected_rows(query, cache.view(-1, cache.shape[-1]), slots, scale, out, lse)
     return out, lse
 
 

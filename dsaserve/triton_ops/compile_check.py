@@ -165,10 +165,13 @@ def _cases() -> Iterator[tuple[str, Callable[[], None]]]:
         dt = str(model).removeprefix("torch.")
         for family, latent, rope, index_heads, index_dim in GEOMETRIES:
             width = latent + rope
-            for heads in (8, 64):  # a TP=8 rank's GLM-5.2 heads, and a whole model's
+            for heads in (8, 64):  # a TP=8 rank's GLM-5.2 heads, and a whole model's (or a DCP group's, with lse)
                 yield (f"selected rows {family} {heads} heads {dt}", lambda: attend_selected_rows(
                     z(2, heads, width, dtype=model), z(64, width, dtype=model), z(2, 40, dtype=torch.int64), 0.1,
                     z(2, heads, latent, dtype=model)))
+            yield (f"selected rows with log-sum-exp (DCP) {family} {dt}", lambda: attend_selected_rows(
+                z(2, 64, width, dtype=model), z(64, width, dtype=model), z(2, 40, dtype=torch.int64), 0.1,
+                z(2, 64, latent), z(2, 64)))
             for heads in (8, 16):  # GLM-5.2's heads at TP=8 (the engine's tile unions); 16, which gpu_check times
                 yield (f"union rows {family} {heads} heads {dt}", lambda: attend_union_rows(
                     z(8, heads, width, dtype=model), z(64, width, dtype=model), _tiles(tile_queries(heads), 2), 0.1,

@@ -68,10 +68,10 @@ def _online_softmax_step(q_value, q_rest, rows, slot, attends, scale, best, tota
 
 @triton.jit
 def _selected_rows_kernel(
-    query, rows, slots, out, scale, heads, width,
-    q_stride_n, q_stride_h, row_stride, slot_stride, out_stride_n, out_stride_h,
+    query, rows, slots, out, lse, scale, heads, width,
+    q_stride_n, q_stride_h, row_stride, slot_stride, out_stride_n, out_stride_h, lse_stride_n,
     VALUE: tl.constexpr, REST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_LSE: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)  # i · q_stride_n passes 2^31 at 32K rows of 128 heads × 576
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -91,6 +91,9 @@ def _selected_rows_kernel(
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_ptr = out + i * out_stride_n + h[:, None] * out_stride_h + v[None, :]
     tl.store(out_ptr, result.to(out.dtype.element_ty), mask=head_ok[:, None] & (v[None, :] < VALUE))
+    if HAS_LSE:  # the log-sum-exp of the scaled scores (-inf: no row), for merging parts of a context (DCP)
+        lse_value = tl.where(total > 0, best + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(lse + i * lse_stride_n + h, lse_value, mask=head_ok)
 
 
 def dot_inputs(dtype: torch.dtype) -> tuple[bool, str]:
@@ -103,11 +106,15 @@ def dot_inputs(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float,
-                         out: torch.Tensor) -> None:
+                         out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
     """out[i, h] = softmax(scale · query[i, h] · rows[slots[i]]ᵀ) · rows[slots[i], :V], V = out.shape[-1]; empty
-    entries (-1) take no weight and a query without any selected row gets zeros."""
+    entries (-1) take no weight and a query without any selected row gets zeros. lse (fp32 [n, heads], optional):
+    log Σ exp(scale · query[i, h] · rows[slots[i]]ᵀ), -inf where no row is selected."""
     n, heads, dim = query.shape
     value = out.shape[-1]
+    if lse is not None and (lse.shape != (n, heads) or lse.dtype != torch.float32 or lse.stride(-1) != 1):
+        raise ValueError(f"selected rows: lse {tuple(lse.shape)} {lse.dtype} is not fp32 [{n}, {heads}] with unit "
+                         "head stride")
     if rows.shape[1] != dim or slots.shape[0] != n or out.shape[:2] != (n, heads) or value > dim:
         raise ValueError(f"selected rows: shapes query {tuple(query.shape)}, rows {tuple(rows.shape)}, "
                          f"slots {tuple(slots.shape)}, out {tuple(out.shape)} do not fit together")
@@ -128,11 +135,12 @@ def attend_selected_rows(query: torch.Tensor, rows: torch.Tensor, slots: torch.T
     block_k = ROWS_PER_STEP if rows.element_size() <= 2 else ROWS_PER_STEP // 2
     grid = (n, triton.cdiv(heads, block_h))
     _selected_rows_kernel[grid](
-        query, rows, slots, target, float(scale), heads, slots.shape[1],
+        query, rows, slots, target, target if lse is None else lse, float(scale), heads, slots.shape[1],
         query.stride(0), query.stride(1), rows.stride(0), slots.stride(0), target.stride(0), target.stride(1),
-        VALUE=value, REST=rest, BLOCK_H=block_h, BLOCK_V=max(16, triton.next_power_of_2(value)),
-        BLOCK_R=max(16, triton.next_power_of_2(max(rest, 1))), BLOCK_K=block_k, LOW_PRECISION_DOT=low,
-        PRECISION=precision, num_warps=8 if value >= 256 else 4,
+        0 if lse is None else lse.stride(0), VALUE=value, REST=rest, BLOCK_H=block_h,
+        BLOCK_V=max(16, triton.next_power_of_2(value)), BLOCK_R=max(16, triton.next_power_of_2(max(rest, 1))),
+        BLOCK_K=block_k, HAS_LSE=lse is not None, LOW_PRECISION_DOT=low, PRECISION=precision,
+        num_warps=8 if value >= 256 else 4,
     )
     if target is not out:
         out.copy_(target)
