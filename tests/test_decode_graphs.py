@@ -4,84 +4,21 @@ at each replay. What this checks is everything but the capture itself: the stati
 their block, the capture's host values, which steps replay and which run eagerly, and that the captured forward
 never reads a device value on the host nor makes a tensor from host data (either would break a capture)."""
 
+import os
+
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from replayed_graphs import ReplayedForward, install
 
 from dsaserve import LLM, SamplingParams, cuda_graph_sizes, triton_ops
 from dsaserve.engine.workers import decode_graphs
 
 pytestmark = pytest.mark.skipif(triton_ops.triton_imports() is not None, reason="Triton does not import here")
 
-# Ops that make the host wait for the device, or copy host data to it, inside a forward (nonzero and its kin size
-# their output from the data).
-SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
-           "aten.lift_fresh.default", "aten._unique2.default", "aten.unique_consecutive.default",
-           "aten.unique_dim.default"}
-
-
-HOST_VALUE_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
-
-
-class HostReads(TorchDispatchMode):
-    """Records the operators of SYNCING, a repeat_interleave without its output size and indexing by a bool mask."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = str(func)
-        if (name in SYNCING or (name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None)
-                or (name == "aten.index.Tensor" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                                        for i in args[1]))):
-            self.seen.append(name)
-        return func(*args, **kwargs)
-
-
-class ReplayedForward:
-    """torch.cuda.CUDAGraph's stand-in: capture runs the forward, each replay runs it again into the same output
-    tensor, watched for host reads (kept for the whole test)."""
-
-    host_reads: list[str] = []
-
-    def __init__(self, pool=None):
-        self.forward = self.out = None
-        self.replays = 0
-
-    def capture(self, forward):
-        self.forward = forward
-        self.out = forward()
-        return self.out
-
-    def replay(self):
-        self.replays += 1
-        watch = HostReads()
-        # A value read on the host (under inference mode a CPU tensor's item() passes no dispatch mode by).
-        originals = {name: getattr(torch.Tensor, name) for name in HOST_VALUE_METHODS}
-        try:
-            for name, method in originals.items():
-                setattr(torch.Tensor, name, lambda t, *a, _n=name, _m=method: watch.seen.append(f"Tensor.{_n}")
-                        or _m(t, *a))
-            with watch:
-                for mine, new in zip(self.out, self.forward()):
-                    mine.copy_(new)
-        finally:
-            for name, method in originals.items():
-                setattr(torch.Tensor, name, method)
-        type(self).host_reads.extend(watch.seen)
-
-    def memory_pool(self):
-        return None
-
-
 @pytest.fixture
 def replayed(monkeypatch):
     """Graphs on for CPU tensors, replayed by ReplayedForward; context buckets of 32 tokens and max_model_len."""
-    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: True)
-    monkeypatch.setattr(decode_graphs, "CudaGraph", ReplayedForward)
-    monkeypatch.setattr(cuda_graph_sizes, "SMALLEST_BUCKET", 32)
+    install(monkeypatch.setattr)
     ReplayedForward.host_reads = []
     return ReplayedForward
 
@@ -219,3 +156,39 @@ def test_cuda_graph_sizes_name_what_is_wrong(value):
 
     with pytest.raises(ValueError, match="cuda_graph_sizes=.* must be"):
         EngineArgs(model="unused", cuda_graph_sizes=value)
+
+
+def test_replayed_decode_steps_under_tp2_and_dcp2_generate_what_eager_steps_do(interpreter, make_checkpoint,
+                                                                               replayed, monkeypatch, tmp_path):
+    """Two ranks (TP 2) that also split every context (DCP 2): each rank, the worker process too, captures and replays
+    its decode steps (each member writes every row, those whose token the other member holds into the padding block;
+    the selection and attention merge across the group inside the replay); greedy tokens equal to the eager steps'
+    of the same layout, logprobs within float noise, and no replay on either rank read anything back from the
+    device."""
+    log = tmp_path / "worker_replays.txt"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "worker_site"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("DSASERVE_TEST_REPLAYED_GRAPHS", str(log))
+    path = make_checkpoint("parity_mixed_FFSS", seed=0)
+    layout = dict(tensor_parallel_size=2, decode_context_parallel_size=2, cuda_graph_sizes="1,2,4")
+    llm = engine(path, **layout)
+    try:
+        graphed = generate(llm, PROMPTS, (8, 4, 8))
+        assert replays(llm)[4, 128] >= 2 and replays(llm)[2, 128] >= 2
+    finally:
+        llm.shutdown()
+    worker_lines = log.read_text().splitlines()
+    assert len(worker_lines) == sum(replays(llm).values())  # the worker replayed every step rank 0 did
+    assert replayed.host_reads == [] and all(line.split() == line.split()[:1] for line in worker_lines)
+    monkeypatch.delenv("DSASERVE_TEST_REPLAYED_GRAPHS")
+    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
+    eager_llm = engine(path, **layout)
+    try:
+        eager = generate(eager_llm, PROMPTS, (8, 4, 8))
+        assert eager_llm.engine.runner.graphs is None
+    finally:
+        eager_llm.shutdown()
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    diff = max(abs(a[t].logprob - b[t].logprob) for x, y in zip(graphed, eager)
+               for a, b, t in zip(x.logprobs, y.logprobs, x.token_ids))
+    assert diff < 1e-4, diff

@@ -14,7 +14,8 @@ decoding, verify steps (each request's last known token and its drafts: 1 + num_
 captured too, and the replay gives the hidden states the MTP drafter reads; the drafter itself runs eagerly. Other
 steps (prompt rows, requests with different numbers of drafts, prompt logprobs, more requests than the largest
 size) run eagerly. Sampling, verification and the logits processors run after the replay on its logits, as after an
-eager step.
+eager step. Under decode context parallelism a captured step's members write every row, each row whose token another
+member holds into the padding block (`slot_of`): the eager step's subset of rows would be a data-sized tensor.
 
 The model's forward under capture must not read a device value on the host or make a tensor from host data: what
 eager steps make from host lengths is made before the capture (`_forward`), and the Triton path's kernels take
@@ -32,6 +33,7 @@ import torch
 
 from dsaserve import cuda_graph_sizes, triton_ops
 from dsaserve.attention import tile_unions
+from dsaserve.attention.context_shard import ContextShard
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.scheduling.scheduler_output import ScheduledRequest
 
@@ -46,7 +48,6 @@ def graphs_off_because(args, cfg, device: torch.device, model, parallel) -> str 
         (args.enforce_eager, "--enforce-eager"),
         (triton_ops.active_device() is None, "the Triton kernels are off (their forward is the one captured)"),
         (cfg.hybrid is not None, f"{cfg.family.name}'s KDA state slots"),
-        (parallel.dcp.size > 1, "decode context parallelism"),
         (parallel.check_ranks, "--check-ranks (it compares values on the host)"),
         (not model.backend.uses_indexer, f"the {model.backend.name} backend (its attention loops on the host)"),
     ]
@@ -147,9 +148,11 @@ class StaticInputs:
         return self.tables[: shape.size * shape.blocks].view(shape.size, shape.blocks)
 
     def fill(self, shape: Shape, requests: list[tuple[list[int], int, list[int]]], pad_block: int,
-             block_size: int) -> None:
+             block_size: int, shard: ContextShard | None = None) -> None:
         """Requests (their `rows` tokens, the first one's position, block table), then padding requests up to the
-        shape's size (positions 0 … rows - 1 of the padding block), sent to the device."""
+        shape's size (positions 0 … rows - 1 of the padding block), sent to the device. Under decode context
+        parallelism (`shard`; block_size the scheduler's) a row whose token another member holds writes into the
+        padding block, so every member writes every row (a captured forward takes no data-sized subset)."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the pinned buffer
         tokens, tables = (part.numpy() for part in self.parts(self.host, shape))
@@ -158,14 +161,14 @@ class StaticInputs:
             positions = range(start, start + shape.rows)
             rows[:, 0] = ids
             rows[:, 1] = positions
-            rows[:, 2] = [table[p // block_size] * block_size + p % block_size for p in positions]
+            rows[:, 2] = [slot_of(table, p, pad_block, block_size, shard) for p in positions]
             table = table[: shape.blocks]  # (blocks past the bucket hold no position the step reads)
             tables[i, :len(table)] = table
             tables[i, len(table):] = 0
         padding = tokens[len(requests) * shape.rows:]
         padding[:, 0] = 0
         padding[:, 1] = [j % shape.rows for j in range(len(padding))]
-        padding[:, 2] = pad_block * block_size + padding[:, 1]
+        padding[:, 2] = [slot_of([pad_block], p, pad_block, block_size, shard) for p in padding[:, 1]]
         tables[len(requests):] = 0
         tables[len(requests):, 0] = pad_block
         cells = 3 * shape.tokens + shape.size * shape.blocks  # both parts, at the buffer's start: one copy
@@ -182,6 +185,17 @@ class StaticInputs:
         self.table(shape).copy_(tables)
 
 
+def slot_of(table: list[int], position: int, pad_block: int, block_size: int, shard: ContextShard | None) -> int:
+    """The cache slot a captured step writes `position` of the request with block table `table` to: its own slot (a
+    member's local one under DCP), or under DCP one of the padding block's where another member holds the token."""
+    if shard is None:
+        return table[position // block_size] * block_size + position % block_size
+    local = position // shard.size
+    if position % shard.size != shard.rank:
+        return pad_block * shard.block_size + local % shard.block_size
+    return table[local // shard.block_size] * shard.block_size + local % shard.block_size
+
+
 class DecodeGraphs:
     """Captured decode forwards, one per batch size, tokens per request and context bucket, and the copy-in / replay /
     slice that runs a step on them."""
@@ -191,7 +205,7 @@ class DecodeGraphs:
         """rows: tokens per request captured (1; with speculative decoding also 1 + its drafts)."""
         self.model, self.kv_cache = model, kv_cache
         self.sizes, self.rows, self.contexts = sizes, rows, cuda_graph_sizes.context_buckets(max_model_len)
-        self.block_size = kv_cache.block_size
+        self.block_size, self.shard = kv_cache.block_size, kv_cache.shard  # (the scheduler's tokens per block)
         if max(rows) > self.block_size:
             raise ValueError(f"a verify step of {max(rows)} tokens per request needs block_size ≥ {max(rows)}")
         self.pad_block = pad_block
@@ -209,7 +223,7 @@ class DecodeGraphs:
             # The widest first: the rope table and the outputs are made for it, and the others fit in its memory pool.
             for shape in shapes:
                 graph = make_graph(pool)
-                self.inputs.fill(shape, [], pad_block, self.block_size)  # padding alone: it writes the padding block
+                self.inputs.fill(shape, [], pad_block, self.block_size, self.shard)  # padding alone: the padding block
                 meta = self._metadata(shape)
                 graph.capture(lambda meta=meta, shape=shape: self._forward(meta, shape))
                 pool = graph.memory_pool()
@@ -247,7 +261,7 @@ class DecodeGraphs:
         context = next(context for context in self.contexts if context >= longest)
         step = self.captured[Shape(size, rows, context, self._width(context))]
         self.inputs.fill(step.shape, [(s.token_ids, s.num_computed_tokens, s.block_table) for s in scheduled],
-                         self.pad_block, self.block_size)
+                         self.pad_block, self.block_size, self.shard)
         step.graph.replay()
         return self.logits[: n * rows], self.hidden[: n * rows]
 
@@ -267,7 +281,7 @@ class DecodeGraphs:
             block_tables=inputs.table(shape), slot_mapping=inputs.slots[:n],
             logits_indices=torch.arange(n, dtype=torch.int64, device=device), block_size=self.block_size,
             query_start_loc_host=tuple(range(0, n + 1, rows)), seq_lens_host=(shape.context,) * size,
-            derived={"requests": torch.arange(size, device=device).repeat_interleave(rows)})
+            shard=self.shard, derived={"requests": torch.arange(size, device=device).repeat_interleave(rows)})
 
     def _forward(self, meta: BatchMetadata, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured work: the step, its logits and hidden states written into the shared outputs."""
