@@ -217,10 +217,15 @@ def section_kernels(device: str) -> dict:
         r_ms = timed(torch_scores, device, 5)
         top_ms = timed(lambda: scores.topk(chosen.shape[1], dim=1), device, 5)
         radix_ms = timed(lambda: row_topk(scores, chosen.shape[1], chosen, counts), device, 5)
+        # One row (a batch-1 decode step's full layer): the radix top-k runs one program per row, torch spreads a row
+        # over the GPU; whether a row needs splitting across programs is this pair.
+        one_ms = timed(lambda: row_topk(scores[:1], chosen.shape[1], chosen[:1], counts[:1]), device, 5)
+        one_top_ms = timed(lambda: scores[:1].topk(chosen.shape[1], dim=1), device, 5)
         max_rel_diff = float(((scores - torch_scores()).abs().max() / torch_scores().abs().max()))
         result[f"index_scores_{kind}"] = {
             "queries": n, "context": context, "heads": iheads, "triton_ms": t_ms, "torch_ms": r_ms, "topk_ms": top_ms,
-            "radix_topk_ms": radix_ms, "max_rel_diff": max_rel_diff,
+            "radix_topk_ms": radix_ms, "radix_topk_ms_1_row": one_ms, "topk_ms_1_row": one_top_ms,
+            "max_rel_diff": max_rel_diff,
             **radix_agreement(q, keys, key_scales, tables, requests, scores, counts, chosen, g)}
     result.update(weight_products(device, g))
     return result
@@ -508,6 +513,10 @@ def summary(results: dict, device: str) -> str:
                      f"{get('kernels', f'index_scores_{kind}', 'topk_ms', fmt='{:.3f}')} "
                      f"({get('kernels', f'index_scores_{kind}', 'radix_same_values')}; "
                      f"{get('kernels', f'index_scores_{kind}', 'counts_match')}) |")
+        lines.append(f"| top-k of 1 row × {get('kernels', f'index_scores_{kind}', 'context')} ({kind} keys): radix "
+                     "top-k ms / torch.topk ms | "
+                     f"{get('kernels', f'index_scores_{kind}', 'radix_topk_ms_1_row', fmt='{:.3f}')} / "
+                     f"{get('kernels', f'index_scores_{kind}', 'topk_ms_1_row', fmt='{:.3f}')} |")
     for heads in (8, 16):
         lines.append(f"| sparse prefill, {get('kernels', 'sparse_prefill', 'queries')} queries × "
                      f"{get('kernels', 'sparse_prefill', 'selected')} rows at {heads} heads: per-query ms / tile "
