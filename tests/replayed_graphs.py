@@ -15,14 +15,17 @@ from dsaserve.engine.workers import decode_graphs
 # their output from the data).
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
            "aten.lift_fresh.default", "aten._unique2.default", "aten.unique_consecutive.default",
-           "aten.unique_dim.default"}
+           "aten.unique_dim.default",
+           # On CUDA these read values back inside the operator (bincount its input's range); on CPU nothing shows
+           "aten.bincount.default", "aten.histc.default"}
 
 
 HOST_VALUE_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
 
 class HostReads(TorchDispatchMode):
-    """Records the operators of SYNCING, a repeat_interleave without its output size and indexing by a bool mask."""
+    """Records the operators of SYNCING, a repeat_interleave without its output size and indexing (or writing) by a
+    bool mask."""
 
     def __init__(self):
         super().__init__()
@@ -32,8 +35,8 @@ class HostReads(TorchDispatchMode):
         kwargs = kwargs or {}
         name = str(func)
         if (name in SYNCING or (name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None)
-                or (name == "aten.index.Tensor" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                                        for i in args[1]))):
+                or (name in ("aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default")
+                    and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]))):
             self.seen.append(name)
         return func(*args, **kwargs)
 

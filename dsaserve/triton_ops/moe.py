@@ -1,10 +1,10 @@
 """The routed experts in Triton, with no host synchronisation: the (token, choice) pairs sorted by expert on the
 device, then two grouped GEMMs that read each expert's counts and offsets there.
 
-Pairs are ordered by expert (torch's argsort and bincount, on the device). The first kernel takes a tile of one
-expert's pairs and a block of the intermediate columns: gate and up from the tokens' rows, swiglu, into a [pairs,
-intermediate] buffer. The second multiplies that by the expert's down projection, scales by the pair's routing
-weight and writes the pair's own output row, so the k choices of a token are summed afterwards in a fixed order
+Pairs are ordered by expert (torch's argsort, and a scatter-add that counts them, on the device). The first kernel
+takes a tile of one expert's pairs and a block of the intermediate columns: gate and up from the tokens' rows, swiglu,
+into a [pairs, intermediate] buffer. The second multiplies that by the expert's down projection, scales by the pair's
+routing weight and writes the pair's own output row, so the k choices of a token are summed afterwards in a fixed order
 (no atomics: the same bits every run). The grid covers every expert × the most tiles one expert could need;
 programs past an expert's count return at once. Tokens are taken in chunks so the pair buffers stay bounded.
 
@@ -128,7 +128,9 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
         held = (local >= 0) & (local < experts)
         key = torch.where(held, local, experts)  # pairs routed elsewhere sort last and are never read
         order = key.argsort(stable=True)
-        counts = torch.bincount(key, minlength=experts + 1)[:experts]
+        # (not torch.bincount: on CUDA it reads its input's range back to the host, which a graph cannot capture)
+        counts = torch.zeros(experts + 1, dtype=torch.int64, device=x.device).scatter_add_(
+            0, key, torch.ones_like(key))[:experts]
         starts = torch.cumsum(counts, 0) - counts
         token_of = (order // top_k + t0).contiguous()
         pair_weight = weights[t0:t1].flatten()[order].float().contiguous()
