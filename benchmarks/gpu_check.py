@@ -32,9 +32,55 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 WORK = os.environ.get("DSASERVE_BENCH_DIR", "/tmp/dsaserve-gpu-check")
 SECTIONS = ("env", "parity", "kernels", "syncs", "profile", "latency", "transformers", "longctx")
-# Share of the whole budget each section may take at most (the rest of the budget carries over).
-SHARES = {"env": 0.05, "parity": 0.2, "kernels": 0.1, "syncs": 0.1, "profile": 0.1, "latency": 0.25,
-          "transformers": 0.15, "longctx": 0.35}
+# Share of the whole budget each section may take at most (they sum to 1: what a section leaves carries over to the
+# later ones). Kernels compiles a dozen Triton specializations on a fresh machine before it times them.
+SHARES = {"env": 0.03, "parity": 0.17, "kernels": 0.17, "syncs": 0.07, "profile": 0.06, "latency": 0.22,
+          "transformers": 0.08, "longctx": 0.20}
+
+
+def engine_options(device: str) -> dict:
+    """What every engine of a section takes: on a GPU the native CPU operators off (their first use on a machine
+    compiles them, minutes of the GPU's time, for load-time helpers that have torch forms)."""
+    return {"native_kernels": "off"} if device == "cuda" else {}
+
+
+class Progress(dict):
+    """A section's results, written to OUT/NAME.partial.json as each one is added: a section that runs out of time
+    still reports what it measured."""
+
+    path: str | None = None
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.save()
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self.save()
+
+    def save(self) -> None:
+        if self.path is not None:
+            with open(self.path, "w") as f:
+                json.dump(self, f, indent=1, default=str)
+
+
+PROGRESS = Progress()
+
+
+def graph_log_lines() -> list[str]:
+    """The engines' "CUDA graphs: …" log lines from here on (what was captured, or why not), gathered in a list."""
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("CUDA graphs"):
+                lines.append(message[:400])
+
+    logging.getLogger("dsaserve").addHandler(Keep())
+    return lines
 
 
 def sizes(device: str) -> dict:
@@ -89,6 +135,12 @@ def section_env(device: str) -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         pass
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__  # (the baseline section needs its glm_moe_dsa)
+    except ImportError as error:
+        info["transformers"] = f"does not import: {error}"
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
         info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
@@ -96,15 +148,15 @@ def section_env(device: str) -> dict:
     return info
 
 
-def greedy(path: str, device: str, triton: str, prompts, steps: int, native: str = "auto",
+def greedy(path: str, device: str, triton: str, prompts, steps: int, native: str | None = None,
            eager: bool = False) -> tuple[list, list]:
     from dsaserve import LLM, SamplingParams
 
     # (a cache of its own size: several engines run in this process one after another, and by default each would
     # take gpu_memory_utilization's share of the GPU)
+    options = engine_options(device) | ({} if native is None else {"native_kernels": native})
     llm = LLM(path, dtype="float32", device=device, block_size=16, max_model_len=256, triton_kernels=triton,
-              native_kernels=native, enforce_eager=eager, progress=False,
-              kv_cache_memory="1GiB" if device == "cuda" else None)
+              enforce_eager=eager, progress=False, kv_cache_memory="1GiB" if device == "cuda" else None, **options)
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
     outs = [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
     tokens = [o.token_ids for o in outs]
@@ -120,7 +172,8 @@ def section_parity(device: str) -> dict:
 
     prompts = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in sizes(device)["parity_prompts"]]  # past the tiny checkpoint's index_topk (16)
-    result = {}
+    result = PROGRESS
+    result["graph_log"] = graph_log_lines()
     plain = ("on", "on_eager", "off") if device == "cuda" else ("on", "off")  # (no graphs on a CPU)
     for fp8, modes in ((False, plain), (True, ("on",))):
         path = tiny_checkpoint(fp8)
@@ -184,8 +237,9 @@ def section_kernels(device: str) -> dict:
     triton_ms = timed(lambda: attend_selected_rows(query, rows, slots, scale, out), device, 5)
     torch_ms = timed(torch_rows, device, 5)
     difference = float((out.float() - torch_rows().float()).abs().max())
-    result = {"sparse_decode": {"queries": n, "heads": heads, "selected": width, "triton_ms": triton_ms,
-                                "torch_ms": torch_ms, "max_diff": difference}}
+    result = PROGRESS
+    result["sparse_decode"] = {"queries": n, "heads": heads, "selected": width, "triton_ms": triton_ms,
+                               "torch_ms": torch_ms, "max_diff": difference}
     result.update(sparse_prefill(device, g))
     context, iheads, bs = s["score_context"], s["index_heads"], 64
     blocks = context // bs
@@ -227,7 +281,7 @@ def section_kernels(device: str) -> dict:
             "radix_topk_ms": radix_ms, "radix_topk_ms_1_row": one_ms, "topk_ms_1_row": one_top_ms,
             "max_rel_diff": max_rel_diff,
             **radix_agreement(q, keys, key_scales, tables, requests, scores, counts, chosen, g)}
-    result.update(weight_products(device, g))
+    weight_products(device, g, result)
     return result
 
 
@@ -299,11 +353,11 @@ def sparse_prefill(device: str, g) -> dict:
     return {"sparse_prefill": result}
 
 
-def weight_products(device: str, g) -> dict:
+def weight_products(device: str, g, result: dict) -> None:
     """A quantized weight (a GLM-5.2 projection's shape: 6,144 → 12,288 on a GPU) by the Triton kernel in each stored
     form (FP8 as shipped, int8, int4: half and a quarter of bf16's bytes), against torch's bf16 matmul of the same
     weight dequantized, and FP8 prefill rows on the FP8 tensor cores (fp8_scaled_mm.py, where its check passes): ms
-    per product at decode and prefill rows, and whether each form pays (its ms under bf16's)."""
+    per product at decode and prefill rows, and whether each form pays (its ms under bf16's); into `result`."""
     import torch
 
     from dsaserve.quantization import formats
@@ -313,7 +367,7 @@ def weight_products(device: str, g) -> dict:
     n, k = (12288, 6144) if device == "cuda" else (96, 160)
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
     why_not = fp8_scaled_mm.unavailable(torch.device(device))
-    result = {"fp8_tensor_cores": "used for 64+ bf16 rows" if why_not is None else f"not used: {why_not}"}
+    result["fp8_tensor_cores"] = "used for 64+ bf16 rows" if why_not is None else f"not used: {why_not}"
     for kind in ("fp8", "int8", "int4"):
         if kind == "fp8":
             q, scale = formats.quantize_fp8_rows(weight)
@@ -330,15 +384,14 @@ def weight_products(device: str, g) -> dict:
         for rows in ((1, 16, 2048) if device == "cuda" else (1, 4)):
             x = torch.randn(rows, k, device=device, generator=g).to(torch.bfloat16)
             got, expected = quantized_matmul(x, q, scale, kind).float(), (x @ dense.T).float()
-            entry = result[f"{kind}_linear_{rows}_rows"] = {
-                "n": n, "k": k, "triton_ms": timed(lambda: quantized_matmul(x, q, scale, kind), device, 10),
-                "torch_bf16_ms": timed(lambda: x @ dense.T, device, 10),
-                "max_rel_diff": float((got - expected).abs().max() / expected.abs().max())}
+            entry = {"n": n, "k": k, "triton_ms": timed(lambda: quantized_matmul(x, q, scale, kind), device, 10),
+                     "torch_bf16_ms": timed(lambda: x @ dense.T, device, 10),
+                     "max_rel_diff": float((got - expected).abs().max() / expected.abs().max())}
             if why_not is None and blocks is not None and rows >= fp8_scaled_mm.MIN_ROWS:
                 scaled = fp8_scaled_mm.scaled_matmul(x, q, blocks).float()
                 entry.update(scaled_mm_ms=timed(lambda: fp8_scaled_mm.scaled_matmul(x, q, blocks), device, 10),
                              scaled_mm_max_rel_diff=float((scaled - expected).abs().max() / expected.abs().max()))
-    return result
+            result[f"{kind}_linear_{rows}_rows"] = entry
 
 
 def section_syncs(device: str) -> dict:
@@ -352,7 +405,8 @@ def section_syncs(device: str) -> dict:
     from dsaserve import LLM, SamplingParams
     from dsaserve.bench.common import random_prompts
 
-    llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, kv_cache_memory="2GiB", progress=False)
+    llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, kv_cache_memory="2GiB", progress=False,
+              **engine_options(device))
     engine = llm.engine
     for i, p in enumerate(random_prompts(16, 128, engine.config.vocab_size, 0)):
         engine.add_request(f"sync-{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -379,7 +433,7 @@ def section_profile(device: str) -> dict:
     from dsaserve.bench.common import random_prompts
 
     llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, progress=False,
-              kv_cache_memory="2GiB" if device == "cuda" else "256MiB")
+              kv_cache_memory="2GiB" if device == "cuda" else "256MiB", **engine_options(device))
     engine = llm.engine
     for i, p in enumerate(random_prompts(16, sizes(device)["input_len"], engine.config.vocab_size, 0)):
         engine.add_request(f"profile-{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -399,14 +453,15 @@ def section_latency(device: str) -> dict:
     from dsaserve.bench.offline import run_latency, run_throughput
 
     s = sizes(device)
-    result = {}
+    result = PROGRESS
+    result["graph_log"] = graph_log_lines()
     # With CUDA graphs (the default on a GPU; a CPU has none), then --enforce-eager on a GPU: the same runs.
     for eager in (False, True) if device == "cuda" else (False,):
         # On a GPU the default run sizes its cache from gpu_memory_utilization (the step's peak measured at start).
         memory = dict(gpu_memory_utilization=0.5) if device == "cuda" and not eager else dict(
             kv_cache_memory="4GiB" if device == "cuda" else "256MiB")
         llm = LLM(small_checkpoint(device), device=device, max_model_len=1024, progress=False, enforce_eager=eager,
-                  max_num_seqs=max(s["batches"]), **memory)
+                  max_num_seqs=max(s["batches"]), **memory, **engine_options(device))
         graphs = llm.engine.runner.graphs
         runs = {"graphs": "off" if graphs is None else f"{len(graphs.captured)} ({','.join(map(str, graphs.sizes))} × "
                 f"{','.join(map(str, graphs.contexts))}), {(graphs.memory_bytes or 0) / 2**20:.0f} MiB"}
@@ -415,6 +470,7 @@ def section_latency(device: str) -> dict:
             runs["memory_plan"] = {"step_tokens": measured.step_tokens, "step_peak_gib": measured.step_peak / 2**30,
                                    "estimate_gib": llm.engine.activation_estimate / 2**30,
                                    "kv_cache_gib": llm.engine.kv_cache.nbytes() / 2**30}
+        run_throughput(llm, 2, s["input_len"], 4, 1)  # untimed: Triton compiles what the captures did not use
         runs["latency_batch_1"] = run_latency(llm, 1, s["input_len"], s["output_len"], 3, 1, 0)
         for batch in s["batches"][1:]:
             runs[f"throughput_batch_{batch}"] = run_throughput(llm, batch, s["input_len"], s["output_len"], 0)
@@ -456,8 +512,12 @@ def section_longctx(device: str) -> dict:
 
     s = sizes(device)
     longest = max(s["contexts"])
+    # Both backends eager: the dense one never replays graphs (its attention loops on the host), so with graphs the
+    # ratio would hold the graphs' savings too. The small checkpoint's 65,536 positions stretched to hold the longest.
     args = EngineArgs(model=small_checkpoint(device), device=device, max_model_len=longest + 64,
-                      kv_cache_memory="8GiB" if device == "cuda" else "256MiB", max_num_seqs=2)
+                      hf_overrides={"max_position_embeddings": max(longest + 64, 4096)}, enforce_eager=True,
+                      kv_cache_memory="8GiB" if device == "cuda" else "256MiB", max_num_seqs=2,
+                      **engine_options(device))
     result = longctx.run(args, ["dense", "sparse"], s["contexts"], [], 8)
     ms = result["decode_ms_per_token"]
     result["sparse_over_dense"] = {n: ms["dense"][n] / ms["sparse"][n] for n in s["contexts"]}
@@ -468,12 +528,26 @@ def section_longctx(device: str) -> dict:
 def run_section(name: str, device: str, out: str) -> None:
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: its kernels run on CPU tensors so
+    PROGRESS.path = os.path.join(out, f"{name}.partial.json")
+    if device == "cuda":  # nor for the sections' own load-time helpers (see engine_options)
+        from dsaserve.native import torch_ops
+
+        torch_ops.configure("off")
     try:
         result = {"ok": True, **globals()[f"section_{name}"](device)}
     except Exception:
         result = {"ok": False, "error": traceback.format_exc()[-3000:]}
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
+
+
+def partial(out: str, name: str) -> dict:
+    """What a section that ran out of time had measured (Progress), under "partial"."""
+    try:
+        with open(os.path.join(out, f"{name}.partial.json")) as f:
+            return {"partial": json.load(f)}
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def summary(results: dict, device: str) -> str:
@@ -542,6 +616,8 @@ def summary(results: dict, device: str) -> str:
         for batch in sizes(device)["batches"][1:]:
             lines.append(f"| throughput batch {batch}, output tok/s, {words} | "
                          f"{get('latency', run, f'throughput_batch_{batch}', 'output_tokens_per_s', fmt='{:.0f}')} |")
+    graph_lines = results.get("latency", {}).get("graph_log") or ["—"]
+    lines.append(f"| CUDA graphs, the latency section's log | {'; '.join(graph_lines)[:300]} |")
     lines.append(f"| memory plan (gpu_memory_utilization 0.5): largest step's peak GiB measured / doctor's estimate, "
                  f"KV cache GiB | {get('latency', 'default', 'memory_plan', 'step_peak_gib')} / "
                  f"{get('latency', 'default', 'memory_plan', 'estimate_gib')}, "
@@ -549,7 +625,7 @@ def summary(results: dict, device: str) -> str:
     lines.append(f"| transformers generate batch {get('transformers', 'batch')}, output tok/s | "
                  f"{get('transformers', 'output_tokens_per_s', fmt='{:.0f}')} |")
     for n in sizes(device)["contexts"]:
-        lines.append(f"| longctx {n}: dense / sparse ms per step (ratio) | "
+        lines.append(f"| longctx {n}: dense / sparse ms per step, both eager (ratio) | "
                      f"{get('longctx', 'decode_ms_per_token', 'dense', str(n))} / "
                      f"{get('longctx', 'decode_ms_per_token', 'sparse', str(n))} "
                      f"({get('longctx', 'sparse_over_dense', str(n))}×) |")
@@ -590,7 +666,7 @@ def main() -> int:
                 with open(os.path.join(args.out, f"{name}.json")) as f:
                     results[name] = json.load(f)
             except subprocess.TimeoutExpired:
-                results[name] = {"ok": False, "error": f"timed out after {limit:.0f} s"}
+                results[name] = {"ok": False, "error": f"timed out after {limit:.0f} s", **partial(args.out, name)}
             except (OSError, json.JSONDecodeError) as error:
                 results[name] = {"ok": False, "error": f"no result ({error}); the log's tail is below"}
         results[name]["seconds"] = time.monotonic() - start

@@ -33,3 +33,20 @@ def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| parity, Triton on: tokens identical / max Δlogprob | True /" in summary
     assert "sections failed: none" in summary
+
+
+def test_a_section_that_runs_out_of_time_keeps_what_it_measured(tmp_path):
+    """A section's results reach OUT/NAME.partial.json as each is added (gpu_check.Progress), and the parent reads
+    them back for a section it had to stop: one slow measurement does not lose the section's others."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    progress = gpu_check.Progress()
+    progress.path = str(tmp_path / "kernels.partial.json")
+    progress["sparse_decode"] = {"triton_ms": 0.5}
+    progress.update(index_scores_bf16={"triton_ms": 0.25})
+    assert gpu_check.partial(str(tmp_path), "kernels") == {
+        "partial": {"sparse_decode": {"triton_ms": 0.5}, "index_scores_bf16": {"triton_ms": 0.25}}}
+    assert gpu_check.partial(str(tmp_path), "latency") == {}

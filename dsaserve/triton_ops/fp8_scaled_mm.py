@@ -62,9 +62,16 @@ def scaled_matmul(x: torch.Tensor, qweight: torch.Tensor, blocks: torch.Tensor) 
     """x [M, K] by an FP8 weight (its bytes, uint8 [N, K]) with its block scales (block_scales): [M, N] in x's
     dtype."""
     quantized, scale = quantize_activations(x)
-    y = F.scaled_mm(quantized, qweight.view(torch.float8_e4m3fn).t(), scale, F.ScalingType.BlockWise1x128,
-                    blocks.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    y = F.scaled_mm(quantized, qweight.view(torch.float8_e4m3fn).t(), scale, _scaling("BlockWise1x128"),
+                    blocks.t(), _scaling("BlockWise128x128"), output_dtype=x.dtype)
     return y[: x.shape[0]]
+
+
+def _scaling(name: str):
+    """torch's ScalingType member `name` (BlockWise1x128); releases before 2.13 spell it Blockwise_1x128. A build
+    with neither raises AttributeError, which the probe reports."""
+    kinds = F.ScalingType
+    return getattr(kinds, name, None) or getattr(kinds, name.replace("BlockWise", "Blockwise_"))
 
 
 @functools.cache
