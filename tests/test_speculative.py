@@ -306,6 +306,40 @@ def test_the_drafter_reads_its_drafts_back_once_a_round(mtp_checkpoint, monkeypa
     assert [reads[i + 1] for i in range(len(rounds))] == [int(n > 0) for n in rounds]
 
 
+def test_greedy_requests_are_verified_together_as_each_alone(monkeypatch):
+    """verify_greedy (the plain greedy requests of a step, their rows read back once) commits what verify_drafts
+    commits for each request: every draft accepted, the first rejected, one in the middle; a request whose rows hold
+    a NaN fails alone, and one whose row sum overflows (every logit finite) does not."""
+    from dsaserve.engine.speculative.rejection_sampler import plain_greedy, verify_greedy
+    from dsaserve.engine.workers.runner_state import RunnerRequest
+
+    g = torch.Generator().manual_seed(5)
+    vocab, k = 40, 3
+    logits = torch.randn(5 * (k + 1), vocab, generator=g)
+    best = logits.argmax(-1).view(5, k + 1)
+    wrong = (best + 1) % vocab
+    drafts = [best[0, :k].tolist(), [int(wrong[1, 0]), 3, 4], [int(best[2, 0]), int(wrong[2, 1]), 7],
+              best[3, :k].tolist(), best[4, :k].tolist()]
+    logits[3 * (k + 1) + 2, 5] = float("nan")
+    logits[4 * (k + 1) + 1, :2] = 3e38  # the sum overflows, every logit finite
+    state = RunnerRequest(SamplingParams(temperature=0), [1, 2], frozenset(), None, False)
+    assert plain_greedy(state)
+    reads = collections.Counter()
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.update(["tolist"]) or original(t))
+    got = verify_greedy(logits, drafts)
+    assert reads["tolist"] == 1
+    monkeypatch.undo()
+    expected = []
+    for i, request_drafts in enumerate(drafts):
+        try:
+            expected.append(verify_drafts(logits[i * (k + 1):(i + 1) * (k + 1)], request_drafts, state, None))
+        except ValueError:
+            expected.append(None)
+    assert got == expected
+    assert [len(c) if c else None for c in got] == [k + 1, 1, 2, None, 2]
+
+
 def rms(x, weight, eps=1e-6):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 

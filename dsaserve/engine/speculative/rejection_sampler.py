@@ -19,11 +19,42 @@ from dsaserve.sampling.isolated_sampling import rows_finite
 from dsaserve.sampling.logits_processors import process_logits
 from dsaserve.sampling.sampler import apply_filters
 
+NON_FINITE = "the model produced non-finite logits for this request"
+
+
+def plain_greedy(state: RunnerRequest) -> bool:
+    """Whether a request's verification is argmax alone, whatever it commits: greedy, and no edit of its logits now
+    or after more tokens (no bias, penalties or grammar; min_tokens already reached)."""
+    params = state.params
+    return (params.greedy and not params.logit_bias and not params.has_penalties and state.grammar is None
+            and len(state.output_token_ids) >= params.min_tokens)
+
+
+def verify_greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int] | None]:
+    """verify_drafts for plain_greedy requests, all in one read back: logits holds each request's k + 1 rows in
+    turn (fp32 [Σ (k + 1), V]); per request, the committed tokens (None: its rows are not finite)."""
+    argmax, finite = torch.stack([logits.argmax(-1), torch.isfinite(logits.sum(-1)).long()]).tolist()
+    committed: list[list[int] | None] = []
+    start = 0
+    for request_drafts in drafts:
+        end = start + len(request_drafts) + 1
+        if not all(finite[start:end]) and not bool(torch.isfinite(logits[start:end]).all()):  # (a sum's overflow)
+            committed.append(None)
+        else:
+            tokens = []
+            for draft, token in zip(request_drafts + [None], argmax[start:end]):
+                tokens.append(token)
+                if token != draft:
+                    break
+            committed.append(tokens)
+        start = end
+    return committed
+
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], state: RunnerRequest, rng: torch.Generator) -> list[int]:
     """logits [k + 1, V] fp32 → the committed tokens: the accepted drafts, then one token of the target's."""
     if not all(rows_finite(logits)):
-        raise ValueError("the model produced non-finite logits for this request")
+        raise ValueError(NON_FINITE)
     generator = state.generator or rng
     committed: list[int] = []
     for j in range(len(drafts) + 1):

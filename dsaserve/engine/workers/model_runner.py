@@ -14,7 +14,7 @@ import torch
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
 from dsaserve.engine.speculative.mtp_drafter import DraftInput, propose
-from dsaserve.engine.speculative.rejection_sampler import verify_drafts
+from dsaserve.engine.speculative.rejection_sampler import NON_FINITE, plain_greedy, verify_drafts, verify_greedy
 from dsaserve.engine.workers.decode_graphs import DecodeGraphs
 from dsaserve.engine.workers.kv_cache import KVCache
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput, TokenLogprobs
@@ -76,11 +76,9 @@ class ModelRunner:
         plain = [(r, rows[0]) for r, rows in zip(sample_ids, sample_rows) if len(rows) == 1]
         if plain:
             self._sample([r for r, _ in plain], logits[[row for _, row in plain]], output)
-        by_id = {s.request_id: s for s in scheduler_output.scheduled}
-        for request_id, rows in zip(sample_ids, sample_rows):
-            if len(rows) > 1:
-                self._verify(request_id, list(by_id[request_id].spec_token_ids), logits[rows], output)
-                self._roll_back_state(by_id[request_id], output)
+        verifying = [(request_id, rows) for request_id, rows in zip(sample_ids, sample_rows) if len(rows) > 1]
+        if verifying:
+            self._verify_all(verifying, {s.request_id: s for s in scheduler_output.scheduled}, logits, output)
         if self.model.mtp is not None:
             self._draft(scheduler_output, offsets, hidden, output)
         return output
@@ -118,13 +116,36 @@ class ModelRunner:
         if accepted < len(s.spec_token_ids):
             self.kv_cache.roll_back_state(s.state_slot, accepted)
 
+    def _verify_all(self, verifying: list[tuple[str, list[int]]], by_id: dict, logits: torch.Tensor,
+                    output: ModelRunnerOutput) -> None:
+        """Each request's drafts verified against its rows of `logits`: the plain greedy ones together, their argmax
+        rows read back once (on a GPU one synchronisation, not one a row), the others one by one."""
+        greedy = [(request_id, rows) for request_id, rows in verifying if plain_greedy(self.requests[request_id])]
+        if greedy:
+            drafts = [list(by_id[request_id].spec_token_ids) for request_id, _ in greedy]
+            verified = verify_greedy(logits[[row for _, rows in greedy for row in rows]], drafts)
+            for (request_id, rows), committed in zip(greedy, verified):
+                if committed is None:
+                    output.errors[request_id] = f"verifying drafted tokens failed: ValueError: {NON_FINITE}"
+                else:
+                    self._commit(request_id, committed, logits[rows], output)
+        greedy_ids = {request_id for request_id, _ in greedy}
+        for request_id, rows in verifying:
+            if request_id not in greedy_ids:
+                self._verify(request_id, list(by_id[request_id].spec_token_ids), logits[rows], output)
+            self._roll_back_state(by_id[request_id], output)
+
     def _verify(self, request_id: str, drafts: list[int], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
-        state = self.requests[request_id]
         try:
-            committed = verify_drafts(logits, drafts, state, self.rng)
+            committed = verify_drafts(logits, drafts, self.requests[request_id], self.rng)
         except Exception as e:  # this request's fault stays its own
             output.errors[request_id] = f"verifying drafted tokens failed: {type(e).__name__}: {e}"
             return
+        self._commit(request_id, committed, logits, output)
+
+    def _commit(self, request_id: str, committed: list[int], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """A verified request's tokens (the accepted drafts and the target's), with their logprobs where asked."""
+        state = self.requests[request_id]
         state.output_token_ids.extend(committed)
         output.sampled_token_ids[request_id] = committed
         if state.params.logprobs is not None:  # the target's, as without speculation
