@@ -38,8 +38,8 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     if weight.device.type == "cpu" and torch_ops.load():  # a table per byte: torch's float8 → float is slow
         return torch.ops.dsaserve.fp8_block_dequantize(weight.contiguous().view(torch.uint8), grid, tile_r, tile_c,
                                                       offset[0], offset[1])
-    row_block = (torch.arange(weight.shape[0]) + offset[0]) // tile_r
-    col_block = (torch.arange(weight.shape[1]) + offset[1]) // tile_c
+    row_block = (torch.arange(weight.shape[0], device=grid.device) + offset[0]) // tile_r
+    col_block = (torch.arange(weight.shape[1], device=grid.device) + offset[1]) // tile_c
     return weight.float() * grid[row_block][:, col_block]
 
 
@@ -74,7 +74,8 @@ def fp8_row_scales(scale_inv: torch.Tensor, rows: tuple[int, int], cols: tuple[i
     Tiles come from the tensor's own scale grid (its last block may be partial)."""
     tile_r, tile_c = fp8_tiles(full_shape, scale_inv, block)
     grid = scale_inv.float().reshape(-(-full_shape[0] // tile_r), -1)
-    return grid[torch.arange(rows[0], rows[1]) // tile_r][:, cols[0] // tile_c: (cols[1] - 1) // tile_c + 1]
+    return grid[torch.arange(rows[0], rows[1], device=grid.device) // tile_r][:, cols[0] // tile_c:
+                                                                           (cols[1] - 1) // tile_c + 1]
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class InProcessExecutor:
 
 def make_executor(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     if not args.parallel.distributed:
+        if device.type == "cuda" and device.index is not None:  # Triton launches and graph streams on the current one
+            torch.cuda.set_device(device)
         return InProcessExecutor(Worker(args, cfg, device, dtype, progress=args.progress))
     return DistributedExecutor(args, cfg, device, dtype)
 
