@@ -23,6 +23,14 @@ class TopLogprobs:
     top_ids: torch.Tensor  # [N, n]
     top_logprobs: torch.Tensor  # [N, n]
 
+    def host_rows(self) -> list[tuple[float, int, list[int], list[float]]]:
+        """Per row (chosen logprob, rank, top ids, top logprobs) on the host, in one read back (fp64 holds every
+        field exactly)."""
+        n = self.top_ids.shape[1]
+        packed = torch.cat([self.chosen_logprob[:, None].double(), self.chosen_rank[:, None].double(),
+                            self.top_ids.double(), self.top_logprobs.double()], dim=1).tolist()
+        return [(row[0], int(row[1]), [int(t) for t in row[2:2 + n]], row[2 + n:]) for row in packed]
+
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> TopLogprobs:
     chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1)

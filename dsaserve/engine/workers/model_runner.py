@@ -20,7 +20,7 @@ from dsaserve.engine.workers.kv_cache import KVCache
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput, TokenLogprobs
 from dsaserve.engine.workers.runner_state import RunnerRequest
 from dsaserve.sampling.isolated_sampling import sample_isolated
-from dsaserve.sampling.sampler import TopLogprobs, top_logprobs
+from dsaserve.sampling.sampler import top_logprobs
 
 
 class ModelRunner:
@@ -151,7 +151,8 @@ class ModelRunner:
         if state.params.logprobs is not None:  # the target's, as without speculation
             rows = logits[: len(committed)]
             top = top_logprobs(rows.log_softmax(-1), torch.tensor(committed, device=rows.device), state.params.logprobs)
-            output.logprobs[request_id] = [position_logprobs(top, j, t, state.params.logprobs)
+            host = top.host_rows()
+            output.logprobs[request_id] = [position_logprobs(host, j, t, state.params.logprobs)
                                            for j, t in enumerate(committed)]
 
     def _draft(self, scheduler_output: SchedulerOutput, offsets: list[int], hidden: torch.Tensor,
@@ -190,6 +191,7 @@ class ModelRunner:
             n = max(states[i].params.logprobs or 0 for i in result.rows)
             raw = logits[result.rows]  # logprobs are those of the raw model distribution, as in vLLM
             top = top_logprobs(raw.log_softmax(-1), torch.tensor(result.tokens, device=raw.device), n)
+        host = top.host_rows() if top is not None else None
         for j, (i, token) in enumerate(zip(result.rows, result.tokens)):
             if states[i].grammar is not None and not _grammar_accepts(states[i], token):
                 output.errors[request_ids[i]] = f"the structured-output grammar rejected sampled token {token}"
@@ -197,14 +199,15 @@ class ModelRunner:
             states[i].output_token_ids.append(token)
             output.sampled_token_ids[request_ids[i]] = [token]
             if want[j]:
-                output.logprobs[request_ids[i]] = [position_logprobs(top, j, token, states[i].params.logprobs)]
+                output.logprobs[request_ids[i]] = [position_logprobs(host, j, token, states[i].params.logprobs)]
 
     def _prompt_logprobs(self, state: RunnerRequest, first: int, logits: torch.Tensor) -> list[TokenLogprobs]:
         targets = state.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
         state.num_prompt_logprobs = first + len(targets)
         n = state.params.prompt_logprobs
         top = top_logprobs(logits.log_softmax(-1), torch.tensor(targets, device=logits.device), n)
-        return [position_logprobs(top, j, token, n) for j, token in enumerate(targets)]
+        host = top.host_rows()
+        return [position_logprobs(host, j, token, n) for j, token in enumerate(targets)]
 
 
 def _grammar_accepts(state: RunnerRequest, token: int) -> bool:
@@ -214,6 +217,7 @@ def _grammar_accepts(state: RunnerRequest, token: int) -> bool:
         return False
 
 
-def position_logprobs(top: TopLogprobs, j: int, token: int, n: int) -> TokenLogprobs:
-    return TokenLogprobs(token, top.chosen_logprob[j].item(), int(top.chosen_rank[j]),
-                         top.top_ids[j, :n].tolist(), top.top_logprobs[j, :n].tolist())
+def position_logprobs(host: list, j: int, token: int, n: int) -> TokenLogprobs:
+    """Row j of TopLogprobs.host_rows() as the output's entry for `token` (its top n)."""
+    chosen, rank, ids, values = host[j]
+    return TokenLogprobs(token, chosen, rank, ids[:n], values[:n])
