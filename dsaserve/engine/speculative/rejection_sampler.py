@@ -15,11 +15,9 @@ import dataclasses
 import torch
 
 from dsaserve.engine.workers.runner_state import RunnerRequest
-from dsaserve.sampling.isolated_sampling import rows_finite
+from dsaserve.sampling.isolated_sampling import NON_FINITE, rows_finite
 from dsaserve.sampling.logits_processors import process_logits
 from dsaserve.sampling.sampler import apply_filters
-
-NON_FINITE = "the model produced non-finite logits for this request"
 
 
 def plain_greedy(state: RunnerRequest) -> bool:

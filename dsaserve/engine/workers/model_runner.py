@@ -14,12 +14,12 @@ import torch
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
 from dsaserve.engine.speculative.mtp_drafter import DraftInput, propose
-from dsaserve.engine.speculative.rejection_sampler import NON_FINITE, plain_greedy, verify_drafts, verify_greedy
+from dsaserve.engine.speculative.rejection_sampler import plain_greedy, verify_drafts, verify_greedy
 from dsaserve.engine.workers.decode_graphs import DecodeGraphs
 from dsaserve.engine.workers.kv_cache import KVCache
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput, TokenLogprobs
 from dsaserve.engine.workers.runner_state import RunnerRequest
-from dsaserve.sampling.isolated_sampling import sample_isolated
+from dsaserve.sampling.isolated_sampling import NON_FINITE, sample_isolated
 from dsaserve.sampling.sampler import top_logprobs
 
 
