@@ -16,10 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.quantization import formats
 from dsaserve.triton_ops.fp8_e4m3 import native_fp8
 from dsaserve.triton_ops.selected_rows import _operand, dot_inputs
-from dsaserve.triton_ops.weight_tiles import INT4, KIND_CODES, SCALE_GROUP, weight_product
+from dsaserve.triton_ops.weight_tiles import INT4, INT8, KIND_CODES, SCALE_GROUP, weight_product
 
 
 @triton.jit
@@ -58,7 +57,8 @@ def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
     cols = ws.shape[1]
     code = KIND_CODES[kind]
     stored = -(-width // 2) if code == INT4 else width
-    if ws.shape[2] != stored or ss.shape[2] != formats.scale_columns(kind, width, col_offset):
+    groups = 1 if code == INT8 else (width + col_offset - 1) // SCALE_GROUP + 1  # (col_offset < SCALE_GROUP)
+    if ws.shape[2] != stored or ss.shape[2] != groups:
         raise ValueError(f"quantized_matmul: activations [{rows}, {width}], {kind} weight {tuple(ws.shape[1:])}, "
                          f"scales {tuple(ss.shape[1:])} with col_offset {col_offset} do not agree")
     out = torch.empty(count, rows, cols, dtype=x.dtype, device=x.device)
