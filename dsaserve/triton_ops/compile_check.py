@@ -212,14 +212,13 @@ def _tiles(queries: int, count: int) -> TileUnions:
                       z(count, 40, dtype=torch.int32), z(count, 40, dtype=torch.int32), z(count, dtype=torch.int32))
 
 
-def launches(arch: str, only: str = "", skip: str = "") -> list[Launch]:
+def launches(arch: str, only: str = "") -> list[Launch]:
     """The distinct kernel specializations the engine's wrappers launch for `arch` (of the cases whose names hold
-    `only`, or one of its comma-separated texts; none holding one of `skip`'s)."""
+    `only`, or one of its comma-separated texts)."""
     found: dict[tuple, Launch] = {}
     with _recording(arch) as seen:
         for case, call in _cases():  # each call made as it is yielded: the lambdas read the loop's variables
-            if not any(text in case for text in only.split(",")) or any(
-                    text in case for text in skip.split(",") if text):
+            if not any(text in case for text in only.split(",")):
                 continue
             start = len(seen)
             call()
@@ -280,20 +279,20 @@ def compile_launch(launch: Launch, arch: str) -> Compiled:
     return result
 
 
-def _compile_share(arch: str, only: str, skip: str, jobs: int, index: int) -> list[Compiled]:
+def _compile_share(arch: str, only: str, jobs: int, index: int) -> list[Compiled]:
     """Every jobs-th launch from the index-th: one worker's share (kernels do not pickle; each worker finds them)."""
-    return [compile_launch(launch, arch) for launch in launches(arch, only, skip)[index::jobs]]
+    return [compile_launch(launch, arch) for launch in launches(arch, only)[index::jobs]]
 
 
-def check(arches: list[str], only: str = "", jobs: int = 1, skip: str = "") -> list[Compiled]:
+def check(arches: list[str], only: str = "", jobs: int = 1) -> list[Compiled]:
     """Each launch compiled for each GPU, in `jobs` processes (ptxas and LLVM take one core each)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("the compile check needs compiled kernels: run it without TRITON_INTERPRET")
     if jobs <= 1:
-        return [result for arch in arches for result in _compile_share(arch, only, skip, 1, 0)]
+        return [result for arch in arches for result in _compile_share(arch, only, 1, 0)]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        shares = [pool.submit(_compile_share, arch, only, skip, jobs, i) for arch in arches for i in range(jobs)]
+        shares = [pool.submit(_compile_share, arch, only, jobs, i) for arch in arches for i in range(jobs)]
         return [result for share in shares for result in share.result()]
 
 
@@ -312,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="sm90", help=f"comma-separated, of {', '.join(ARCHES)} (default sm90)")
     parser.add_argument("--only", default="", help="the cases whose names hold this text, e.g. 'selected rows', or "
                         "one of several, comma-separated")
-    parser.add_argument("--skip", default="", help="leave out the cases whose names hold one of these texts "
-                        "(comma-separated), e.g. 'int4 weights'")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                         help="processes compiling at once (default: the cores, at most 4)")
     parser.add_argument("--json", help="also write the results to this file")
@@ -322,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in arches if a not in ARCHES]
     if unknown:
         parser.error(f"--arch {','.join(unknown)}: not one of {', '.join(ARCHES)}")
-    results = check(arches, args.only, args.jobs, args.skip)
+    results = check(arches, args.only, args.jobs)
     print(table(results))
     if args.json:
         with open(args.json, "w") as out:
