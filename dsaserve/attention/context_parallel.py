@@ -65,15 +65,23 @@ def selected_partials(query: torch.Tensor, cache: torch.Tensor, meta: BatchMetad
     need no split."""
     from dsaserve.triton_ops.selected_rows import attend_selected_rows
 
-    shard = meta.shard
-    selected = topk.long()
-    held = (selected >= 0) & shard.owns(selected) & (selected <= meta.positions[:, None])
-    tables = meta.block_tables[meta.row_requests()]
-    slots = shard.local_slots(tables, torch.where(held, selected, shard.rank)).masked_fill_(~held, -1)
     out = query.new_empty(*query.shape[:2], value_dim, dtype=torch.float32)
     lse = query.new_empty(query.shape[:2], dtype=torch.float32)
-    attend_selected_rows(query, cache.view(-1, cache.shape[-1]), slots, scale, out, lse)
+    attend_selected_rows(query, cache.view(-1, cache.shape[-1]), held_slots(meta, topk), scale, out, lse)
     return out, lse
+
+
+def held_slots(meta: BatchMetadata, topk: torch.Tensor) -> torch.Tensor:
+    """int64 [T, width]: this rank's cache slot of each row's selected positions that it holds, -1 elsewhere (made
+    once per step and top-k tensor: shared layers reuse their full layer's)."""
+    def derive():
+        shard = meta.shard
+        selected = topk.long()
+        held = (selected >= 0) & shard.owns(selected) & (selected <= meta.positions[:, None])
+        tables = meta.block_tables[meta.row_requests()]
+        return topk, shard.local_slots(tables, torch.where(held, selected, shard.rank)).masked_fill_(~held, -1)
+
+    return meta.once(("held slots", id(topk)), derive)[1]  # the entry holds topk: its id is not reused
 
 
 def _visible_partials(query, rows, meta, i, span, scale, value_dim, out, lse) -> None:
