@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsaserve.sampling.logits_processors import process_logits
-from dsaserve.sampling.sampler import sample
+from dsaserve.sampling.sampler import TopLogprobs, sample, top_logprobs
 from dsaserve.sampling.sampling_request import SamplingRequest
 
 NON_FINITE = "the model produced non-finite logits for this request"
@@ -27,10 +27,58 @@ class SampledRows:
     rows: list[int] = field(default_factory=list)  # rows of the logits that produced a token
     tokens: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)  # row → why its request fails
+    top: list | None = None  # TopLogprobs.host_rows() of `rows`, when logprobs were asked for
 
 
-def sample_isolated(logits: torch.Tensor, states: list[SamplingRequest], rng: torch.Generator) -> SampledRows:
-    """logits [N, V] fp32, one row per request in `states`."""
+def sample_isolated(logits: torch.Tensor, states: list[SamplingRequest], rng: torch.Generator,
+                    num_logprobs: int | None = None) -> SampledRows:
+    """logits [N, V] fp32, one row per request in `states`; num_logprobs (0 or more) also gives each sampled row's
+    logprob, rank and top num_logprobs of the raw distribution (as in vLLM: before edits and temperature).
+
+    The whole batch is edited and drawn at once and read back in one copy (tokens, the checks, the logprobs);
+    only when a check fails or an edit or draw raises is the step redone row by row from the generator states
+    it started with, so a faulty request costs its batch a slower step, never a different token."""
+    generators = [state.generator or rng for state in states]
+    random = {id(g): g for g, state in zip(generators, states) if not state.params.greedy}
+    saved = {key: g.get_state() for key, g in random.items()}
+    together = _sample_together(logits, states, generators, num_logprobs)
+    if together is not None:
+        return together
+    for key, g in random.items():
+        g.set_state(saved[key])
+    out = _sample_row_by_row(logits, states, rng)
+    if num_logprobs is not None and out.rows:
+        raw = logits[out.rows]
+        out.top = top_logprobs(raw.log_softmax(-1), torch.tensor(out.tokens, device=raw.device),
+                               num_logprobs).host_rows()
+    return out
+
+
+def _sample_together(logits: torch.Tensor, states: list[SamplingRequest], generators: list[torch.Generator],
+                     num_logprobs: int | None) -> SampledRows | None:
+    """Every row edited and drawn in one batch and read back once; None when any row needs sample_isolated's
+    careful path (an edit or draw raised, a row not finite before or after its edits)."""
+    try:
+        edited = process_logits(logits, states)
+        tokens = sample(edited, [state.params for state in states], generators)
+    except Exception:
+        return None
+    fields = [tokens[:, None].double(), torch.isfinite(logits.sum(dim=-1))[:, None].double()]
+    if edited is not logits:
+        fields.append(_usable_rows(edited)[:, None].double())
+    if num_logprobs is not None:
+        fields.append(top_logprobs(logits.log_softmax(-1), tokens, num_logprobs).packed())
+    checks = len(fields) - (num_logprobs is not None)
+    host = torch.cat(fields, dim=1).tolist()
+    if not all(all(row[1:checks]) for row in host):
+        return None
+    rows = list(range(len(states)))
+    top = TopLogprobs.rows_from([row[checks:] for row in host]) if num_logprobs is not None else None
+    return SampledRows(rows, [int(row[0]) for row in host], {}, top)
+
+
+def _sample_row_by_row(logits: torch.Tensor, states: list[SamplingRequest], rng: torch.Generator) -> SampledRows:
+    """Each check read back on its own, so a faulty row fails its request alone."""
     out = SampledRows()
     finite = rows_finite(logits)
     out.errors.update({i: NON_FINITE for i, ok in enumerate(finite) if not ok})
@@ -41,7 +89,7 @@ def sample_isolated(logits: torch.Tensor, states: list[SamplingRequest], rng: to
     edited = _edit(raw, [states[i] for i in rows], rows, out.errors)
     keep = [j for j, i in enumerate(rows) if i not in out.errors]
     if edited is not raw:  # some request edited its logits: they must still be usable
-        usable = _usable(edited[keep])
+        usable = _usable_rows(edited[keep]).tolist()
         out.errors.update({rows[j]: EDITED_NON_FINITE for j, ok in zip(keep, usable) if not ok})
         keep = [j for j, ok in zip(keep, usable) if ok]
     if keep:
@@ -77,10 +125,10 @@ def _edit(raw: torch.Tensor, states: list[SamplingRequest], rows: list[int], err
     return edited
 
 
-def _usable(edited: torch.Tensor) -> list[bool]:
-    """No NaN or +inf, and at least one token left to pick."""
+def _usable_rows(edited: torch.Tensor) -> torch.Tensor:
+    """Per row: no NaN or +inf, and at least one token left to pick (bool [N], on the logits' device)."""
     return ((~torch.isnan(edited) & (edited != float("inf"))).all(dim=-1)
-            & (edited > float("-inf")).any(dim=-1)).tolist()
+            & (edited > float("-inf")).any(dim=-1))
 
 
 def _draw(edited: torch.Tensor, states: list[SamplingRequest], keep: list[int], rng: torch.Generator,

@@ -42,12 +42,10 @@ def _needs_processing(request: SamplingRequest) -> bool:
 
 def _apply_penalties(row: torch.Tensor, request: SamplingRequest) -> None:
     params = request.params
-    vocab = row.shape[0]
+    counts = request.token_counts(row.shape[0], row.device)
     if request.output_token_ids:
-        counts = torch.bincount(torch.tensor(request.output_token_ids, device=row.device), minlength=vocab)[:vocab]
-        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        generated = counts.output.to(row.dtype)
+        row -= params.frequency_penalty * generated + params.presence_penalty * (generated > 0)
     if params.repetition_penalty != 1:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
-        seen[torch.tensor(request.prompt_token_ids + request.output_token_ids, device=row.device)] = True
         penalized = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
-        row.copy_(torch.where(seen, penalized, row))
+        row.copy_(torch.where(counts.seen, penalized, row))

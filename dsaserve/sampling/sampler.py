@@ -23,13 +23,20 @@ class TopLogprobs:
     top_ids: torch.Tensor  # [N, n]
     top_logprobs: torch.Tensor  # [N, n]
 
-    def host_rows(self) -> list[tuple[float, int, list[int], list[float]]]:
-        """Per row (chosen logprob, rank, top ids, top logprobs) on the host, in one read back (fp64 holds every
-        field exactly)."""
-        n = self.top_ids.shape[1]
-        packed = torch.cat([self.chosen_logprob[:, None].double(), self.chosen_rank[:, None].double(),
-                            self.top_ids.double(), self.top_logprobs.double()], dim=1).tolist()
+    def packed(self) -> torch.Tensor:
+        """[N, 2 + 2n] fp64, a row's fields side by side (fp64 holds each exactly), for reading back with other
+        results in one copy; rows_from() turns the host copy into host_rows()."""
+        return torch.cat([self.chosen_logprob[:, None].double(), self.chosen_rank[:, None].double(),
+                          self.top_ids.double(), self.top_logprobs.double()], dim=1)
+
+    @staticmethod
+    def rows_from(packed: list[list[float]]) -> list[tuple[float, int, list[int], list[float]]]:
+        n = (len(packed[0]) - 2) // 2 if packed else 0
         return [(row[0], int(row[1]), [int(t) for t in row[2:2 + n]], row[2 + n:]) for row in packed]
+
+    def host_rows(self) -> list[tuple[float, int, list[int], list[float]]]:
+        """Per row (chosen logprob, rank, top ids, top logprobs) on the host, in one read back."""
+        return self.rows_from(self.packed().tolist())
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> TopLogprobs:

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from dsaserve.sampling.token_counts import TokenCounts
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.structured_output.request_grammar import RequestGrammar
 
@@ -23,4 +24,8 @@ class SamplingRequest(Protocol):
 
     def bias_tensors(self, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """params.logit_bias as (token ids, values) tensors."""
+        ...
+
+    def token_counts(self, vocab: int, device: torch.device) -> TokenCounts:
+        """The penalties' counts, up to date with output_token_ids."""
         ...

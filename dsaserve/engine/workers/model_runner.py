@@ -181,25 +181,18 @@ class ModelRunner:
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         states = [self.requests[r] for r in request_ids]
-        result = sample_isolated(logits, states, self.rng)
+        wanted = [state.params.logprobs for state in states if state.params.logprobs is not None]
+        num_logprobs = max(wanted) if wanted else None
+        result = sample_isolated(logits, states, self.rng, num_logprobs)
         output.errors.update({request_ids[i]: message for i, message in result.errors.items()})
-        if not result.rows:
-            return
-        want = [states[i].params.logprobs is not None for i in result.rows]
-        top = None
-        if any(want):
-            n = max(states[i].params.logprobs or 0 for i in result.rows)
-            raw = logits[result.rows]  # logprobs are those of the raw model distribution, as in vLLM
-            top = top_logprobs(raw.log_softmax(-1), torch.tensor(result.tokens, device=raw.device), n)
-        host = top.host_rows() if top is not None else None
         for j, (i, token) in enumerate(zip(result.rows, result.tokens)):
             if states[i].grammar is not None and not _grammar_accepts(states[i], token):
                 output.errors[request_ids[i]] = f"the structured-output grammar rejected sampled token {token}"
                 continue
             states[i].output_token_ids.append(token)
             output.sampled_token_ids[request_ids[i]] = [token]
-            if want[j]:
-                output.logprobs[request_ids[i]] = [position_logprobs(host, j, token, states[i].params.logprobs)]
+            if states[i].params.logprobs is not None:
+                output.logprobs[request_ids[i]] = [position_logprobs(result.top, j, token, states[i].params.logprobs)]
 
     def _prompt_logprobs(self, state: RunnerRequest, first: int, logits: torch.Tensor) -> list[TokenLogprobs]:
         targets = state.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]

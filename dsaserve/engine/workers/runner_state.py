@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsaserve.engine.scheduling.scheduler_output import NewRequestData
+from dsaserve.sampling.token_counts import TokenCounts
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.structured_output.request_grammar import RequestGrammar
 
@@ -28,6 +29,9 @@ class RunnerRequest:
     grammar: RequestGrammar | None = None  # the structured-output matcher
     error: str | None = None  # why this request cannot be sampled (set when its state could not be built)
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # Not an init field: a copy made by dataclasses.replace (speculative verification's view with drafts
+    # appended) starts its own counts instead of adding its drafts to this request's.
+    _counts: TokenCounts | None = field(default=None, init=False, repr=False)
 
     def bias_tensors(self, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """params.logit_bias as (token ids, values) tensors, built once for the request's life."""
@@ -36,6 +40,13 @@ class RunnerRequest:
             self._bias = (torch.tensor(list(bias), dtype=torch.long, device=device),
                           torch.tensor(list(bias.values()), dtype=dtype, device=device))
         return self._bias
+
+    def token_counts(self, vocab: int, device: torch.device) -> TokenCounts:
+        """The penalties' counts, kept across steps and brought up to date with output_token_ids."""
+        if self._counts is None:
+            self._counts = TokenCounts(self.prompt_token_ids, vocab, device)
+        self._counts.update(self.output_token_ids)
+        return self._counts
 
     def token_at(self, position: int) -> int:
         """The known token at a position of prompt + what this runner sampled."""
