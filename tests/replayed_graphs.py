@@ -58,8 +58,11 @@ class ReplayedForward:
         self.out = forward()
         return self.out
 
+    total_replays = 0  # every instance's, in this process
+
     def replay(self):
         self.replays += 1
+        type(self).total_replays += 1
         watch = HostReads()
         # A value read on the host (under inference mode a CPU tensor's item() passes no dispatch mode by).
         originals = {name: getattr(torch.Tensor, name) for name in HOST_VALUE_METHODS}
@@ -80,6 +83,43 @@ class ReplayedForward:
 
     def memory_pool(self):
         return None
+
+
+class StepReads:
+    """Values each engine step reads back to the host (item(), tolist(), bool(), .cpu(), ...), for steps that replayed
+    a graph: `install(llm.engine)` wraps its step; `per_step` then holds, per replayed step, what it read and where
+    (outside the replay too: the scheduler, the metadata's staging, sampling, the output)."""
+
+    METHODS = HOST_VALUE_METHODS + ("cpu",)  # (not numpy(): it raises for a device tensor; the staging is host memory)
+
+    def __init__(self):
+        self.per_step: list[list[str]] = []
+
+    def install(self, engine, setattr_) -> None:
+        step = engine.step
+        setattr_(engine, "step", lambda: self._watched(step, engine))
+
+    def _watched(self, step, engine):
+        import traceback
+
+        seen: list[str] = []
+        replays_before = ReplayedForward.total_replays
+        originals = {name: getattr(torch.Tensor, name) for name in self.METHODS}
+
+        def read(tensor, *args, _name, _method):
+            where = traceback.extract_stack(limit=3)[0]  # (the caller of the lambda below)
+            seen.append(f"Tensor.{_name} at {os.path.basename(where.filename)}:{where.lineno}")
+            return _method(tensor, *args)
+
+        try:
+            for name, method in originals.items():
+                setattr(torch.Tensor, name, lambda t, *a, _n=name, _m=method: read(t, *a, _name=_n, _method=_m))
+            return step()
+        finally:
+            for name, method in originals.items():
+                setattr(torch.Tensor, name, method)
+            if ReplayedForward.total_replays > replays_before:
+                self.per_step.append(seen)
 
 
 def install(setattr_, log: str | None = None) -> None:

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from replayed_graphs import ReplayedForward, install
+from replayed_graphs import ReplayedForward, StepReads, install
 
 from dsaserve import LLM, SamplingParams, cuda_graph_sizes, triton_ops
 from dsaserve.engine.workers import decode_graphs
@@ -53,9 +53,12 @@ def test_replayed_decode_steps_generate_what_eager_steps_do(interpreter, make_ch
     and 2 in the 128-token bucket, short contexts the 32-token one, prefill steps ran eagerly, and the padding rows
     wrote to the block past the scheduler's. And the replayed forward read nothing back from the device: no
     item()/tolist()/bool() of a tensor, no data-sized output (nonzero, masking, repeat_interleave without its size),
-    no tensor made from host data; each would stop a CUDA graph's capture (or bake one step's values into it)."""
+    no tensor made from host data; each would stop a CUDA graph's capture (or bake one step's values into it).
+    The whole step around the replay reads the device back once: the sampled tokens with their checks and logprobs."""
     path = make_checkpoint("parity_mixed_FFSS", seed=0)
     llm = engine(path, cuda_graph_sizes="1,2,4")
+    steps = StepReads()
+    steps.install(llm.engine, monkeypatch.setattr)
     graphed = generate(llm, PROMPTS, (8, 4, 8))
     graphs = llm.engine.runner.graphs
     assert set(replays(llm)) == {(size, context) for size in (1, 2, 4) for context in (32, 128)}
@@ -66,6 +69,7 @@ def test_replayed_decode_steps_generate_what_eager_steps_do(interpreter, make_ch
     assert graphs.pad_block == llm.engine.kv_cache.num_blocks - 1 == llm.engine.stats().num_blocks
     assert llm.engine.kv_cache.latent[0][graphs.pad_block, 0].abs().sum() > 0  # the padding rows wrote there
     assert replayed.host_reads == []
+    assert len(steps.per_step) >= 8 and all(len(reads) == 1 for reads in steps.per_step), steps.per_step
     monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
     eager_llm = engine(path, cuda_graph_sizes="1,2,4")
     eager = generate(eager_llm, PROMPTS, (8, 4, 8)) + generate(eager_llm, SHORT, (4, 4))
@@ -83,7 +87,7 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
                                                                               replayed, monkeypatch):
     """Speculative decoding (MTP, 2 drafts): verify steps of 3 tokens per request replay their graphs, whose hidden
     states the drafter reads; tokens and every step's drafts equal to the eager Triton path's; nothing read back from
-    the device in a replay (as above)."""
+    the device in a replay (as above), and a step reads back twice around it."""
     from dsaserve.attention import tile_unions
     from dsaserve.engine.workers import model_runner
 
@@ -95,8 +99,12 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
     path = make_checkpoint("tiny-mtp", seed=3, include_mtp=True)
     prompts = PROMPTS[::2]  # two requests past index_topk: verify steps of size 2
     llm = engine(path, cuda_graph_sizes="1,2", speculative_config=SPEC)
+    steps = StepReads()
+    steps.install(llm.engine, monkeypatch.setattr)
     graphed = generate(llm, prompts, (9, 9))  # (drafts run short near max_tokens: those steps are eager)
     assert replays(llm, rows=3)[2, 128] >= 3 and replayed.host_reads == []
+    # A verify step reads back twice: the verdicts with their logprobs, then the next drafts.
+    assert all(len(reads) <= 2 for reads in steps.per_step), steps.per_step
     # Prompt steps attend by tile unions (4 heads); captured steps per query (the unions' sort may not capture).
     assert built_in_graph and not any(built_in_graph)
     graphed_drafts, drafts[:] = list(drafts), []

@@ -14,6 +14,7 @@ from dsaserve.demo.mtp_block import write_mtp_block_checkpoint
 from dsaserve.engine.speculative.rejection_sampler import verify_drafts
 from dsaserve.llm import LLM
 from dsaserve.model.loader import CheckpointError
+from dsaserve.sampling.sampler import top_logprobs
 from dsaserve.sampling_params import SamplingParams
 
 PROMPTS = [{"prompt_token_ids": [5 + (7 * i) % 300 for i in range(n)]} for n in (3, 17, 40, 29)]
@@ -121,12 +122,14 @@ def test_speculation_pauses_from_batch_8_unless_told_otherwise():
                                     "disable_by_batch_size": None}).disable_by_batch_size is None
 
 
-def test_penalties_logprobs_and_stop_strings_see_the_accepted_drafts(mtp_checkpoint, monkeypatch):
+@pytest.mark.parametrize("penalties", [True, False], ids=["penalties", "plain greedy"])
+def test_penalties_logprobs_and_stop_strings_see_the_accepted_drafts(mtp_checkpoint, monkeypatch, penalties):
     """Verification edits each row as if the drafts before it had been sampled: penalties and the
     returned log-probabilities (the target's) come out as without speculation; a stop string inside a
-    round of accepted drafts ends the text at the same place."""
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3,
-                            frequency_penalty=0.5, logprobs=3)
+    round of accepted drafts ends the text at the same place. Without penalties the requests are verified together
+    (verify_greedy), their logprobs read back with the argmax."""
+    edits = {"repetition_penalty": 1.3, "frequency_penalty": 0.5} if penalties else {}
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3, **edits)
     plain = make_llm(mtp_checkpoint).generate(PROMPTS, params, use_tqdm=False)
     truth = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain)}
     llm = make_llm(mtp_checkpoint, 3)
@@ -327,7 +330,8 @@ def test_greedy_requests_are_verified_together_as_each_alone(monkeypatch):
     reads = collections.Counter()
     original = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.update(["tolist"]) or original(t))
-    got = verify_greedy(logits, drafts)
+    verdicts = verify_greedy(logits, drafts, num_logprobs=2)
+    got = verdicts.committed
     assert reads["tolist"] == 1
     monkeypatch.undo()
     expected = []
@@ -338,6 +342,9 @@ def test_greedy_requests_are_verified_together_as_each_alone(monkeypatch):
             expected.append(None)
     assert got == expected
     assert [len(c) if c else None for c in got] == [k + 1, 1, 2, None, 2]
+    # Each row's logprobs, its argmax chosen (the committed token wherever one is), in that same read.
+    expected_top = top_logprobs(logits.log_softmax(-1), logits.argmax(-1), 2)
+    assert verdicts.top[:2 * (k + 1)] == expected_top.host_rows()[:2 * (k + 1)]
 
 
 def rms(x, weight, eps=1e-6):

@@ -11,13 +11,14 @@ acceptances draw a bonus token from p_k. Greedy requests accept exactly when the
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from dsaserve.engine.workers.runner_state import RunnerRequest
 from dsaserve.sampling.isolated_sampling import NON_FINITE, rows_finite
 from dsaserve.sampling.logits_processors import process_logits
-from dsaserve.sampling.sampler import apply_filters
+from dsaserve.sampling.sampler import TopLogprobs, apply_filters, top_logprobs
 
 
 def plain_greedy(state: RunnerRequest) -> bool:
@@ -28,25 +29,38 @@ def plain_greedy(state: RunnerRequest) -> bool:
             and len(state.output_token_ids) >= params.min_tokens)
 
 
-def verify_greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int] | None]:
+@dataclass
+class GreedyVerdicts:
+    committed: list[list[int] | None]  # per request, its committed tokens (None: its rows are not finite)
+    top: list | None  # TopLogprobs.host_rows() of every row, its argmax the chosen token (when logprobs are asked for)
+
+
+def verify_greedy(logits: torch.Tensor, drafts: list[list[int]], num_logprobs: int | None = None) -> GreedyVerdicts:
     """verify_drafts for plain_greedy requests, all in one read back: logits holds each request's k + 1 rows in
-    turn (fp32 [Σ (k + 1), V]); per request, the committed tokens (None: its rows are not finite)."""
-    argmax, finite = torch.stack([logits.argmax(-1), torch.isfinite(logits.sum(-1)).long()]).tolist()
+    turn (fp32 [Σ (k + 1), V]). A row's committed token is its argmax, so its logprobs (of the raw distribution, top
+    num_logprobs) travel in the same read."""
+    argmax = logits.argmax(-1)
+    fields = [argmax[:, None].double(), torch.isfinite(logits.sum(-1))[:, None].double()]
+    if num_logprobs is not None:
+        fields.append(top_logprobs(logits.log_softmax(-1), argmax, num_logprobs).packed())
+    host = torch.cat(fields, dim=1).tolist()
     committed: list[list[int] | None] = []
     start = 0
     for request_drafts in drafts:
         end = start + len(request_drafts) + 1
-        if not all(finite[start:end]) and not bool(torch.isfinite(logits[start:end]).all()):  # (a sum's overflow)
+        rows = host[start:end]
+        if not all(row[1] for row in rows) and not bool(torch.isfinite(logits[start:end]).all()):  # (a sum's overflow)
             committed.append(None)
         else:
             tokens = []
-            for draft, token in zip(request_drafts + [None], argmax[start:end]):
-                tokens.append(token)
-                if token != draft:
+            for draft, row in zip(request_drafts + [None], rows):
+                tokens.append(int(row[0]))
+                if tokens[-1] != draft:
                     break
             committed.append(tokens)
         start = end
-    return committed
+    top = TopLogprobs.rows_from([row[2:] for row in host]) if num_logprobs is not None else None
+    return GreedyVerdicts(committed, top)
 
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], state: RunnerRequest, rng: torch.Generator) -> list[int]:

@@ -123,12 +123,16 @@ class ModelRunner:
         greedy = [(request_id, rows) for request_id, rows in verifying if plain_greedy(self.requests[request_id])]
         if greedy:
             drafts = [list(by_id[request_id].spec_token_ids) for request_id, _ in greedy]
-            verified = verify_greedy(logits[[row for _, rows in greedy for row in rows]], drafts)
-            for (request_id, rows), committed in zip(greedy, verified):
+            verdicts = verify_greedy(logits[[row for _, rows in greedy for row in rows]], drafts,
+                                     most_logprobs([self.requests[r] for r, _ in greedy]))
+            first = 0
+            for (request_id, rows), committed in zip(greedy, verdicts.committed):
                 if committed is None:
                     output.errors[request_id] = f"verifying drafted tokens failed: ValueError: {NON_FINITE}"
                 else:
-                    self._commit(request_id, committed, logits[rows], output)
+                    top = verdicts.top[first:first + len(committed)] if verdicts.top is not None else None
+                    self._commit(request_id, committed, logits[rows], output, top)
+                first += len(rows)
         greedy_ids = {request_id for request_id, _ in greedy}
         for request_id, rows in verifying:
             if request_id not in greedy_ids:
@@ -143,15 +147,18 @@ class ModelRunner:
             return
         self._commit(request_id, committed, logits, output)
 
-    def _commit(self, request_id: str, committed: list[int], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
-        """A verified request's tokens (the accepted drafts and the target's), with their logprobs where asked."""
+    def _commit(self, request_id: str, committed: list[int], logits: torch.Tensor, output: ModelRunnerOutput,
+                host: list | None = None) -> None:
+        """A verified request's tokens (the accepted drafts and the target's), with their logprobs where asked (`host`:
+        TopLogprobs.host_rows() of its committed rows when verification read them back already)."""
         state = self.requests[request_id]
         state.output_token_ids.extend(committed)
         output.sampled_token_ids[request_id] = committed
         if state.params.logprobs is not None:  # the target's, as without speculation
-            rows = logits[: len(committed)]
-            top = top_logprobs(rows.log_softmax(-1), torch.tensor(committed, device=rows.device), state.params.logprobs)
-            host = top.host_rows()
+            if host is None:
+                rows = logits[: len(committed)]
+                host = top_logprobs(rows.log_softmax(-1), torch.tensor(committed, device=rows.device),
+                                    state.params.logprobs).host_rows()
             output.logprobs[request_id] = [position_logprobs(host, j, t, state.params.logprobs)
                                            for j, t in enumerate(committed)]
 
@@ -181,9 +188,7 @@ class ModelRunner:
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         states = [self.requests[r] for r in request_ids]
-        wanted = [state.params.logprobs for state in states if state.params.logprobs is not None]
-        num_logprobs = max(wanted) if wanted else None
-        result = sample_isolated(logits, states, self.rng, num_logprobs)
+        result = sample_isolated(logits, states, self.rng, most_logprobs(states))
         output.errors.update({request_ids[i]: message for i, message in result.errors.items()})
         for j, (i, token) in enumerate(zip(result.rows, result.tokens)):
             if states[i].grammar is not None and not _grammar_accepts(states[i], token):
@@ -201,6 +206,12 @@ class ModelRunner:
         top = top_logprobs(logits.log_softmax(-1), torch.tensor(targets, device=logits.device), n)
         host = top.host_rows()
         return [position_logprobs(host, j, token, n) for j, token in enumerate(targets)]
+
+
+def most_logprobs(states: list[RunnerRequest]) -> int | None:
+    """The most top logprobs any of these requests asks for (None: none asks for logprobs)."""
+    wanted = [state.params.logprobs for state in states if state.params.logprobs is not None]
+    return max(wanted) if wanted else None
 
 
 def _grammar_accepts(state: RunnerRequest, token: int) -> bool:
