@@ -235,6 +235,35 @@ def test_chunked_prefill_batching_and_preemption_equal_each_request_alone(path, 
     assert tight.engine.stats().num_free_blocks == 10 and len(tight.engine.scheduler.state_slots.free) == 3
 
 
+def test_without_native_operators_requests_decoding_together_equal_each_alone(path, ref, monkeypatch):
+    """A GPU's path on CPU (no native operator: the batched convolution and delta-rule steps of decode rows, and the
+    pooled keys written at rows the host finds): three requests decoding together give each one's greedy tokens
+    from the native path alone, the first the reference's."""
+    prompts = [prompt(ref.config.text_config.vocab_size, n, seed=20 + n) for n in (47, 33, 60)]
+    expected = [alone(path, p) for p in prompts]
+    assert expected[0] == reference_greedy(ref, prompts[0], GREEDY.max_tokens)
+    monkeypatch.setattr(torch_ops, "load", lambda: False)
+    outs = make_llm(path).generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+def test_pool_ends_are_the_rows_that_complete_a_pool_found_without_a_read_back():
+    """pool_ends from the host's lengths: chunks starting mid-pool and on a pool's edge, a decode row at a pool's end
+    and one not, a chunk spanning three pools; the cache write it serves reads nothing back."""
+    from replayed_graphs import HostReads
+
+    from dsaserve.attention.pooled_keys import PooledKeyCache, pool_ends
+    kpool, lens, contexts = 4, [6, 1, 1, 13, 3], [2, 7, 8, 0, 4]
+    meta = BatchMetadata.build([[1] * n for n in lens], contexts, [[0, 1], [2], [3, 4], [5, 6], [7]], 16, [])
+    expected = (meta.positions % kpool == kpool - 1).nonzero().flatten().tolist()
+    assert pool_ends(meta, kpool).tolist() == expected == [1, 5, 6, 11, 15, 19]
+    cache = PooledKeyCache(8, 16, 5, kpool, torch.float32, torch.device("cpu"))
+    watch = HostReads()
+    with watch:
+        cache.write(meta, torch.randn(sum(lens), 5), torch.randn(sum(lens), 5), torch.zeros(kpool, 5))
+    assert watch.seen == []
+
+
 def test_parallel_samples_recompute_their_prompt(path, ref):
     """n > 1: the samples do not adopt sample 0's prompt blocks (their KDA state is not in them); each computes it."""
     ids = prompt(ref.config.text_config.vocab_size, 40, seed=5)
@@ -416,6 +445,37 @@ def test_native_convolution_equals_the_torch_path(path, monkeypatch, dtype):
     tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
     torch.testing.assert_close(native[0], reference[0], **tolerance)
     assert torch.equal(native[1], reference[1]) and torch.equal(native[2], reference[2])
+
+
+def test_decode_rows_convolve_in_one_batched_step_as_each_would_alone(path, monkeypatch):
+    """Without the native kda_conv (a GPU), a step's single-row requests convolve together (a fresh one, two
+    continuing their tails, one keeping a snapshot among them, a prompt chunk beside them): every row and carried
+    tail equal to convolve_torch's for that request alone, bit for bit."""
+    from dsaserve.model.kda import KimiDeltaAttention, inputs_before
+    monkeypatch.setattr(torch_ops, "load", lambda: False)
+    convolve_batched = KimiDeltaAttention.convolve_batched
+    cfg = ModelConfig.from_pretrained(path)
+    g = torch.Generator().manual_seed(4)
+    kda = KimiDeltaAttention(cfg)
+    kda.conv_weight.data = torch.randn(kda.conv_weight.shape, generator=g)
+    lens, contexts = [1, 5, 1, 1, 1], [7, 0, 0, 12, 3]
+    snapshots = [(), (), (), ((13, 0),), ()]
+    meta = BatchMetadata.build([[1] * n for n in lens], contexts, [[i] for i in range(5)], 16, [],
+                               state_slots=[4, 0, 1, 2, 3], state_snapshots=snapshots)
+    mixed = torch.randn(sum(lens), kda.conv_weight.shape[0], generator=g)
+    state = LinearStateCache(cfg.hybrid, 5, torch.device("cpu"), num_snapshots=1)
+    state.conv.copy_(torch.randn(state.conv.shape, generator=g))
+    tails = state.conv.clone()
+    batched = []
+    monkeypatch.setattr(KimiDeltaAttention, "convolve_batched",
+                        lambda self, *a: batched.append(a[3]) or convolve_batched(self, *a))
+    out = kda.convolve(mixed, meta, state)
+    assert batched == [[0, 2, 4]]  # the single rows that keep no snapshot
+    for i, (slot, context) in enumerate(zip(meta.state_slots, contexts)):
+        start, end = meta.query_range(i)
+        tail = tails[slot] if context else torch.zeros_like(tails[slot])
+        assert torch.equal(out[start:end], kda.convolve_torch(mixed[start:end], tail))
+        assert torch.equal(state.conv[slot], inputs_before(tail, mixed[start:end], end - start))
 
 
 @pytest.mark.skipif(not torch_ops.load(), reason="dsaserve's torch operators could not be built here")

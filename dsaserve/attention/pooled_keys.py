@@ -43,10 +43,10 @@ class PooledKeyCache:
         token is among them."""
         rows = self.tokens.view(-1, 2 * self.dim)
         rows.index_copy_(0, meta.slot_mapping, torch.cat([keys, gates], -1).to(rows.dtype))
-        done = (meta.positions % self.kpool) == self.kpool - 1
-        if not bool(done.any()):
+        ends = pool_ends(meta, self.kpool)
+        if ends.numel() == 0:  # (known on the host: no read back)
             return
-        last = meta.slot_mapping[done]
+        last = meta.slot_mapping[ends]
         members = rows[(last[:, None] + torch.arange(1 - self.kpool, 1, device=last.device))]  # [P, kpool, 2·dim]
         key, gate = members.split(self.dim, dim=-1)
         weights = torch.softmax(gate.float() + ape.float(), dim=1).to(key.dtype)
@@ -58,6 +58,20 @@ class PooledKeyCache:
         pools = torch.arange(count, device=meta.block_tables.device)
         blocks = meta.block_tables[i][pools // per_block]
         return self.pools.view(-1, self.dim)[blocks * per_block + pools % per_block]
+
+
+def pool_ends(meta: BatchMetadata, kpool: int) -> torch.Tensor:
+    """The batch's rows whose token completes a pool (position % kpool == kpool - 1), int64 on the device: from the
+    host's lengths, once per step (a mask of the positions would be read back to size the pools on a GPU)."""
+    def make():
+        rows = []
+        for i in range(meta.num_reqs):
+            start, end = meta.query_range(i)
+            context = meta.context_len(i)
+            first = context + (kpool - 1 - context) % kpool  # the first position at or after context that ends a pool
+            rows.extend(range(start + first - context, end, kpool))
+        return torch.tensor(rows, dtype=torch.long, device=meta.positions.device)
+    return meta.once(("pool ends", kpool), make)
 
 
 def select_pools(queries: torch.Tensor, weights: torch.Tensor, cache: PooledKeyCache, meta: BatchMetadata,

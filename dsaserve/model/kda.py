@@ -92,7 +92,10 @@ class KimiDeltaAttention(PreparedCalls):
         out = torch.empty_like(mixed)
         width = self.conv_weight.shape[1] - 1
         native = one_operator(mixed)
-        for i in range(meta.num_reqs):
+        single = [] if native else [i for i in meta.decode_requests() if not meta.state_snapshots[i]]
+        if single:
+            self.convolve_batched(mixed, meta, state, single, out)
+        for i in sorted(set(range(meta.num_reqs)) - set(single)):
             start, end = meta.query_range(i)
             slot, context = meta.state_slots[i], meta.context_len(i)
             tail = mixed.new_zeros(width, mixed.shape[1], dtype=torch.float32) if context == 0 else state.conv[slot]
@@ -114,6 +117,24 @@ class KimiDeltaAttention(PreparedCalls):
         for tap in range(width):
             out.addcmul_(seq[tap : tap + rows.shape[0]], weight[:, tap])
         return F.silu(out).to(rows.dtype)
+
+    def convolve_batched(self, mixed: torch.Tensor, meta: BatchMetadata, state: LinearStateCache, single: list[int],
+                         out: torch.Tensor) -> None:
+        """One row for each request in `single` (none keeping a snapshot), in one torch step over their gathered
+        inputs: convolve_torch's sums in its order, so each row comes out as it would alone."""
+        device = mixed.device
+        rows = torch.tensor([meta.query_start_loc_host[i] for i in single], device=device)
+        slots = torch.tensor([meta.state_slots[i] for i in single], device=device)
+        fresh = torch.tensor([meta.context_len(i) == 0 for i in single], device=device)
+        tails = state.conv[slots].masked_fill(fresh.view(-1, 1, 1), 0.0)  # [R, width, channels] fp32
+        seq = torch.cat([tails, mixed[rows].float()[:, None]], dim=1)  # [R, width + 1, channels]
+        weight = self.conv_weight.float()
+        width = weight.shape[1] - 1
+        convolved = seq[:, width] * weight[:, width]
+        for tap in range(width):
+            convolved.addcmul_(seq[:, tap], weight[:, tap])
+        out[rows] = F.silu(convolved).to(out.dtype)
+        state.conv[slots] = seq[:, 1:]
 
     def taps_by_channel(self) -> torch.Tensor:
         """conv_weight [channels, taps] as the native kernel reads it: [taps, channels] fp32, made once."""
