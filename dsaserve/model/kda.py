@@ -122,10 +122,7 @@ class KimiDeltaAttention(PreparedCalls):
                          out: torch.Tensor) -> None:
         """One row for each request in `single` (none keeping a snapshot), in one torch step over their gathered
         inputs: convolve_torch's sums in its order, so each row comes out as it would alone."""
-        device = mixed.device
-        rows = torch.tensor([meta.query_start_loc_host[i] for i in single], device=device)
-        slots = torch.tensor([meta.state_slots[i] for i in single], device=device)
-        fresh = torch.tensor([meta.context_len(i) == 0 for i in single], device=device)
+        rows, slots, fresh = single_rows(meta, single)
         tails = state.conv[slots].masked_fill(fresh.view(-1, 1, 1), 0.0)  # [R, width, channels] fp32
         seq = torch.cat([tails, mixed[rows].float()[:, None]], dim=1)  # [R, width + 1, channels]
         weight = self.conv_weight.float()
@@ -166,15 +163,24 @@ class KimiDeltaAttention(PreparedCalls):
     def recur_batched(self, q, k, v, g, beta, meta: BatchMetadata, state: LinearStateCache, single: list[int],
                       out: torch.Tensor) -> None:
         """One token for each request in `single`, in one torch step over their gathered states."""
-        rows = torch.tensor([meta.query_start_loc_host[i] for i in single], device=q.device)
-        slots = torch.tensor([meta.state_slots[i] for i in single], device=q.device)
-        fresh = torch.tensor([meta.context_len(i) == 0 for i in single], device=q.device)
+        rows, slots, fresh = single_rows(meta, single)
         carried = state.recurrent[slots].masked_fill(fresh.view(-1, 1, 1, 1), 0.0)
         out[rows] = delta_rule.recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], carried)
         state.recurrent[slots] = carried
         for j, i in enumerate(single):
             for _, snapshot in meta.state_snapshots[i]:  # (its one position: after this token)
                 state.snapshot_recurrent[snapshot] = carried[j]
+
+def single_rows(meta: BatchMetadata, single: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch row, state slot, whether the state starts fresh) of each single-row request, on the batch's device: made
+    once per step for every KDA layer's batched steps."""
+    def make():
+        device = meta.positions.device
+        return (torch.tensor([meta.query_start_loc_host[i] for i in single], device=device),
+                torch.tensor([meta.state_slots[i] for i in single], device=device),
+                torch.tensor([meta.context_len(i) == 0 for i in single], device=device))
+    return meta.once(("kda single rows", tuple(single)), make)
+
 
 def inputs_before(tail: torch.Tensor, rows: torch.Tensor, offset: int) -> torch.Tensor:
     """The convolution's `width` inputs before row `offset` of a request's rows (fp32), reaching into the tail (the
