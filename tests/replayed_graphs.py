@@ -85,41 +85,54 @@ class ReplayedForward:
         return None
 
 
-class StepReads:
-    """Values each engine step reads back to the host (item(), tolist(), bool(), .cpu(), ...), for steps that replayed
-    a graph: `install(llm.engine)` wraps its step; `per_step` then holds, per replayed step, what it read and where
-    (outside the replay too: the scheduler, the metadata's staging, sampling, the output)."""
+class HostValueReads:
+    """While open, `seen` lists each value read back to the host (item(), tolist(), bool(), .cpu(), ...) with the
+    file and line that read it."""
 
-    METHODS = HOST_VALUE_METHODS + ("cpu",)  # (not numpy(): it raises for a device tensor; the staging is host memory)
+    METHODS = HOST_VALUE_METHODS + ("cpu",)  # (not numpy(): it raises for a device tensor; stagings are host memory)
+
+    def __init__(self):
+        self.seen: list[str] = []
+        self._originals = {}
+
+    def __enter__(self):
+        import traceback
+
+        self._originals = {name: getattr(torch.Tensor, name) for name in self.METHODS}
+
+        def read(tensor, *args, _name, _method):
+            where = traceback.extract_stack(limit=3)[0]  # (the caller of the lambda below)
+            self.seen.append(f"Tensor.{_name} at {os.path.basename(where.filename)}:{where.lineno}")
+            return _method(tensor, *args)
+
+        for name, method in self._originals.items():
+            setattr(torch.Tensor, name, lambda t, *a, _n=name, _m=method: read(t, *a, _name=_n, _method=_m))
+        return self
+
+    def __exit__(self, *exc):
+        for name, method in self._originals.items():
+            setattr(torch.Tensor, name, method)
+
+
+class StepReads:
+    """Values each engine step that replayed a graph reads back to the host (HostValueReads), outside the replay
+    too (the scheduler, the metadata's staging, sampling, the output): `install(llm.engine, setattr)` wraps its step;
+    `per_step` then holds, per replayed step, what it read and where."""
 
     def __init__(self):
         self.per_step: list[list[str]] = []
 
     def install(self, engine, setattr_) -> None:
         step = engine.step
-        setattr_(engine, "step", lambda: self._watched(step, engine))
+        setattr_(engine, "step", lambda: self._watched(step))
 
-    def _watched(self, step, engine):
-        import traceback
-
-        seen: list[str] = []
+    def _watched(self, step):
         replays_before = ReplayedForward.total_replays
-        originals = {name: getattr(torch.Tensor, name) for name in self.METHODS}
-
-        def read(tensor, *args, _name, _method):
-            where = traceback.extract_stack(limit=3)[0]  # (the caller of the lambda below)
-            seen.append(f"Tensor.{_name} at {os.path.basename(where.filename)}:{where.lineno}")
-            return _method(tensor, *args)
-
-        try:
-            for name, method in originals.items():
-                setattr(torch.Tensor, name, lambda t, *a, _n=name, _m=method: read(t, *a, _name=_n, _method=_m))
-            return step()
-        finally:
-            for name, method in originals.items():
-                setattr(torch.Tensor, name, method)
-            if ReplayedForward.total_replays > replays_before:
-                self.per_step.append(seen)
+        with HostValueReads() as reads:
+            out = step()
+        if ReplayedForward.total_replays > replays_before:
+            self.per_step.append(reads.seen)
+        return out
 
 
 def install(setattr_, log: str | None = None) -> None:

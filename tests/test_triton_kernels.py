@@ -687,6 +687,34 @@ def test_the_other_families_through_the_triton_kernels_generate_what_the_cpu_pat
         assert max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids)) < 1e-3
 
 
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32", "glm5_next"])
+def test_an_eager_decode_step_on_the_gpu_path_reads_back_once(interpreter, make_checkpoint, monkeypatch, family):
+    """A GPU's eager decode step (the Triton kernels, no native CPU operator; GLM-5.3-Flash always runs this way on
+    CUDA): one value read back to the host, the sampled tokens, and no operator that would make the host wait for the
+    device (a data-sized output, a mask index, bincount; copies of host data to the device are allowed)."""
+    from replayed_graphs import HostReads, HostValueReads
+    from test_deepseek_v32 import V32
+
+    from dsaserve.native import torch_ops
+
+    kwargs = {"deepseek_v32": V32, "glm5_next": dict(model_type="glm5_next")}.get(family, {})
+    path = make_checkpoint(family if kwargs else "tiny", seed=0, **kwargs)
+    monkeypatch.setattr(torch_ops, "load", lambda: False)
+    engine = LLM(path, dtype="float32", block_size=16, max_model_len=256, triton_kernels="on",
+                 progress=False).engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    for i, n in enumerate((35, 9)):  # past index_topk (the indexer selects) and within it
+        engine.add_request(f"r{i}", list(range(30, 30 + n)), params)
+    first = engine.step()  # both prompts in one step, each with its first token
+    assert sorted(o.request_id for o in first if o.outputs[0].token_ids) == ["r0", "r1"]
+    steps = []
+    while engine.has_unfinished_requests():
+        with HostValueReads() as reads, HostReads() as ops:
+            engine.step()
+        steps.append((reads.seen, [op for op in ops.seen if op != "aten.lift_fresh.default"]))
+    assert len(steps) == 2 and all(len(reads) == 1 and not ops for reads, ops in steps), steps
+
+
 # ---- FP8 weights on the FP8 tensor cores (triton_ops/fp8_scaled_mm.py) -------------------------------------------
 # torch's block-scaled matmul runs on Hopper GPUs only; here it is replaced by this emulation of its documented
 # semantics, which also asserts the scales' shapes and layout that the CUDA kernel requires. On a GPU the engine checks
