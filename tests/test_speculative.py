@@ -188,8 +188,8 @@ def test_rollback_leaves_no_rejected_draft_visible(mtp_checkpoint, reference, mo
 
 def test_sampled_distribution_is_the_targets(mtp_checkpoint, monkeypatch):
     """The second token (the first to go through verification) over many seeds: with speculation its
-    distribution matches plain sampling (chi-square), while an acceptance rule that keeps the draft
-    whenever the target gives it any probability is caught."""
+    distribution matches plain sampling (chi-square), verified together (verify_random) or one by one,
+    while an acceptance rule that keeps the draft whenever the target gives it any probability is caught."""
     prompt = [{"prompt_token_ids": [11, 12, 13, 14]}]
     # Three tokens: after the first, one draft fits (the last token must stay the target's own).
     params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=6, seed=s, ignore_eos=True) for s in range(1500)]
@@ -215,10 +215,12 @@ def test_sampled_distribution_is_the_targets(mtp_checkpoint, monkeypatch):
             return drafts
         return propose
 
-    def speculative_counts(verify):
+    def speculative_counts(verify=None):
         llm = make_llm(mtp_checkpoint, 1, max_num_seqs=256)
         monkeypatch.setattr(runner_module, "propose", drafts_from_common(llm.engine.runner))
-        monkeypatch.setattr(runner_module, "verify_drafts", verify)
+        if verify is not None:  # one request at a time, as those whose logits are edited are verified
+            monkeypatch.setattr(runner_module, "plain_random", lambda state: False)
+            monkeypatch.setattr(runner_module, "verify_drafts", verify)
         return second_tokens(llm)
 
     def greedy_acceptance(logits, drafts, state, rng):  # wrong: keeps any draft the target allows
@@ -228,9 +230,47 @@ def test_sampled_distribution_is_the_targets(mtp_checkpoint, monkeypatch):
             return [drafts[0]] + verify_drafts(logits[1:], [], state, rng)
         return verify_drafts(logits, drafts, state, rng)
 
-    right, wrong = speculative_counts(verify_drafts), speculative_counts(greedy_acceptance)
-    assert chi_square_p(plain, right) > 1e-3
+    batched = speculative_counts()  # (first: the others keep their patches)
+    one_by_one, wrong = speculative_counts(verify_drafts), speculative_counts(greedy_acceptance)
+    assert chi_square_p(plain, batched) > 1e-3 and chi_square_p(plain, one_by_one) > 1e-3
     assert chi_square_p(plain, wrong) < 1e-6
+
+
+def test_sampled_requests_are_verified_together_in_one_read(monkeypatch):
+    """verify_random (the plain random requests of a step, every row's draws made before one read back): a draft the
+    filtered target holds with probability 1 is accepted, one it cannot give is replaced by what it can, k accepted
+    drafts get the bonus row's token; a NaN row fails its request alone; a seeded request's verdict is the same in any
+    company."""
+    from dsaserve.engine.speculative.rejection_sampler import plain_random, verify_random
+    from dsaserve.engine.workers.runner_state import RunnerRequest
+
+    vocab = 30
+    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(2))
+    best = logits.argmax(-1)
+    top1 = SamplingParams(temperature=0.7, top_k=1)  # each row's distribution: its argmax alone
+
+    def state(params, seed):
+        return RunnerRequest(params, [1], frozenset(), torch.Generator().manual_seed(seed), False)
+
+    states = [state(top1, 1), state(top1, 2), state(SamplingParams(temperature=1.0, seed=3), 3)]
+    assert all(plain_random(s) for s in states)
+    drafts = [[int(best[0]), int(best[1])], [int(best[3]), (int(best[4]) + 1) % vocab], [5, 6]]
+    logits[7, 4] = float("nan")  # the third request's second row
+    reads = collections.Counter()
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.update(["tolist"]) or original(t))
+    verdicts = verify_random(logits, drafts, states, torch.Generator().manual_seed(0))
+    assert reads["tolist"] == 1
+    monkeypatch.undo()
+    assert verdicts[0] == [int(best[0]), int(best[1]), int(best[2])]  # both drafts, then the bonus row's argmax
+    assert verdicts[1] == [int(best[3]), int(best[4])]  # the second draft rejected, the only token left instead
+    assert isinstance(verdicts[2], str) and "non-finite" in verdicts[2]
+    seeded = state(SamplingParams(temperature=1.0, seed=9), 9)
+    company = verify_random(torch.cat([logits[:3], logits[:3]]), [drafts[0], [0, 1]],
+                            [state(SamplingParams(temperature=1.0), 4), seeded], torch.Generator().manual_seed(5))
+    seeded.generator.manual_seed(9)
+    alone = verify_random(logits[:3], [[0, 1]], [seeded], torch.Generator().manual_seed(6))
+    assert company[1] == alone[0]
 
 
 def chi_square_p(a: collections.Counter, b: collections.Counter) -> float:

@@ -22,10 +22,20 @@ from dsaserve.sampling.sampler import TopLogprobs, apply_filters, top_logprobs
 
 
 def plain_greedy(state: RunnerRequest) -> bool:
-    """Whether a request's verification is argmax alone, whatever it commits: greedy, and no edit of its logits now
-    or after more tokens (no bias, penalties or grammar; min_tokens already reached)."""
+    """Whether a request's verification is argmax alone, whatever it commits: greedy, and no edit of its logits."""
+    return state.params.greedy and unedited(state)
+
+
+def plain_random(state: RunnerRequest) -> bool:
+    """Whether a sampled request's rows are distributions of their own, whatever it commits (no edit of its logits), so
+    that every row is verified at once (verify_random)."""
+    return not state.params.greedy and unedited(state)
+
+
+def unedited(state: RunnerRequest) -> bool:
+    """No edit of the request's logits now or after more tokens: no bias, penalties or grammar; min_tokens reached."""
     params = state.params
-    return (params.greedy and not params.logit_bias and not params.has_penalties and state.grammar is None
+    return (not params.logit_bias and not params.has_penalties and state.grammar is None
             and len(state.output_token_ids) >= params.min_tokens)
 
 
@@ -61,6 +71,56 @@ def verify_greedy(logits: torch.Tensor, drafts: list[list[int]], num_logprobs: i
         start = end
     top = TopLogprobs.rows_from([row[2:] for row in host]) if num_logprobs is not None else None
     return GreedyVerdicts(committed, top)
+
+
+def verify_random(logits: torch.Tensor, drafts: list[list[int]], states: list[RunnerRequest],
+                  rng: torch.Generator) -> list[list[int] | str]:
+    """verify_drafts for plain_random requests, all in one read back: logits holds each request's k + 1 rows in turn
+    (fp32 [Σ (k + 1), V]). Every row's acceptance draw, and the token it would give on a rejection (its distribution
+    without its draft; the last row's, the bonus token, without removal), are computed on the device before anything
+    is read. Per request: the committed tokens, or why it fails. A request draws k uniforms, then k + 1 rows of
+    exponential noise, from its own generator (else the batch's), in request order."""
+    device = logits.device
+    params = [state.params for state, request_drafts in zip(states, drafts) for _ in range(len(request_drafts) + 1)]
+    probs = apply_filters(logits, params).softmax(-1)
+    draft_ids = torch.tensor([t for request_drafts in drafts for t in request_drafts + [-1]], device=device)
+    has_draft = draft_ids >= 0
+    column = draft_ids.clamp(min=0)[:, None]
+    uniforms, noise = [], []
+    for state, request_drafts in zip(states, drafts):
+        generator = state.generator or rng
+        k = len(request_drafts)
+        uniforms += [torch.rand(k, generator=generator, device=device), torch.ones(1, device=device)]
+        noise.append(torch.empty(k + 1, probs.shape[1], device=device).exponential_(generator=generator))
+    accept = has_draft & (torch.cat(uniforms) < probs.gather(1, column).squeeze(1))
+    residual = torch.where(has_draft[:, None], probs.scatter(1, column, 0.0), probs)
+    recovered = (residual / torch.cat(noise)).argmax(-1)
+    checks = [accept, recovered, (residual > 0).any(-1), torch.isfinite(logits.sum(-1))]
+    host = torch.stack([c.long() for c in checks], dim=1).tolist()
+    verdicts: list[list[int] | str] = []
+    start = 0
+    for request_drafts in drafts:
+        end = start + len(request_drafts) + 1
+        rows = host[start:end]
+        if not all(row[3] for row in rows) and not bool(torch.isfinite(logits[start:end]).all()):  # (a sum's overflow)
+            verdicts.append(NON_FINITE)
+        else:
+            verdicts.append(_commit_random(request_drafts, rows))
+        start = end
+    return verdicts
+
+
+def _commit_random(drafts: list[int], rows: list[list[int]]) -> list[int] | str:
+    """The accepted drafts, then the first rejecting row's token (or the bonus row's after k acceptances)."""
+    committed = []
+    for j, (accepted, token, left, _) in enumerate(rows):
+        if j < len(drafts) and accepted:
+            committed.append(drafts[j])
+            continue
+        if not left:
+            return "nothing left to sample after rejecting the draft"
+        return committed + [token]
+    return committed
 
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], state: RunnerRequest, rng: torch.Generator) -> list[int]:

@@ -14,7 +14,13 @@ import torch
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
 from dsaserve.engine.speculative.mtp_drafter import DraftInput, propose
-from dsaserve.engine.speculative.rejection_sampler import plain_greedy, verify_drafts, verify_greedy
+from dsaserve.engine.speculative.rejection_sampler import (
+    plain_greedy,
+    plain_random,
+    verify_drafts,
+    verify_greedy,
+    verify_random,
+)
 from dsaserve.engine.workers.decode_graphs import DecodeGraphs
 from dsaserve.engine.workers.kv_cache import KVCache
 from dsaserve.engine.workers.runner_output import ModelRunnerOutput, TokenLogprobs
@@ -118,26 +124,51 @@ class ModelRunner:
 
     def _verify_all(self, verifying: list[tuple[str, list[int]]], by_id: dict, logits: torch.Tensor,
                     output: ModelRunnerOutput) -> None:
-        """Each request's drafts verified against its rows of `logits`: the plain greedy ones together, their argmax
-        rows read back once (on a GPU one synchronisation, not one a row), the others one by one."""
-        greedy = [(request_id, rows) for request_id, rows in verifying if plain_greedy(self.requests[request_id])]
-        if greedy:
-            drafts = [list(by_id[request_id].spec_token_ids) for request_id, _ in greedy]
-            verdicts = verify_greedy(logits[[row for _, rows in greedy for row in rows]], drafts,
-                                     most_logprobs([self.requests[r] for r, _ in greedy]))
-            first = 0
-            for (request_id, rows), committed in zip(greedy, verdicts.committed):
-                if committed is None:
-                    output.errors[request_id] = f"verifying drafted tokens failed: ValueError: {NON_FINITE}"
-                else:
-                    top = verdicts.top[first:first + len(committed)] if verdicts.top is not None else None
-                    self._commit(request_id, committed, logits[rows], output, top)
-                first += len(rows)
-        greedy_ids = {request_id for request_id, _ in greedy}
+        """Each request's drafts verified against its rows of `logits`: the plain greedy ones together and the plain
+        random ones together, each group's rows read back once (on a GPU one synchronisation, not one a row or draw);
+        requests whose logits are edited one by one (a row's edits depend on the drafts accepted before it)."""
+        done = self._verify_greedy([(r, rows) for r, rows in verifying if plain_greedy(self.requests[r])], by_id,
+                                   logits, output)
+        done |= self._verify_random([(r, rows) for r, rows in verifying if plain_random(self.requests[r])], by_id,
+                                    logits, output)
         for request_id, rows in verifying:
-            if request_id not in greedy_ids:
+            if request_id not in done:
                 self._verify(request_id, list(by_id[request_id].spec_token_ids), logits[rows], output)
             self._roll_back_state(by_id[request_id], output)
+
+    def _verify_greedy(self, greedy: list[tuple[str, list[int]]], by_id: dict, logits: torch.Tensor,
+                       output: ModelRunnerOutput) -> set[str]:
+        if not greedy:
+            return set()
+        drafts = [list(by_id[request_id].spec_token_ids) for request_id, _ in greedy]
+        verdicts = verify_greedy(logits[[row for _, rows in greedy for row in rows]], drafts,
+                                 most_logprobs([self.requests[r] for r, _ in greedy]))
+        first = 0
+        for (request_id, rows), committed in zip(greedy, verdicts.committed):
+            if committed is None:
+                output.errors[request_id] = f"verifying drafted tokens failed: ValueError: {NON_FINITE}"
+            else:
+                top = verdicts.top[first:first + len(committed)] if verdicts.top is not None else None
+                self._commit(request_id, committed, logits[rows], output, top)
+            first += len(rows)
+        return {request_id for request_id, _ in greedy}
+
+    def _verify_random(self, random: list[tuple[str, list[int]]], by_id: dict, logits: torch.Tensor,
+                       output: ModelRunnerOutput) -> set[str]:
+        if not random:
+            return set()
+        states = [self.requests[request_id] for request_id, _ in random]
+        drafts = [list(by_id[request_id].spec_token_ids) for request_id, _ in random]
+        try:
+            verdicts = verify_random(logits[[row for _, rows in random for row in rows]], drafts, states, self.rng)
+        except Exception:  # (e.g. a filter that cannot run) verified one by one, each request's fault its own
+            return set()
+        for (request_id, rows), verdict in zip(random, verdicts):
+            if isinstance(verdict, str):
+                output.errors[request_id] = f"verifying drafted tokens failed: ValueError: {verdict}"
+            else:
+                self._commit(request_id, verdict, logits[rows], output)
+        return {request_id for request_id, _ in random}
 
     def _verify(self, request_id: str, drafts: list[int], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         try:
