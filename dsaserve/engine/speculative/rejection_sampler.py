@@ -54,21 +54,7 @@ def verify_greedy(logits: torch.Tensor, drafts: list[list[int]], num_logprobs: i
     if num_logprobs is not None:
         fields.append(top_logprobs(logits.log_softmax(-1), argmax, num_logprobs).packed())
     host = torch.cat(fields, dim=1).tolist()
-    committed: list[list[int] | None] = []
-    start = 0
-    for request_drafts in drafts:
-        end = start + len(request_drafts) + 1
-        rows = host[start:end]
-        if not all(row[1] for row in rows) and not bool(torch.isfinite(logits[start:end]).all()):  # (a sum's overflow)
-            committed.append(None)
-        else:
-            tokens = []
-            for draft, row in zip(request_drafts + [None], rows):
-                tokens.append(int(row[0]))
-                if tokens[-1] != draft:
-                    break
-            committed.append(tokens)
-        start = end
+    committed = _by_request(host, drafts, logits, 1, _commit_greedy, None)
     top = TopLogprobs.rows_from([row[2:] for row in host]) if num_logprobs is not None else None
     return GreedyVerdicts(committed, top)
 
@@ -97,17 +83,32 @@ def verify_random(logits: torch.Tensor, drafts: list[list[int]], states: list[Ru
     recovered = (residual / torch.cat(noise)).argmax(-1)
     checks = [accept, recovered, (residual > 0).any(-1), torch.isfinite(logits.sum(-1))]
     host = torch.stack([c.long() for c in checks], dim=1).tolist()
-    verdicts: list[list[int] | str] = []
-    start = 0
+    return _by_request(host, drafts, logits, 3, _commit_random, NON_FINITE)
+
+
+def _by_request(host: list[list], drafts: list[list[int]], logits: torch.Tensor, finite: int, commit, failed) -> list:
+    """Per request (its k + 1 rows in turn): `failed` where a row is not finite (the host rows' column `finite`, a row
+    sum's; a sum that overflowed is checked exactly), else commit(its drafts, its host rows)."""
+    out, start = [], 0
     for request_drafts in drafts:
         end = start + len(request_drafts) + 1
         rows = host[start:end]
-        if not all(row[3] for row in rows) and not bool(torch.isfinite(logits[start:end]).all()):  # (a sum's overflow)
-            verdicts.append(NON_FINITE)
+        if not all(row[finite] for row in rows) and not bool(torch.isfinite(logits[start:end]).all()):
+            out.append(failed)
         else:
-            verdicts.append(_commit_random(request_drafts, rows))
+            out.append(commit(request_drafts, rows))
         start = end
-    return verdicts
+    return out
+
+
+def _commit_greedy(drafts: list[int], rows: list[list[float]]) -> list[int]:
+    """The drafts while each is its row's argmax (column 0), then the first row's argmax that differs (or the bonus)."""
+    tokens = []
+    for draft, row in zip(drafts + [None], rows):
+        tokens.append(int(row[0]))
+        if tokens[-1] != draft:
+            break
+    return tokens
 
 
 def _commit_random(drafts: list[int], rows: list[list[int]]) -> list[int] | str:
