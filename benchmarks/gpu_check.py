@@ -8,14 +8,14 @@ table docs/benchmarks.md records). `--device cpu` runs the same sections at smal
 Triton's interpreter: what CI runs so the script does not rot (its numbers say nothing about GPUs).
 
 Sections: env (versions, device); parity (a generated fp32 checkpoint, 32 greedy tokens and their logprobs on the
-device, Triton kernels on and off, against the CPU path); kernels (Triton against the torch path at GLM-5.2's
-shapes: sparse MLA decode over 2,048 selected rows, a prefill chunk per query and by tile unions at 8 and 16
-heads, indexer scores at 64K); syncs (host synchronisations inside a decode step, counted by
-torch.cuda.set_sync_debug_mode); profile (a decode step's most expensive kernels); latency
-and throughput (the `small` checkpoint, GLM-5.2 per-head geometry, batch 1, 16, 64; with CUDA graphs and with
---enforce-eager; the default run's KV cache sized by gpu_memory_utilization 0.5, its measured step peak beside
-doctor's estimate); transformers (its `generate` on
-the same checkpoint and batch); longctx (sparse against dense decode at 8K, 32K, 64K).
+device, Triton kernels on and off, against the CPU path; also an FP8 one and a GLM-5.3-Flash one); kernels (Triton
+against the torch path at GLM-5.2's shapes: sparse MLA decode over 2,048 selected rows, a prefill chunk per query and
+by tile unions at 8 and 16 heads, indexer scores at 64K); syncs (host synchronisations inside a decode step, counted
+by torch.cuda.set_sync_debug_mode); profile (a decode step's most expensive kernels); latency and throughput (the
+`small` checkpoint, GLM-5.2 per-head geometry, batch 1, 16, 64; with CUDA graphs and with --enforce-eager; the
+default run's KV cache sized by gpu_memory_utilization 0.5, its measured step peak beside doctor's estimate);
+transformers (its `generate` on the same checkpoint and batch); longctx (sparse against dense decode at 8K, 32K,
+64K).
 """
 
 from __future__ import annotations
@@ -104,14 +104,18 @@ def small_checkpoint(device: str) -> str:
     return tiny_checkpoint()
 
 
-def tiny_checkpoint(fp8: bool = False) -> str:
-    """The tests' tiny generated checkpoint (fp32); with fp8, its projections in FP8 blocks, widths past one block."""
+TINY_KINDS = {"plain": {}, "fp8": dict(fp8=True, intermediate_size=384, moe_intermediate_size=96),
+              "flash": dict(model_type="glm5_next")}
+
+
+def tiny_checkpoint(kind: str = "plain") -> str:
+    """The tests' tiny generated checkpoint (fp32); fp8: its projections in FP8 blocks, widths past one block; flash:
+    GLM-5.3-Flash's (KDA layers, pooled keys, mHC streams)."""
     from dsaserve.demo.checkpoint_builder import build_checkpoint
 
-    path = os.path.join(WORK, "tiny-fp8" if fp8 else "tiny-fp32")
+    path = os.path.join(WORK, f"tiny-{kind}")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        build_checkpoint(path, seed=0, **(dict(fp8=True, intermediate_size=384, moe_intermediate_size=96) if fp8
-                                          else {}))
+        build_checkpoint(path, seed=0, **TINY_KINDS[kind])
     return path
 
 
@@ -166,8 +170,8 @@ def greedy(path: str, device: str, triton: str, prompts, steps: int, native: str
 
 def section_parity(device: str) -> dict:
     """Greedy tokens and logprobs of the device path (Triton kernels on, their decode steps replayed from CUDA graphs
-    on a GPU; on without graphs, --enforce-eager, on a GPU; off) against the CPU path, fp32; and of an FP8 checkpoint,
-    kept in FP8 on the Triton path, against the CPU's dequantized one."""
+    on a GPU; on without graphs, --enforce-eager, on a GPU; off) against the CPU path, fp32; of an FP8 checkpoint,
+    kept in FP8 on the Triton path, against the CPU's dequantized one; and of a GLM-5.3-Flash checkpoint."""
     import torch
 
     prompts = [torch.randint(30, 600, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -175,8 +179,9 @@ def section_parity(device: str) -> dict:
     result = PROGRESS
     result["graph_log"] = graph_log_lines()
     plain = ("on", "on_eager", "off") if device == "cuda" else ("on", "off")  # (no graphs on a CPU)
-    for fp8, modes in ((False, plain), (True, ("on",))):
-        path = tiny_checkpoint(fp8)
+    flash = ("on", "on_eager") if device == "cuda" else ("on",)
+    for kind, modes in (("plain", plain), ("fp8", ("on",)), ("flash", flash)):
+        path = tiny_checkpoint(kind)
         # The CPU reference with torch's operators: the native ones would first compile (minutes of the GPU's time).
         steps = sizes(device)["parity_steps"]
         cpu_tokens, cpu_logprobs = greedy(path, "cpu", "off", prompts, steps, native="off")
@@ -184,8 +189,8 @@ def section_parity(device: str) -> dict:
             tokens, logprobs = greedy(path, device, mode.removesuffix("_eager"), prompts, steps,
                                       eager=mode.endswith("_eager"))
             diff = max(abs(a - b) for x, y in zip(logprobs, cpu_logprobs) for a, b in zip(x, y))
-            result[f"{'fp8_' if fp8 else ''}triton_{mode}"] = {"tokens_identical": tokens == cpu_tokens,
-                                                               "max_logprob_diff": diff}
+            result[f"{'' if kind == 'plain' else kind + '_'}triton_{mode}"] = {"tokens_identical": tokens == cpu_tokens,
+                                                                              "max_logprob_diff": diff}
     return result
 
 
@@ -575,6 +580,10 @@ def summary(results: dict, device: str) -> str:
     lines.append(f"| parity, FP8 checkpoint kept in FP8 (Triton): tokens identical / max Δlogprob | "
                  f"{get('parity', 'fp8_triton_on', 'tokens_identical')} / "
                  f"{get('parity', 'fp8_triton_on', 'max_logprob_diff', fmt='{:.2e}')} |")
+    for mode, how in (("on", "Triton on"), ("on_eager", "Triton on, --enforce-eager")):
+        lines.append(f"| parity, GLM-5.3-Flash checkpoint, {how}: tokens identical / max Δlogprob | "
+                     f"{get('parity', f'flash_triton_{mode}', 'tokens_identical')} / "
+                     f"{get('parity', f'flash_triton_{mode}', 'max_logprob_diff', fmt='{:.2e}')} |")
     for kernel in ("sparse_decode", "index_scores_bf16", "index_scores_fp8"):
         lines.append(f"| {kernel}: Triton ms / torch ms | {get('kernels', kernel, 'triton_ms', fmt='{:.3f}')} / "
                      f"{get('kernels', kernel, 'torch_ms', fmt='{:.3f}')} |")

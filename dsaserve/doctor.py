@@ -210,15 +210,15 @@ def _triton_line() -> str:
 
 def _graphs_line(cfg: ModelConfig, max_model_len: int) -> str:
     """What a CUDA engine captures at start-up with the default options (engine/workers/decode_graphs.py)."""
-    if cfg.hybrid is not None:
-        return f"none for {cfg.family.name} (its KDA state slots): every step eager"
     sizes = cuda_graph_sizes.capture_sizes(None, EngineArgs.max_num_seqs)
     contexts = cuda_graph_sizes.context_buckets(max_model_len)
+    verify = ("; verify steps run eagerly (they keep the KDA state after each draft), as do steps that keep a "
+              "prefix-cache snapshot of it" if cfg.hybrid is not None
+              else " (with speculative decoding as many again for verify steps)")
     return (f"on CUDA with the Triton kernels, decode batch sizes {','.join(map(str, sizes))} (--cuda-graph-sizes; "
             f"the default for --max-num-seqs {EngineArgs.max_num_seqs}) × contexts up to "
             f"{','.join(map(str, contexts))} tokens (max_model_len {max_model_len}): {len(sizes) * len(contexts)} "
-            "graphs captured at start-up in one memory pool (with speculative decoding as many again for verify "
-            "steps); --enforce-eager: none")
+            f"graphs captured at start-up in one memory pool{verify}; --enforce-eager: none")
 
 
 def _weight_pages() -> str:

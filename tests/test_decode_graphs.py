@@ -80,6 +80,39 @@ def test_replayed_decode_steps_generate_what_eager_steps_do(interpreter, make_ch
     assert diff < 1e-4, diff
 
 
+def test_flash_decode_steps_replayed_keep_each_requests_kda_state(interpreter, make_checkpoint, replayed,
+                                                                   monkeypatch):
+    """GLM-5.3-Flash (KDA state slots, pooled keys, mHC streams): decode batches of 3 and 2 replay sizes 4 and 2, each
+    request's KDA state read and written at its slot (the padding requests' at a slot of their own, started afresh),
+    the pools a row completes written from the device's positions; a step that keeps a prefix-cache snapshot of the
+    state (every 32 tokens here) runs eagerly. Greedy tokens equal to the eager Triton path's, logprobs within float
+    noise, nothing read back inside a replay and one read a step around it."""
+    path = make_checkpoint("glm5_next", seed=0, model_type="glm5_next")
+    flash = dict(cuda_graph_sizes="1,2,4", state_snapshot_interval=32)
+    llm = engine(path, **flash)
+    steps = StepReads()
+    steps.install(llm.engine, monkeypatch.setattr)
+    eager_steps = []
+    run = llm.engine.runner._forward
+    monkeypatch.setattr(llm.engine.runner, "_forward", lambda out, rows: eager_steps.append(out) or run(out, rows))
+    graphed = generate(llm, PROMPTS, (8, 4, 8))
+    graphs = llm.engine.runner.graphs
+    assert graphs.pad_slot == llm.engine.kv_cache.latent[0].num_slots - 1
+    assert replays(llm)[4, 128] >= 1 and replays(llm)[2, 128] >= 2
+    snapshot_steps = [out for out in eager_steps if any(s.state_snapshots for s in out.scheduled)]
+    assert any(len(out.scheduled[0].token_ids) == 1 for out in snapshot_steps)  # decode steps that ran eagerly
+    assert replayed.host_reads == []
+    assert len(steps.per_step) >= 6 and all(len(reads) == 1 for reads in steps.per_step), steps.per_step
+    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
+    eager_llm = engine(path, **flash)
+    eager = generate(eager_llm, PROMPTS, (8, 4, 8))
+    assert eager_llm.engine.runner.graphs is None
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    diff = max(abs(a[t].logprob - b[t].logprob) for x, y in zip(graphed, eager)
+               for a, b, t in zip(x.logprobs, y.logprobs, x.token_ids))
+    assert diff < 1e-4, diff
+
+
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 
 

@@ -264,6 +264,28 @@ def test_pool_ends_are_the_rows_that_complete_a_pool_found_without_a_read_back()
     assert watch.seen == []
 
 
+def test_decode_rows_select_the_pools_each_request_would_alone(monkeypatch):
+    """select_decode_pools (a decode-only batch's pools scored together, up to its longest context) keeps for every
+    row the pools the request-by-request selection keeps: no complete pool yet, fewer than index_topk / kpool, more,
+    a row whose own token completes a pool; also when the score budget splits the batch."""
+    from dsaserve.attention import pooled_keys
+    from dsaserve.attention.pooled_keys import PooledKeyCache, select_decode_pools, select_request_pools
+    kpool, dim, heads, keep = 4, 8, 3, 4
+    gen = torch.Generator().manual_seed(5)
+    contexts = [2, 9, 23, 40, 63]  # each request's one row sits at this position
+    meta = BatchMetadata.build([[1]] * 5, contexts, [[0], [1], [2, 3], [4, 5, 6], [7, 8, 9, 10]], 16, [])
+    cache = PooledKeyCache(11, 16, dim, kpool, torch.float32, torch.device("cpu"))
+    cache.pools.normal_(generator=gen)
+    queries, weights = torch.randn(5, heads, dim, generator=gen), torch.rand(5, heads, generator=gen) + 0.1
+    for budget in (pooled_keys.SCORE_BUDGET, heads * 16 * 2):  # the whole batch at once; two rows at a time
+        monkeypatch.setattr(pooled_keys, "SCORE_BUDGET", budget)
+        alone, together = (torch.full((5, keep * kpool), -1, dtype=torch.int32) for _ in range(2))
+        select_request_pools(queries, weights, cache, meta, keep, alone)
+        select_decode_pools(queries, weights, cache, meta, keep, together)
+        assert torch.equal(alone, together)
+    assert (alone[0] == -1).all() and (alone[1, 2 * kpool:] == -1).all() and (alone[4] >= 0).all()
+
+
 def test_parallel_samples_recompute_their_prompt(path, ref):
     """n > 1: the samples do not adopt sample 0's prompt blocks (their KDA state is not in them); each computes it."""
     ids = prompt(ref.config.text_config.vocab_size, 40, seed=5)

@@ -18,7 +18,8 @@ def test_the_gpu_check_runs_every_section_on_a_cpu(tmp_path):
     assert done.returncode == 0 and not failed, (failed, done.stdout[-2000:])
     assert list(results) == ["env", "parity", "kernels", "syncs", "profile", "latency", "transformers", "longctx"]
     assert results["profile"]["decode_step_top"]  # the step's most expensive operators
-    assert {"triton_on", "triton_off", "fp8_triton_on"} <= set(results["parity"])  # an FP8 checkpoint kept in FP8
+    # an FP8 checkpoint kept in FP8, a GLM-5.3-Flash one
+    assert {"triton_on", "triton_off", "fp8_triton_on", "flash_triton_on"} <= set(results["parity"])
     assert all(p["tokens_identical"] and p["max_logprob_diff"] < 1e-3 for p in results["parity"].values()
                if isinstance(p, dict))
     for kind in ("fp8", "int8", "int4"):  # each stored form's product agrees with bf16's of the dequantized weight

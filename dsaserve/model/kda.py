@@ -182,6 +182,12 @@ def single_rows(meta: BatchMetadata, single: list[int]) -> tuple[torch.Tensor, t
     return meta.once(("kda single rows", tuple(single)), make)
 
 
+def seed_single_rows(meta: BatchMetadata, rows: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> None:
+    """single_rows of a batch whose every request has one row, given on the device (a captured step's, made from its
+    static buffers rather than host values)."""
+    meta.derived[("kda single rows", tuple(range(meta.num_reqs)))] = (rows, slots, fresh)
+
+
 def inputs_before(tail: torch.Tensor, rows: torch.Tensor, offset: int) -> torch.Tensor:
     """The convolution's `width` inputs before row `offset` of a request's rows (fp32), reaching into the tail (the
     inputs before its first row) where offset < width."""

@@ -14,8 +14,12 @@ decoding, verify steps (each request's last known token and its drafts: 1 + num_
 captured too, and the replay gives the hidden states the MTP drafter reads; the drafter itself runs eagerly. Other
 steps (prompt rows, requests with different numbers of drafts, prompt logprobs, more requests than the largest
 size) run eagerly. Sampling, verification and the logits processors run after the replay on its logits, as after an
-eager step. Under decode context parallelism a captured step's members write every row, each row whose token another
-member holds into the padding block (`slot_of`): the eager step's subset of rows would be a data-sized tensor.
+eager step. A hybrid model's (GLM-5.3-Flash) requests bring their KDA state slots in the static buffers (the padding
+requests one slot of their own, started afresh every step), and each row writes the pooled key its token would
+complete, into a pool of the padding block where it completes none; its verify steps and the steps that keep or
+restore a prefix-cache snapshot of the state run eagerly. Under decode context parallelism a captured step's
+members write every row, each row whose token another member holds into the padding block (`slot_of`): the eager
+step's subset of rows would be a data-sized tensor.
 
 The model's forward under capture must not read a device value on the host or make a tensor from host data: what
 eager steps make from host lengths is made before the capture (`_forward`), and the Triton path's kernels take
@@ -32,10 +36,11 @@ from typing import Callable
 import torch
 
 from dsaserve import cuda_graph_sizes, triton_ops
-from dsaserve.attention import tile_unions
+from dsaserve.attention import pooled_keys, tile_unions
 from dsaserve.attention.context_shard import ContextShard
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.scheduling.scheduler_output import ScheduledRequest
+from dsaserve.model import kda
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +52,6 @@ def graphs_off_because(args, cfg, device: torch.device, model, parallel) -> str 
     reasons = [
         (args.enforce_eager, "--enforce-eager"),
         (triton_ops.active_device() is None, "the Triton kernels are off (their forward is the one captured)"),
-        (cfg.hybrid is not None, f"{cfg.family.name}'s KDA state slots"),
         (parallel.check_ranks, "--check-ranks (it compares values on the host)"),
         (not model.backend.uses_indexer, f"the {model.backend.name} backend (its attention loops on the host)"),
     ]
@@ -64,11 +68,12 @@ def device_free_bytes(device: torch.device) -> int | None:
 
 
 def capture(model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int,
-            rows: tuple[int, ...]) -> "DecodeGraphs | None":
+            rows: tuple[int, ...], pad_slot: int = -1) -> "DecodeGraphs | None":
     """The engine's decode graphs; None, with a warning saying why, where a capture fails (decode then runs eagerly,
     as with --enforce-eager)."""
     try:
-        return DecodeGraphs(model, kv_cache, sizes, max_model_len, pad_block, make_graph=CudaGraph, rows=rows)
+        return DecodeGraphs(model, kv_cache, sizes, max_model_len, pad_block, make_graph=CudaGraph, rows=rows,
+                            pad_slot=pad_slot)
     except RuntimeError as error:  # an operation the capture refused
         logger.warning("CUDA graphs: capture failed, so decode steps run eagerly (--enforce-eager skips the "
                        "attempt): %s", error)
@@ -128,35 +133,40 @@ class StaticInputs:
     device, inside the graph). Only what the step's shape needs travels."""
 
     def __init__(self, tokens: int, requests: int, max_blocks: int, device: torch.device):
-        cells = 3 * tokens + requests * max_blocks
+        cells = 3 * tokens + requests * max_blocks + requests
         self.host = torch.zeros(cells, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.staged = torch.zeros(cells, dtype=torch.int64, device=device)
         self.ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros_like(self.ids)
         self.slots = torch.zeros_like(self.ids)
         self.tables = torch.zeros(requests * max_blocks, dtype=torch.int64, device=device)
+        self.state_slots = torch.zeros(requests, dtype=torch.int64, device=device)  # a hybrid model's KDA states
         self.copied = torch.cuda.Event() if device.type == "cuda" else None  # the last copy's end
 
     @staticmethod
-    def parts(flat: torch.Tensor, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token rows [tokens, 3], block tables [size, blocks]) of `shape` at the start of `flat`."""
-        n = 3 * shape.tokens
-        return flat[:n].view(shape.tokens, 3), flat[n:n + shape.size * shape.blocks].view(shape.size, shape.blocks)
+    def parts(flat: torch.Tensor, shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token rows [tokens, 3], block tables [size, blocks], state slots [size]) of `shape` at the start of
+        `flat`."""
+        n, tables = 3 * shape.tokens, shape.size * shape.blocks
+        return (flat[:n].view(shape.tokens, 3), flat[n:n + tables].view(shape.size, shape.blocks),
+                flat[n + tables:n + tables + shape.size])
 
     def table(self, shape: Shape) -> torch.Tensor:
         """The block tables' field of `shape`: [size, blocks], contiguous."""
         return self.tables[: shape.size * shape.blocks].view(shape.size, shape.blocks)
 
-    def fill(self, shape: Shape, requests: list[tuple[list[int], int, list[int]]], pad_block: int,
-             block_size: int, shard: ContextShard | None = None) -> None:
-        """Requests (their `rows` tokens, the first one's position, block table), then padding requests up to the
-        shape's size (positions 0 … rows - 1 of the padding block), sent to the device. Under decode context
-        parallelism (`shard`; block_size the scheduler's) a row whose token another member holds writes into the
-        padding block, so every member writes every row (a captured forward takes no data-sized subset)."""
+    def fill(self, shape: Shape, requests: list[tuple[list[int], int, list[int], int]], pad_block: int,
+             block_size: int, shard: ContextShard | None = None, pad_slot: int = -1) -> None:
+        """Requests (their `rows` tokens, the first one's position, block table, KDA state slot), then padding
+        requests up to the shape's size (positions 0 … rows - 1 of the padding block, the padding state slot), sent to
+        the device. Under decode context parallelism (`shard`; block_size the scheduler's) a row whose token another
+        member holds writes into the padding block, so every member writes every row (a captured forward takes no
+        data-sized subset)."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the pinned buffer
-        tokens, tables = (part.numpy() for part in self.parts(self.host, shape))
-        for i, (ids, start, table) in enumerate(requests):
+        tokens, tables, slots = (part.numpy() for part in self.parts(self.host, shape))
+        slots[:] = pad_slot
+        for i, (ids, start, table, state_slot) in enumerate(requests):
             rows = tokens[i * shape.rows:(i + 1) * shape.rows]
             positions = range(start, start + shape.rows)
             rows[:, 0] = ids
@@ -165,24 +175,26 @@ class StaticInputs:
             table = table[: shape.blocks]  # (blocks past the bucket hold no position the step reads)
             tables[i, :len(table)] = table
             tables[i, len(table):] = 0
+            slots[i] = state_slot
         padding = tokens[len(requests) * shape.rows:]
         padding[:, 0] = 0
         padding[:, 1] = [j % shape.rows for j in range(len(padding))]
         padding[:, 2] = [slot_of([pad_block], p, pad_block, block_size, shard) for p in padding[:, 1]]
         tables[len(requests):] = 0
         tables[len(requests):, 0] = pad_block
-        cells = 3 * shape.tokens + shape.size * shape.blocks  # both parts, at the buffer's start: one copy
+        cells = 3 * shape.tokens + shape.size * (shape.blocks + 1)  # every part, at the buffer's start: one copy
         self.staged[:cells].copy_(self.host[:cells], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
     def unstage(self, shape: Shape) -> None:
         """The staged rows into the fields (a captured forward's first operations)."""
-        tokens, tables = self.parts(self.staged, shape)
+        tokens, tables, slots = self.parts(self.staged, shape)
         self.ids[:shape.tokens].copy_(tokens[:, 0])
         self.positions[:shape.tokens].copy_(tokens[:, 1])
         self.slots[:shape.tokens].copy_(tokens[:, 2])
         self.table(shape).copy_(tables)
+        self.state_slots[:shape.size].copy_(slots)
 
 
 def slot_of(table: list[int], position: int, pad_block: int, block_size: int, shard: ContextShard | None) -> int:
@@ -201,9 +213,15 @@ class DecodeGraphs:
     slice that runs a step on them."""
 
     def __init__(self, model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int,
-                 make_graph: Callable[[object], object] = CudaGraph, rows: tuple[int, ...] = (1,)):
-        """rows: tokens per request captured (1; with speculative decoding also 1 + its drafts)."""
+                 make_graph: Callable[[object], object] = CudaGraph, rows: tuple[int, ...] = (1,), pad_slot: int = -1):
+        """rows: tokens per request captured (1; with speculative decoding also 1 + its drafts). pad_slot: a hybrid
+        model's KDA state slot that no request holds, the padding requests' (-1: the model keeps no state)."""
         self.model, self.kv_cache = model, kv_cache
+        self.hybrid = model.config.hybrid
+        if self.hybrid is not None and (pad_slot < 0 or rows != (1,)):
+            raise ValueError("a hybrid model's decode graphs take one token per request and a padding state slot "
+                             f"(rows={rows}, pad_slot={pad_slot})")
+        self.pad_slot = pad_slot
         self.sizes, self.rows, self.contexts = sizes, rows, cuda_graph_sizes.context_buckets(max_model_len)
         self.block_size, self.shard = kv_cache.block_size, kv_cache.shard  # (the scheduler's tokens per block)
         if max(rows) > self.block_size:
@@ -223,7 +241,8 @@ class DecodeGraphs:
             # The widest first: the rope table and the outputs are made for it, and the others fit in its memory pool.
             for shape in shapes:
                 graph = make_graph(pool)
-                self.inputs.fill(shape, [], pad_block, self.block_size, self.shard)  # padding alone: the padding block
+                # padding alone: the padding block (and state slot)
+                self.inputs.fill(shape, [], pad_block, self.block_size, self.shard, pad_slot)
                 meta = self._metadata(shape)
                 graph.capture(lambda meta=meta, shape=shape: self._forward(meta, shape))
                 pool = graph.memory_pool()
@@ -244,13 +263,14 @@ class DecodeGraphs:
 
     def takes(self, scheduled: list[ScheduledRequest], logits_rows: list[int]) -> bool:
         """Whether this step is one the graphs replay: every request sampled with the same number of new tokens, a
-        captured one (its last known token and drafts to verify), every row's logits wanted (no prompt logprobs)."""
+        captured one (its last known token and drafts to verify), every row's logits wanted (no prompt logprobs), and
+        no KDA state restored from or copied to a prefix-cache snapshot (those steps run eagerly)."""
         if not 0 < len(scheduled) <= self.sizes[-1]:
             return False
         rows = len(scheduled[0].token_ids)
         return (rows in self.rows and logits_rows == list(range(rows * len(scheduled)))
                 and all(len(s.token_ids) == rows and len(s.spec_token_ids) == rows - 1 and s.sample
-                        and s.state_slot < 0 for s in scheduled))
+                        and s.state_restore < 0 and not s.state_snapshots for s in scheduled))
 
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's (logits, hidden states) of its n × rows tokens, from the smallest captured size that holds its
@@ -260,8 +280,9 @@ class DecodeGraphs:
         size = next(size for size in self.sizes if size >= n)
         context = next(context for context in self.contexts if context >= longest)
         step = self.captured[Shape(size, rows, context, self._width(context))]
-        self.inputs.fill(step.shape, [(s.token_ids, s.num_computed_tokens, s.block_table) for s in scheduled],
-                         self.pad_block, self.block_size, self.shard)
+        self.inputs.fill(step.shape,
+                         [(s.token_ids, s.num_computed_tokens, s.block_table, s.state_slot) for s in scheduled],
+                         self.pad_block, self.block_size, self.shard, self.pad_slot)
         step.graph.replay()
         return self.logits[: n * rows], self.hidden[: n * rows]
 
@@ -281,7 +302,9 @@ class DecodeGraphs:
             block_tables=inputs.table(shape), slot_mapping=inputs.slots[:n],
             logits_indices=torch.arange(n, dtype=torch.int64, device=device), block_size=self.block_size,
             query_start_loc_host=tuple(range(0, n + 1, rows)), seq_lens_host=(shape.context,) * size,
-            shard=self.shard, derived={"requests": torch.arange(size, device=device).repeat_interleave(rows)})
+            shard=self.shard, derived={"requests": torch.arange(size, device=device).repeat_interleave(rows)},
+            state_slots=(self.pad_slot,) * size if self.hybrid is not None else (),
+            state_restore=(-1,) * size, state_snapshots=((),) * size)
 
     def _forward(self, meta: BatchMetadata, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured work: the step, its logits and hidden states written into the shared outputs."""
@@ -300,5 +323,17 @@ class DecodeGraphs:
         meta.derived.clear()  # a fresh batch each run; what eager steps make from host lengths, made before:
         meta.derived["requests"] = meta.derived[("row requests",)] = requests  # the request of each row
         tile_unions.per_query_only(meta)
+        if self.hybrid is not None:
+            self._state_rows(meta, shape)
         hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
         return self.model.compute_logits(self.model.final_norm(hidden[meta.logits_indices])), hidden
+
+    def _state_rows(self, meta: BatchMetadata, shape: Shape) -> None:
+        """What a hybrid model's eager step makes from host values, from the static buffers instead: each request's
+        KDA state slot (padding requests start theirs afresh each step), and the pooled keys every row writes
+        (attention/pooled_keys.py)."""
+        slots = self.inputs.state_slots[:shape.size]
+        rows = torch.arange(shape.size, device=slots.device)  # (one token per request: row i is request i's)
+        kda.seed_single_rows(meta, rows, slots, slots == self.pad_slot)
+        kpool = self.hybrid.index_kpool
+        pooled_keys.every_row_writes_a_pool(meta, kpool, self.pad_block * (self.kv_cache.block_size // kpool))

@@ -70,15 +70,21 @@ class Worker:
 
     def init_cache(self, num_blocks: int, states: StateCounts, max_model_len: int) -> None:
         """num_blocks KV blocks and, for a hybrid model, the KDA states the engine planned (plan_state_counts); on
-        CUDA, the decode steps' graphs captured over them (one more block: the padding rows')."""
+        CUDA, the decode steps' graphs captured over them (one more block, and for a hybrid model one more KDA state:
+        the padding rows')."""
         graphs_off = decode_graphs.graphs_off_because(self.args, self.cfg, self.device, self.model, self.parallel)
         if graphs_off is not None and decode_graphs.graphs_possible(self.device) and self.parallel.tp.rank == 0:
             logger.info("CUDA graphs: off (%s)", graphs_off)
         padding = 1 if graphs_off is None else 0
-        self.kv_cache = self._cache(num_blocks + padding, states)
-        verify = () if self.args.speculative is None else (1 + self.args.speculative.num_speculative_tokens,)
+        hybrid = self.cfg.hybrid is not None
+        self.kv_cache = self._cache(num_blocks + padding,
+                                    StateCounts(states.slots + padding * hybrid, states.snapshots))
+        # A hybrid model's verify steps keep the KDA state after each draft's row, which a captured step does not:
+        # they run eagerly.
+        verify = () if self.args.speculative is None or hybrid else (1 + self.args.speculative.num_speculative_tokens,)
         graphs = None if graphs_off is not None else decode_graphs.capture(
-            self.model, self.kv_cache, self.args.graph_sizes, max_model_len, pad_block=num_blocks, rows=(1, *verify))
+            self.model, self.kv_cache, self.args.graph_sizes, max_model_len, pad_block=num_blocks, rows=(1, *verify),
+            pad_slot=states.slots if hybrid else -1)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.args.seed,
                                   self.cfg.index_share_for_mtp_iteration, graphs)
 
