@@ -277,7 +277,7 @@ def test_decode_rows_select_the_pools_each_request_would_alone(monkeypatch):
     cache = PooledKeyCache(11, 16, dim, kpool, torch.float32, torch.device("cpu"))
     cache.pools.normal_(generator=gen)
     queries, weights = torch.randn(5, heads, dim, generator=gen), torch.rand(5, heads, generator=gen) + 0.1
-    for budget in (pooled_keys.SCORE_BUDGET, heads * 16 * 2):  # the whole batch at once; two rows at a time
+    for budget in (pooled_keys.SCORE_BUDGET, dim * 16 * 2):  # the whole batch at once; two rows at a time
         monkeypatch.setattr(pooled_keys, "SCORE_BUDGET", budget)
         alone, together = (torch.full((5, keep * kpool), -1, dtype=torch.int32) for _ in range(2))
         select_request_pools(queries, weights, cache, meta, keep, alone)

@@ -124,13 +124,13 @@ def select_decode_pools(queries: torch.Tensor, weights: torch.Tensor, cache: Poo
     """select_request_pools for a batch whose every request has one row (row i is request i's), in a few batched
     steps instead of a few a request: every request's pool keys up to the longest context's (past a request's own
     count they are masked, so each row keeps what it would alone), scored together in groups of requests that keep
-    the scores within SCORE_BUDGET."""
+    the scores and the gathered keys each within SCORE_BUDGET."""
     kpool, per_block = cache.kpool, cache.block_size // cache.kpool
     count = max(meta.seq_lens_host) // kpool
     if count == 0:
         return
     pools = torch.arange(count, device=queries.device)
-    step = max(1, SCORE_BUDGET // (queries.shape[1] * count))
+    step = max(1, SCORE_BUDGET // (max(queries.shape[1], cache.dim) * count))
     for r0 in range(0, queries.shape[0], step):
         r1 = min(r0 + step, queries.shape[0])
         blocks = meta.block_tables[r0:r1, pools // per_block]  # [rows, count]
