@@ -208,58 +208,128 @@ def slot_of(table: list[int], position: int, pad_block: int, block_size: int, sh
     return table[local // shard.block_size] * shard.block_size + local % shard.block_size
 
 
-class DecodeGraphs:
-    """Captured decode forwards, one per batch size, tokens per request and context bucket, and the copy-in / replay /
-    slice that runs a step on them."""
+class CapturedSteps:
+    """What decode graphs and the drafter's graphs share: the static inputs, one graph captured per shape (the widest
+    first, all in one memory pool), the outputs every graph copies into, and the shape a step replays."""
+
+    what = "steps"  # for the log line
 
     def __init__(self, model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int,
-                 make_graph: Callable[[object], object] = CudaGraph, rows: tuple[int, ...] = (1,), pad_slot: int = -1):
-        """rows: tokens per request captured (1; with speculative decoding also 1 + its drafts). pad_slot: a hybrid
-        model's KDA state slot that no request holds, the padding requests' (-1: the model keeps no state)."""
+                 rows: tuple[int, ...], pad_slot: int = -1):
         self.model, self.kv_cache = model, kv_cache
-        self.hybrid = model.config.hybrid
-        if self.hybrid is not None and (pad_slot < 0 or rows != (1,)):
-            raise ValueError("a hybrid model's decode graphs take one token per request and a padding state slot "
-                             f"(rows={rows}, pad_slot={pad_slot})")
-        self.pad_slot = pad_slot
         self.sizes, self.rows, self.contexts = sizes, rows, cuda_graph_sizes.context_buckets(max_model_len)
         self.block_size, self.shard = kv_cache.block_size, kv_cache.shard  # (the scheduler's tokens per block)
         if max(rows) > self.block_size:
-            raise ValueError(f"a verify step of {max(rows)} tokens per request needs block_size ≥ {max(rows)}")
-        self.pad_block = pad_block
+            raise ValueError(f"{max(rows)} tokens per request in a captured step need block_size ≥ {max(rows)}")
+        self.pad_block, self.pad_slot = pad_block, pad_slot
         self.inputs = StaticInputs(sizes[-1] * max(rows), sizes[-1], self._width(max_model_len), kv_cache.device)
-        start, free_before = time.perf_counter(), device_free_bytes(kv_cache.device)
         self.captured: dict[Shape, CapturedStep] = {}
+        # Every graph writes its outputs into these (made by the first warm-up, outside the graphs' pool), so a graph
+        # keeps no output of its own and the pool holds one step's intermediates, not the sum of every graph's logits.
+        self.outputs: tuple[torch.Tensor, ...] | None = None
+        self.memory_bytes: int | None = None
+        self.pool = None
+
+    def capture_all(self, make_graph: Callable[[object], object], pool=None) -> None:
+        """Every shape's graph, into `pool` (another set's, to share it) or a new one; logs what was captured."""
+        start, free_before = time.perf_counter(), device_free_bytes(self.kv_cache.device)
         shapes = sorted(self._shapes(), key=lambda s: (s.context, s.tokens), reverse=True)
-        pool = None
-        # Every graph writes its logits and hidden states into these (made by the first warm-up, outside the graphs'
-        # pool), so a graph keeps no output of its own and the pool holds one step's intermediates, not the sum of
-        # every graph's logits.
-        self.logits: torch.Tensor | None = None
-        self.hidden: torch.Tensor | None = None
         with torch.inference_mode():
             # The widest first: the rope table and the outputs are made for it, and the others fit in its memory pool.
             for shape in shapes:
                 graph = make_graph(pool)
                 # padding alone: the padding block (and state slot)
-                self.inputs.fill(shape, [], pad_block, self.block_size, self.shard, pad_slot)
-                meta = self._metadata(shape)
-                graph.capture(lambda meta=meta, shape=shape: self._forward(meta, shape))
+                self.inputs.fill(shape, [], self.pad_block, self.block_size, self.shard, self.pad_slot)
+                body = self._body(shape)
+                graph.capture(lambda body=body, shape=shape: self._into_outputs(body(), shape))
                 pool = graph.memory_pool()
                 self.captured[shape] = CapturedStep(shape, graph)
+        self.pool = pool
         # Device memory the captures took (their pool, the rope table, Triton's compiled kernels): None off CUDA.
-        self.memory_bytes = None if free_before is None else free_before - device_free_bytes(kv_cache.device)
-        logger.info("CUDA graphs: %d captured in %.1f s%s, decode batch sizes %s × %s tokens per request × contexts "
-                    "up to %s tokens (steps of up to %d requests that all decode, or all verify drafts, replay them; "
-                    "the rest run eagerly; --enforce-eager turns them off)",
-                    len(self.captured), time.perf_counter() - start,
+        self.memory_bytes = None if free_before is None else free_before - device_free_bytes(self.kv_cache.device)
+        logger.info("CUDA graphs: %d %s captured in %.1f s%s, batch sizes %s × %s tokens per request × contexts "
+                    "up to %s tokens (%s; --enforce-eager turns them off)",
+                    len(self.captured), self.what, time.perf_counter() - start,
                     "" if self.memory_bytes is None else f" using {self.memory_bytes / 2**20:.0f} MiB",
-                    ",".join(map(str, sizes)), " or ".join(map(str, rows)), ",".join(map(str, self.contexts)),
-                    sizes[-1])
+                    ",".join(map(str, self.sizes)), " or ".join(map(str, self.rows)),
+                    ",".join(map(str, self.contexts)), self.replayed())
+
+    def replayed(self) -> str:
+        """Which steps replay the graphs (for the log line)."""
+        raise NotImplementedError
 
     def _shapes(self) -> list[Shape]:
         return [Shape(size, rows, context, self._width(context))
                 for size in self.sizes for rows in self.rows for context in self.contexts]
+
+    def _body(self, shape: Shape) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """The captured work of `shape`: its outputs, the first `shape.tokens` rows of each shared output."""
+        raise NotImplementedError
+
+    def _into_outputs(self, outputs: tuple[torch.Tensor, ...], shape: Shape) -> tuple[torch.Tensor, ...]:
+        if self.outputs is None:  # the widest shape's warm-up, before any capture
+            self.outputs = tuple(torch.empty_like(out) for out in outputs)
+        for shared, out in zip(self.outputs, outputs):
+            shared[:out.shape[0]].copy_(out)
+        return tuple(shared[:out.shape[0]] for shared, out in zip(self.outputs, outputs))
+
+    def _replay(self, n: int, rows: int, longest: int, requests: list[tuple[list[int], int, list[int], int]]) -> None:
+        """Replays the smallest captured size that holds n requests of `rows` tokens and the smallest context bucket
+        that holds the longest context, with `requests` (StaticInputs.fill's) in its static inputs."""
+        size = next(size for size in self.sizes if size >= n)
+        context = next(context for context in self.contexts if context >= longest)
+        step = self.captured[Shape(size, rows, context, self._width(context))]
+        self.inputs.fill(step.shape, requests, self.pad_block, self.block_size, self.shard, self.pad_slot)
+        step.graph.replay()
+
+    def _width(self, context: int) -> int:
+        """Block table entries that cover `context` tokens."""
+        return -(-context // self.block_size)
+
+    def _metadata(self, shape: Shape, rows: int, ids: torch.Tensor, positions: torch.Tensor,
+                  slots: torch.Tensor) -> BatchMetadata:
+        """A batch of `shape.size` requests of `rows` tokens each from these fields, with host values that are the
+        capture's, not any step's (every context as long as the bucket's, for the shapes taken from them)."""
+        n, size, device = ids.shape[0], shape.size, ids.device
+        return BatchMetadata(
+            input_ids=ids, positions=positions,
+            query_start_loc=torch.arange(0, n + 1, rows, dtype=torch.int64, device=device),
+            seq_lens=torch.full((size,), shape.context, dtype=torch.int64, device=device),
+            block_tables=self.inputs.table(shape), slot_mapping=slots,
+            logits_indices=torch.arange(n, dtype=torch.int64, device=device), block_size=self.block_size,
+            query_start_loc_host=tuple(range(0, n + 1, rows)), seq_lens_host=(shape.context,) * size,
+            shard=self.shard, state_slots=(self.pad_slot,) * size if self.pad_slot >= 0 else (),
+            state_restore=(-1,) * size, state_snapshots=((),) * size)
+
+    @staticmethod
+    def _fresh_batch(meta: BatchMetadata, rows: int) -> None:
+        """What eager steps make from host lengths, made inside the captured work: a fresh batch each run."""
+        meta.derived.clear()
+        requests = torch.arange(meta.num_reqs * rows, device=meta.positions.device) // rows
+        meta.derived["requests"] = meta.derived[("row requests",)] = requests  # the request of each row
+        tile_unions.per_query_only(meta)
+
+
+class DecodeGraphs(CapturedSteps):
+    """Captured decode forwards, one per batch size, tokens per request and context bucket, and the copy-in / replay /
+    slice that runs a step on them."""
+
+    what = "decode steps"
+
+    def __init__(self, model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int,
+                 make_graph: Callable[[object], object] = CudaGraph, rows: tuple[int, ...] = (1,), pad_slot: int = -1):
+        """rows: tokens per request captured (1; with speculative decoding also 1 + its drafts). pad_slot: a hybrid
+        model's KDA state slot that no request holds, the padding requests' (-1: the model keeps no state)."""
+        self.hybrid = model.config.hybrid
+        if self.hybrid is not None and (pad_slot < 0 or rows != (1,)):
+            raise ValueError("a hybrid model's decode graphs take one token per request and a padding state slot "
+                             f"(rows={rows}, pad_slot={pad_slot})")
+        super().__init__(model, kv_cache, sizes, max_model_len, pad_block, rows, pad_slot)
+        self.capture_all(make_graph)
+
+    def replayed(self) -> str:
+        return (f"steps of up to {self.sizes[-1]} requests that all decode, or all verify drafts, replay them; the "
+                "rest run eagerly")
 
     def takes(self, scheduled: list[ScheduledRequest], logits_rows: list[int]) -> bool:
         """Whether this step is one the graphs replay: every request sampled with the same number of new tokens, a
@@ -273,56 +343,22 @@ class DecodeGraphs:
                         and s.state_restore < 0 and not s.state_snapshots for s in scheduled))
 
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's (logits, hidden states) of its n × rows tokens, from the smallest captured size that holds its
-        n requests and the smallest context bucket that holds its longest context."""
+        """The step's (logits, hidden states) of its n × rows tokens."""
         n, rows = len(scheduled), len(scheduled[0].token_ids)
-        longest = max(s.num_computed_tokens + rows for s in scheduled)
-        size = next(size for size in self.sizes if size >= n)
-        context = next(context for context in self.contexts if context >= longest)
-        step = self.captured[Shape(size, rows, context, self._width(context))]
-        self.inputs.fill(step.shape,
-                         [(s.token_ids, s.num_computed_tokens, s.block_table, s.state_slot) for s in scheduled],
-                         self.pad_block, self.block_size, self.shard, self.pad_slot)
-        step.graph.replay()
-        return self.logits[: n * rows], self.hidden[: n * rows]
+        self._replay(n, rows, max(s.num_computed_tokens + rows for s in scheduled),
+                     [(s.token_ids, s.num_computed_tokens, s.block_table, s.state_slot) for s in scheduled])
+        logits, hidden = self.outputs
+        return logits[: n * rows], hidden[: n * rows]
 
-    def _width(self, context: int) -> int:
-        """Block table entries that cover `context` tokens."""
-        return -(-context // self.block_size)
-
-    def _metadata(self, shape: Shape) -> BatchMetadata:
-        """The batch a captured forward reads: the static fields' first rows, and host values that are the capture's,
-        not any step's (every context as long as the bucket's, for the shapes taken from them)."""
-        inputs, n, size, rows = self.inputs, shape.tokens, shape.size, shape.rows
-        device = inputs.ids.device
-        return BatchMetadata(
-            input_ids=inputs.ids[:n], positions=inputs.positions[:n],
-            query_start_loc=torch.arange(0, n + 1, rows, dtype=torch.int64, device=device),
-            seq_lens=torch.full((size,), shape.context, dtype=torch.int64, device=device),
-            block_tables=inputs.table(shape), slot_mapping=inputs.slots[:n],
-            logits_indices=torch.arange(n, dtype=torch.int64, device=device), block_size=self.block_size,
-            query_start_loc_host=tuple(range(0, n + 1, rows)), seq_lens_host=(shape.context,) * size,
-            shard=self.shard, derived={"requests": torch.arange(size, device=device).repeat_interleave(rows)},
-            state_slots=(self.pad_slot,) * size if self.hybrid is not None else (),
-            state_restore=(-1,) * size, state_snapshots=((),) * size)
-
-    def _forward(self, meta: BatchMetadata, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured work: the step, its logits and hidden states written into the shared outputs."""
-        logits, hidden = self._step(meta, shape)
-        tokens = shape.tokens
-        if self.logits is None:  # the widest shape's warm-up, before any capture
-            self.logits, self.hidden = torch.empty_like(logits), torch.empty_like(hidden)
-        self.logits[:tokens].copy_(logits)
-        self.hidden[:tokens].copy_(hidden)
-        return self.logits[:tokens], self.hidden[:tokens]
+    def _body(self, shape: Shape) -> Callable[[], tuple[torch.Tensor, ...]]:
+        inputs, n = self.inputs, shape.tokens
+        meta = self._metadata(shape, shape.rows, inputs.ids[:n], inputs.positions[:n], inputs.slots[:n])
+        return lambda: self._step(meta, shape)
 
     def _step(self, meta: BatchMetadata, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
         """The staged rows into the fields, the model, the logits and hidden states."""
         self.inputs.unstage(shape)
-        requests = meta.derived["requests"]
-        meta.derived.clear()  # a fresh batch each run; what eager steps make from host lengths, made before:
-        meta.derived["requests"] = meta.derived[("row requests",)] = requests  # the request of each row
-        tile_unions.per_query_only(meta)
+        self._fresh_batch(meta, shape.rows)
         if self.hybrid is not None:
             self._state_rows(meta, shape)
         hidden = self.model.forward_hidden(meta, self.kv_cache.latent, self.kv_cache.indexer)
