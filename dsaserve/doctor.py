@@ -129,7 +129,6 @@ def report(model_dir: str, hf_overrides=None, max_model_len: int | None = None, 
                             device_memory, utilization, layout.state_bytes_per_request,
                             layout.indexer_bytes_per_token,
                             (EngineArgs.max_num_batched_tokens, EngineArgs.max_num_seqs),
-                            0 if cfg.hybrid is not None else
                             max(cuda_graph_sizes.capture_sizes(None, EngineArgs.max_num_seqs)))
     return "\n".join(lines), ok
 
@@ -214,7 +213,7 @@ def _graphs_line(cfg: ModelConfig, max_model_len: int) -> str:
     contexts = cuda_graph_sizes.context_buckets(max_model_len)
     verify = ("; verify steps run eagerly (they keep the KDA state after each draft), as do steps that keep a "
               "prefix-cache snapshot of it" if cfg.hybrid is not None
-              else " (with speculative decoding as many again for verify steps)")
+              else " (with speculative decoding as many again for verify steps, and again for the drafter's rounds)")
     return (f"on CUDA with the Triton kernels, decode batch sizes {','.join(map(str, sizes))} (--cuda-graph-sizes; "
             f"the default for --max-num-seqs {EngineArgs.max_num_seqs}) × contexts up to "
             f"{','.join(map(str, contexts))} tokens (max_model_len {max_model_len}): {len(sizes) * len(contexts)} "

@@ -110,7 +110,8 @@ def plan_lines(cfg: ModelConfig, parallel: ParallelConfig, tensors, resident_ite
         lines.append(f"  the largest step ({step[0]:,} tokens, {step[1]} rows of logits: max_num_batched_tokens and "
                      f"max_num_seqs): about {human(activations)} of activations per rank (an estimate; on a GPU the "
                      f"engine measures it at start-up and takes it out of the {utilization:g} share); "
-                     + _graphs_words(cfg, parallel, graph_tokens, resident_item, device_memory * (1 - utilization)))
+                     + _graphs_words(cfg, parallel, graph_tokens, resident_item, device_memory * (1 - utilization),
+                                     state_bytes_per_request))
         lines.append(_fit_line(max(s.resident for s in shares), activations, device_memory, utilization, per_rank))
         if fp8:
             dequantized = max(s.resident for s in rank_shares(cfg, parallel, tensors, resident_item, fp8_kept=False))
@@ -145,20 +146,24 @@ def step_activation_bytes(cfg: ModelConfig, parallel: ParallelConfig, tokens: in
     return 2 * tokens * cfg.hidden_size * item + max(widest, logits)
 
 
-def graph_pool_bytes(cfg: ModelConfig, parallel: ParallelConfig, tokens: int, item: int) -> int:
+def graph_pool_bytes(cfg: ModelConfig, parallel: ParallelConfig, tokens: int, item: int,
+                     state_bytes_per_request: int = 0) -> int:
     """An estimate of what the decode graphs take (engine/workers/decode_graphs.py): their shared pool holds one
     step's intermediates, the largest captured step's (`tokens` rows, each with its logits), and every graph writes
-    into one set of outputs (logits in fp32 and hidden states, as many rows)."""
+    into one set of outputs (logits in fp32 and hidden states, as many rows); a hybrid model's padding requests hold
+    one more KDA state."""
     outputs = tokens * (cfg.vocab_size * 4 + cfg.hidden_size * item)
-    return step_activation_bytes(cfg, parallel, tokens, tokens, item) + outputs
+    return step_activation_bytes(cfg, parallel, tokens, tokens, item) + outputs + state_bytes_per_request
 
 
-def _graphs_words(cfg: ModelConfig, parallel: ParallelConfig, tokens: int, item: int, rest: float) -> str:
+def _graphs_words(cfg: ModelConfig, parallel: ParallelConfig, tokens: int, item: int, rest: float,
+                  state_bytes_per_request: int = 0) -> str:
     if not tokens:
-        return "no CUDA graphs for this model"
-    graphs = graph_pool_bytes(cfg, parallel, tokens, item)
+        return "no CUDA graphs"
+    graphs = graph_pool_bytes(cfg, parallel, tokens, item, state_bytes_per_request)
+    padding = " and the padding requests' KDA state" if state_bytes_per_request else ""
     return (f"CUDA graphs about {human(graphs)} (decode steps of up to {tokens} rows; more with speculative decoding's "
-            f"verify rows), out of the other {human(rest)}"
+            f"verify rows{padding}), out of the other {human(rest)}"
             + ("" if graphs <= rest else ": too little; lower gpu_memory_utilization or --cuda-graph-sizes"))
 
 

@@ -116,11 +116,13 @@ def test_flash_decode_steps_replayed_keep_each_requests_kda_state(interpreter, m
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["own-index", "shared-index"])
 def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(interpreter, make_checkpoint,
-                                                                              replayed, monkeypatch):
+                                                                              replayed, monkeypatch, share):
     """Speculative decoding (MTP, 2 drafts): verify steps of 3 tokens per request replay their graphs, whose hidden
-    states the drafter reads; tokens and every step's drafts equal to the eager Triton path's; nothing read back from
-    the device in a replay (as above), and a step reads back twice around it."""
+    states the drafter reads, and the drafter's rounds replay theirs; tokens and every step's drafts equal to the
+    eager Triton path's (with index_share_for_mtp_iteration, draft step 2 attends to step 1's selection); nothing read
+    back from the device in a replay (as above), and a step reads back twice around them."""
     from dsaserve.attention import tile_unions
     from dsaserve.engine.workers import model_runner
 
@@ -129,15 +131,20 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
     built_in_graph, build = [], tile_unions.tile_unions  # (a captured forward's batch carries "requests")
     monkeypatch.setattr(tile_unions, "tile_unions",
                         lambda meta, *a: built_in_graph.append("requests" in meta.derived) or build(meta, *a))
-    path = make_checkpoint("tiny-mtp", seed=3, include_mtp=True)
+    path = make_checkpoint(f"tiny-mtp-{share}", seed=3, include_mtp=True, index_share_for_mtp_iteration=share)
     prompts = PROMPTS[::2]  # two requests past index_topk: verify steps of size 2
     llm = engine(path, cuda_graph_sizes="1,2", speculative_config=SPEC)
     steps = StepReads()
     steps.install(llm.engine, monkeypatch.setattr)
     graphed = generate(llm, prompts, (9, 9))  # (drafts run short near max_tokens: those steps are eager)
     assert replays(llm, rows=3)[2, 128] >= 3 and replayed.host_reads == []
-    # A verify step reads back twice: the verdicts with their logprobs, then the next drafts.
-    assert all(len(reads) <= 2 for reads in steps.per_step), steps.per_step
+    draft_rounds = {(shape.size, shape.context): step.graph.replays
+                    for shape, step in llm.engine.runner.draft_graphs.captured.items()}
+    assert draft_rounds[2, 128] >= 3 and set(draft_rounds) == {(size, ctx) for size in (1, 2) for ctx in (32, 128)}
+    # A verify step reads back twice: the verdicts with their logprobs, then the next drafts (a step that also samples
+    # a request that had no drafts, once more).
+    assert all(len(reads) <= 2 + any("isolated_sampling" in r for r in reads) for reads in steps.per_step), \
+        steps.per_step
     # Prompt steps attend by tile unions (4 heads); captured steps per query (the unions' sort may not capture).
     assert built_in_graph and not any(built_in_graph)
     graphed_drafts, drafts[:] = list(drafts), []

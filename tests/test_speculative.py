@@ -51,8 +51,8 @@ def oracle_drafts(monkeypatch, runner, reference_of, wrong_every: int = 3):
     from dsaserve.engine.speculative.mtp_drafter import propose as real
     calls = collections.Counter()
 
-    def propose(model, kv_cache, inputs, hidden, share):
-        drafts = real(model, kv_cache, inputs, hidden, share)
+    def propose(model, kv_cache, inputs, hidden, share, graphs=None):
+        drafts = real(model, kv_cache, inputs, hidden, share, graphs)
         for request_id, tokens in drafts.items():
             state = runner.requests[request_id]
             done = len(state.output_token_ids)
@@ -207,8 +207,8 @@ def test_sampled_distribution_is_the_targets(mtp_checkpoint, monkeypatch):
     def drafts_from_common(runner):
         from dsaserve.engine.speculative.mtp_drafter import propose as real
 
-        def propose(model, kv_cache, inputs, hidden, share):
-            drafts = real(model, kv_cache, inputs, hidden, share)
+        def propose(model, kv_cache, inputs, hidden, share, graphs=None):
+            drafts = real(model, kv_cache, inputs, hidden, share, graphs)
             for request_id, tokens in drafts.items():
                 last = runner.requests[request_id].output_token_ids[-1]
                 tokens[0] = common.get(last, tokens[0])
@@ -309,9 +309,9 @@ def test_the_mtp_indexer_runs_once_per_round_when_shared(make_checkpoint, monkey
         runs["indexer"] += 1
         return real_forward(*args, **kwargs)
 
-    def recorded(model, kv_cache, inputs, hidden, share_index):
+    def recorded(model, kv_cache, inputs, hidden, share_index, graphs=None):
         rounds.append(max(item.num_drafts for item in inputs))
-        return real(model, kv_cache, inputs, hidden, share_index)
+        return real(model, kv_cache, inputs, hidden, share_index, graphs)
 
     indexer.forward = counted
     monkeypatch.setattr(runner_module, "propose", recorded)
@@ -336,12 +336,12 @@ def test_the_drafter_reads_its_drafts_back_once_a_round(mtp_checkpoint, monkeypa
             return original(self, *args)
         return read
 
-    def recorded(model, kv_cache, inputs, hidden, share_index):
+    def recorded(model, kv_cache, inputs, hidden, share_index, graphs=None):
         rounds.append(max(item.num_drafts for item in inputs))
         with monkeypatch.context() as patch:
             for name in ("tolist", "item", "__int__", "__bool__", "cpu"):
                 patch.setattr(torch.Tensor, name, counted(name))
-            return real(model, kv_cache, inputs, hidden, share_index)
+            return real(model, kv_cache, inputs, hidden, share_index, graphs)
 
     monkeypatch.setattr(runner_module, "propose", recorded)
     llm.generate([PROMPTS[2]], SamplingParams(max_tokens=13, temperature=0, ignore_eos=True), use_tqdm=False)

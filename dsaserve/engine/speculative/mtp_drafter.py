@@ -31,9 +31,16 @@ class DraftInput:
     block_table: list[int]
     num_drafts: int  # drafts wanted after the last row (0: only fill the cache)
 
+    @property
+    def last_position(self) -> int:
+        """The position of the last kept row (the first draft step's)."""
+        return self.start + len(self.next_tokens) - 1
 
-def propose(model, kv_cache, inputs: list[DraftInput], hidden: torch.Tensor, share_index: bool) -> dict[str, list[int]]:
-    """Draft tokens per request (those with num_drafts > 0)."""
+
+def propose(model, kv_cache, inputs: list[DraftInput], hidden: torch.Tensor, share_index: bool,
+            graphs=None) -> dict[str, list[int]]:
+    """Draft tokens per request (those with num_drafts > 0); the draft steps replayed from `graphs` (DraftGraphs)
+    where they take the round."""
     inputs = [item for item in inputs if item.hidden_rows]
     if not inputs:
         return {}
@@ -55,8 +62,10 @@ def propose(model, kv_cache, inputs: list[DraftInput], hidden: torch.Tensor, sha
     drafting = [item for item in inputs if item.num_drafts > 0]
     if not drafting:
         return {}
+    if graphs is not None and graphs.takes(drafting):
+        return dict(zip((item.request_id for item in drafting), graphs.run(drafting, hidden).tolist()))
     # The first draft: each drafting request's last kept row through the whole layer.
-    positions = [item.start + len(item.next_tokens) - 1 for item in drafting]
+    positions = [item.last_position for item in drafting]
     meta = batch(drafting, [[item.next_tokens[-1]] for item in drafting], positions, list(range(len(drafting))))
     last = torch.tensor([item.hidden_rows[-1] for item in drafting], dtype=torch.long, device=device)
     prev, topk = model.draft(meta, hidden[last], kv_cache.latent, kv_cache.indexer)

@@ -11,7 +11,8 @@ bucket: 4,096 tokens × 4^i up to max_model_len (cuda_graph_sizes.py), the small
 context. Positions past each query score -inf and are never selected, so a replay selects what an eager step
 selects, and the buckets keep the scoring and top-k of a short batch from spanning max_model_len. With speculative
 decoding, verify steps (each request's last known token and its drafts: 1 + num_speculative_tokens rows) are
-captured too, and the replay gives the hidden states the MTP drafter reads; the drafter itself runs eagerly. Other
+captured too, and the replay gives the hidden states the MTP drafter reads; the drafter's rounds replay graphs of
+their own (engine/speculative/draft_graphs.py, a CapturedSteps as these are, in their memory pool). Other
 steps (prompt rows, requests with different numbers of drafts, prompt logprobs, more requests than the largest
 size) run eagerly. Sampling, verification and the logits processors run after the replay on its logits, as after an
 eager step. A hybrid model's (GLM-5.3-Flash) requests bring their KDA state slots in the static buffers (the padding

@@ -13,6 +13,7 @@ import torch
 
 from dsaserve.attention.metadata import BatchMetadata
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
+from dsaserve.engine.speculative.draft_graphs import DraftGraphs
 from dsaserve.engine.speculative.mtp_drafter import DraftInput, propose
 from dsaserve.engine.speculative.rejection_sampler import (
     plain_greedy,
@@ -31,9 +32,10 @@ from dsaserve.sampling.sampler import top_logprobs
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, device: torch.device, seed: int = 0, share_draft_index: bool = False,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, draft_graphs: DraftGraphs | None = None):
         self.model = model
         self.graphs = graphs  # decode steps replayed from CUDA graphs (engine/workers/decode_graphs.py)
+        self.draft_graphs = draft_graphs  # the drafter's rounds replayed (engine/speculative/draft_graphs.py)
         self.kv_cache = kv_cache
         self.device = device
         self.share_draft_index = share_draft_index  # the config's index_share_for_mtp_iteration
@@ -215,7 +217,8 @@ class ModelRunner:
                                      list(range(offset, offset + kept)), s.block_table, max(num_drafts, 0)))
         # The target's hidden states after its final norm, as vLLM feeds its MTP layer (the model's output).
         normed = self.model.final_norm(hidden)
-        output.draft_token_ids = propose(self.model, self.kv_cache, inputs, normed, self.share_draft_index)
+        output.draft_token_ids = propose(self.model, self.kv_cache, inputs, normed, self.share_draft_index,
+                                         self.draft_graphs)
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         states = [self.requests[r] for r in request_ids]

@@ -20,6 +20,7 @@ from dsaserve.device import widened_for_cpu
 from dsaserve.distributed.parallel_context import ParallelContext
 from dsaserve.engine.scheduling.cache_plan import StateCounts
 from dsaserve.engine.scheduling.scheduler_output import SchedulerOutput
+from dsaserve.engine.speculative import draft_graphs
 from dsaserve.engine.workers import decode_graphs, memory_profile
 from dsaserve.engine.workers.kv_cache import KVCache, KVCacheLayout, blocks_needed
 from dsaserve.engine.workers.memory_profile import DeviceMemory
@@ -85,8 +86,11 @@ class Worker:
         graphs = None if graphs_off is not None else decode_graphs.capture(
             self.model, self.kv_cache, self.args.graph_sizes, max_model_len, pad_block=num_blocks, rows=(1, *verify),
             pad_slot=states.slots if hybrid else -1)
+        drafts = None if graphs is None or not verify else draft_graphs.capture(
+            self.model, self.kv_cache, self.args.graph_sizes, max_model_len, num_blocks,
+            self.args.speculative.num_speculative_tokens, self.cfg.index_share_for_mtp_iteration, pool=graphs.pool)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.args.seed,
-                                  self.cfg.index_share_for_mtp_iteration, graphs)
+                                  self.cfg.index_share_for_mtp_iteration, graphs, drafts)
 
     def profile_memory(self, tokens: int, logits_rows: int) -> DeviceMemory:
         """The device's memory after the largest step the scheduler can give (engine/workers/memory_profile.py),

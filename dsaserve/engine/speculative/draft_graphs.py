@@ -1,0 +1,96 @@
+"""The MTP drafter's rounds replayed from CUDA graphs: a round's draft steps (the first from each request's last kept
+row, then one row per request and step, each fed the step before's token and hidden state) captured at start-up once
+per batch size and context bucket, beside the decode graphs and in their memory pool.
+
+A round takes each request's last kept row (the token after it, its position, the target's hidden state there) and
+its block table. The host knows every position the round writes (the last kept row's and the num_speculative_tokens
+- 1 after it), so they travel in the static inputs as a verify step's rows do; only the tokens come from the device,
+each step's argmax feeding the next inside the graph. Padding requests draft from the padding block. With
+`index_share_for_mtp_iteration`, steps after the first attend to the first step's selection plus the positions drafted
+since, as eager rounds do (mtp_drafter.py).
+
+Rounds replay where every drafting request drafts num_speculative_tokens tokens (not near its max_tokens or the end of
+its blocks) and there are at most the largest size; the others, and the catch-up that fills the MTP layer's caches
+with the rows verification kept (their number per request varies), run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from dsaserve.engine.speculative.mtp_drafter import DraftInput
+from dsaserve.engine.workers import decode_graphs
+from dsaserve.engine.workers.decode_graphs import CapturedSteps, CudaGraph, Shape
+
+logger = logging.getLogger(__name__)
+
+
+def capture(model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int, num_drafts: int,
+            share_index: bool, pool=None) -> "DraftGraphs | None":
+    """The drafter's graphs, in `pool` (the decode graphs'); None, with a warning saying why, where a capture fails
+    (drafting then runs eagerly)."""
+    try:
+        return DraftGraphs(model, kv_cache, sizes, max_model_len, pad_block, num_drafts, share_index,
+                           make_graph=decode_graphs.CudaGraph, pool=pool)  # (looked up here: tests replace it)
+    except RuntimeError as error:  # an operation the capture refused
+        logger.warning("CUDA graphs: capturing the drafter's rounds failed, so they run eagerly: %s", error)
+        return None
+
+
+class DraftGraphs(CapturedSteps):
+    what = "draft rounds"
+
+    def __init__(self, model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int, num_drafts: int,
+                 share_index: bool, make_graph: Callable[[object], object] = CudaGraph, pool=None):
+        super().__init__(model, kv_cache, sizes, max_model_len, pad_block, rows=(num_drafts,))
+        self.num_drafts, self.share_index = num_drafts, share_index
+        # The target's hidden state at each request's last kept row (after the final norm), copied in before a replay.
+        self.hidden = torch.zeros(sizes[-1], model.config.hidden_size, dtype=model.model.norm.weight.dtype,
+                                  device=kv_cache.device)
+        self.capture_all(make_graph, pool)
+
+    def replayed(self) -> str:
+        return (f"rounds of up to {self.sizes[-1]} requests that all draft {self.num_drafts} tokens replay them; the "
+                "rest, and the catch-up of the MTP layer's caches, run eagerly")
+
+    def takes(self, drafting: list[DraftInput]) -> bool:
+        return (0 < len(drafting) <= self.sizes[-1] and all(item.num_drafts == self.num_drafts for item in drafting)
+                and max(item.last_position for item in drafting) + self.num_drafts <= self.contexts[-1])
+
+    def run(self, drafting: list[DraftInput], hidden: torch.Tensor) -> torch.Tensor:
+        """Each request's drafts [n, num_drafts] (on the device), from the target's hidden states `hidden` (after the
+        final norm) at the rows DraftInput.hidden_rows name."""
+        n, k = len(drafting), self.num_drafts
+        last = torch.tensor([item.hidden_rows[-1] for item in drafting], dtype=torch.long, device=hidden.device)
+        self.hidden[:n].copy_(hidden[last])
+        self._replay(n, k, max(item.last_position for item in drafting) + k,
+                     [([item.next_tokens[-1]] + [0] * (k - 1), item.last_position, item.block_table, -1)
+                      for item in drafting])
+        return self.outputs[0][:n]
+
+    def _body(self, shape: Shape) -> Callable[[], tuple[torch.Tensor, ...]]:
+        return lambda: (self._round(shape),)
+
+    def _round(self, shape: Shape) -> torch.Tensor:
+        """The staged rows into the fields, then the draft steps: tokens [size, num_drafts]."""
+        self.inputs.unstage(shape)
+        size, k = shape.size, shape.rows
+        positions = self.inputs.positions[:shape.tokens].view(size, k)
+        slots = self.inputs.slots[:shape.tokens].view(size, k)
+        tokens, prev = self.inputs.ids[:shape.tokens].view(size, k)[:, 0], self.hidden[:size]
+        shared = select = None
+        drafted = []
+        for step in range(k):
+            meta = self._metadata(shape, 1, tokens, positions[:, step].contiguous(), slots[:, step].contiguous())
+            self._fresh_batch(meta, 1)
+            if shared is not None:  # the first step's selection and the positions drafted since
+                select = torch.cat([shared, positions[:, 1:step + 1].to(shared.dtype)], dim=1)
+            prev, topk = self.model.draft(meta, prev, self.kv_cache.latent, self.kv_cache.indexer, select)
+            if step == 0 and self.share_index:
+                shared = topk
+            tokens = self.model.draft_logits(prev).argmax(-1)
+            drafted.append(tokens)
+        return torch.stack(drafted, dim=1)
