@@ -2,7 +2,8 @@
 CPU tensors under Triton's interpreter, with a stand-in for torch.cuda.CUDAGraph that runs the captured forward again
 at each replay. What this checks is everything but the capture itself: the static buffers, the padding rows and
 their block, the capture's host values, which steps replay and which run eagerly, and that the captured forward
-never reads a device value on the host nor makes a tensor from host data (either would break a capture)."""
+never reads a device value on the host nor makes a tensor from host data (either would break a capture). Each run
+is held to the eager CPU path's (its native operators: the fastest reference here) tokens and logprobs."""
 
 import os
 
@@ -42,13 +43,13 @@ def generate(llm, prompts, max_tokens):
     return [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
 
 
-def engine(path, **kwargs):
-    return LLM(path, dtype="float32", block_size=16, max_model_len=128, max_num_batched_tokens=64, triton_kernels="on",
-               progress=False, **kwargs)
+def engine(path, triton_kernels="on", **kwargs):
+    return LLM(path, dtype="float32", block_size=16, max_model_len=128, max_num_batched_tokens=64,
+               triton_kernels=triton_kernels, progress=False, **kwargs)
 
 
 def test_replayed_decode_steps_generate_what_eager_steps_do(interpreter, make_checkpoint, replayed, monkeypatch):
-    """Greedy tokens equal to the eager Triton path's, logprobs within float noise (a capture scores every position
+    """Greedy tokens equal to the eager CPU path's, logprobs within float noise (a capture scores every position
     of its context bucket, so its selections come in another order); decode batches of 3 and 2 replayed the sizes 4
     and 2 in the 128-token bucket, short contexts the 32-token one, prefill steps ran eagerly, and the padding rows
     wrote to the block past the scheduler's. And the replayed forward read nothing back from the device: no
@@ -70,8 +71,7 @@ def test_replayed_decode_steps_generate_what_eager_steps_do(interpreter, make_ch
     assert llm.engine.kv_cache.latent[0][graphs.pad_block, 0].abs().sum() > 0  # the padding rows wrote there
     assert replayed.host_reads == []
     assert len(steps.per_step) >= 8 and all(len(reads) == 1 for reads in steps.per_step), steps.per_step
-    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
-    eager_llm = engine(path, cuda_graph_sizes="1,2,4")
+    eager_llm = engine(path, "off")
     eager = generate(eager_llm, PROMPTS, (8, 4, 8)) + generate(eager_llm, SHORT, (4, 4))
     assert eager_llm.engine.runner.graphs is None
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
@@ -85,7 +85,7 @@ def test_flash_decode_steps_replayed_keep_each_requests_kda_state(interpreter, m
     """GLM-5.3-Flash (KDA state slots, pooled keys, mHC streams): decode batches of 3 and 2 replay sizes 4 and 2, each
     request's KDA state read and written at its slot (the padding requests' at a slot of their own, started afresh),
     the pools a row completes written from the device's positions; a step that keeps a prefix-cache snapshot of the
-    state (every 32 tokens here) runs eagerly. Greedy tokens equal to the eager Triton path's, logprobs within float
+    state (every 32 tokens here) runs eagerly. Greedy tokens equal to the eager CPU path's, logprobs within float
     noise, nothing read back inside a replay and one read a step around it."""
     path = make_checkpoint("glm5_next", seed=0, model_type="glm5_next")
     flash = dict(cuda_graph_sizes="1,2,4", state_snapshot_interval=32)
@@ -103,8 +103,7 @@ def test_flash_decode_steps_replayed_keep_each_requests_kda_state(interpreter, m
     assert any(len(out.scheduled[0].token_ids) == 1 for out in snapshot_steps)  # decode steps that ran eagerly
     assert replayed.host_reads == []
     assert len(steps.per_step) >= 6 and all(len(reads) == 1 for reads in steps.per_step), steps.per_step
-    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
-    eager_llm = engine(path, **flash)
+    eager_llm = engine(path, "off", **flash)
     eager = generate(eager_llm, PROMPTS, (8, 4, 8))
     assert eager_llm.engine.runner.graphs is None
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
@@ -121,7 +120,7 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
                                                                               replayed, monkeypatch, share):
     """Speculative decoding (MTP, 2 drafts): verify steps of 3 tokens per request replay their graphs, whose hidden
     states the drafter reads, and the drafter's rounds replay theirs; tokens and every step's drafts equal to the
-    eager Triton path's (with index_share_for_mtp_iteration, draft step 2 attends to step 1's selection); nothing read
+    eager CPU path's (with index_share_for_mtp_iteration, draft step 2 attends to step 1's selection); nothing read
     back from the device in a replay (as above), and a step reads back twice around them."""
     from dsaserve.attention import tile_unions
     from dsaserve.engine.workers import model_runner
@@ -148,8 +147,7 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
     # Prompt steps attend by tile unions (4 heads); captured steps per query (the unions' sort may not capture).
     assert built_in_graph and not any(built_in_graph)
     graphed_drafts, drafts[:] = list(drafts), []
-    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
-    eager = generate(engine(path, cuda_graph_sizes="1,2", speculative_config=SPEC), prompts, (9, 9))
+    eager = generate(engine(path, "off", speculative_config=SPEC), prompts, (9, 9))
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     assert graphed_drafts == drafts and any(graphed_drafts)  # the drafter read the replays' hidden states
 
@@ -210,8 +208,8 @@ def test_replayed_decode_steps_under_tp2_and_dcp2_generate_what_eager_steps_do(i
                                                                                replayed, monkeypatch, tmp_path):
     """Two ranks (TP 2) that also split every context (DCP 2): each rank, the worker process too, captures and replays
     its decode steps (each member writes every row, those whose token the other member holds into the padding block;
-    the selection and attention merge across the group inside the replay); greedy tokens equal to the eager steps'
-    of the same layout, logprobs within float noise, and no replay on either rank read anything back from the
+    the selection and attention merge across the group inside the replay); greedy tokens equal to the eager CPU
+    path's of the same layout, logprobs within float noise, and no replay on either rank read anything back from the
     device."""
     log = tmp_path / "worker_replays.txt"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
@@ -229,8 +227,7 @@ def test_replayed_decode_steps_under_tp2_and_dcp2_generate_what_eager_steps_do(i
     assert len(worker_lines) == sum(replays(llm).values())  # the worker replayed every step rank 0 did
     assert replayed.host_reads == [] and all(line.split() == line.split()[:1] for line in worker_lines)
     monkeypatch.delenv("DSASERVE_TEST_REPLAYED_GRAPHS")
-    monkeypatch.setattr(decode_graphs, "graphs_possible", lambda device: False)
-    eager_llm = engine(path, **layout)
+    eager_llm = engine(path, "off", **layout)
     try:
         eager = generate(eager_llm, PROMPTS, (8, 4, 8))
         assert eager_llm.engine.runner.graphs is None
