@@ -135,11 +135,14 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
     llm = engine(path, cuda_graph_sizes="1,2", speculative_config=SPEC)
     steps = StepReads()
     steps.install(llm.engine, monkeypatch.setattr)
-    graphed = generate(llm, prompts, (9, 9))  # (drafts run short near max_tokens: those steps are eager)
+    graphed = generate(llm, prompts, (9, 9))
     assert replays(llm, rows=3)[2, 128] >= 3 and replayed.host_reads == []
     draft_rounds = {(shape.size, shape.context): step.graph.replays
                     for shape, step in llm.engine.runner.draft_graphs.captured.items()}
     assert draft_rounds[2, 128] >= 3 and set(draft_rounds) == {(size, ctx) for size in (1, 2) for ctx in (32, 128)}
+    # Every round replayed, also those where a request near its max_tokens drafts fewer tokens.
+    assert sum(draft_rounds.values()) == sum(1 for d in drafts if d)
+    assert any(len(tokens) < SPEC["num_speculative_tokens"] for d in drafts for tokens in d.values())
     # A verify step reads back twice: the verdicts with their logprobs, then the next drafts (a step that also samples
     # a request that had no drafts, once more).
     assert all(len(reads) <= 2 + any("isolated_sampling" in r for r in reads) for reads in steps.per_step), \
@@ -147,6 +150,16 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
     # Prompt steps attend by tile unions (4 heads); captured steps per query (the unions' sort may not capture).
     assert built_in_graph and not any(built_in_graph)
     graphed_drafts, drafts[:] = list(drafts), []
+    # A request that drafts one token from the last position of its last block: the round's second position lies past
+    # its block table, and writes into the padding block; its one draft is the eager round's.
+    from dsaserve.engine.speculative.mtp_drafter import DraftInput
+    from dsaserve.engine.speculative.mtp_drafter import propose as eager_round
+    runner = llm.engine.runner
+    short = DraftInput("short", 14, [77, 91], [0, 1], [3], num_drafts=1)
+    hidden = torch.randn(2, llm.engine.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():  # (as the runner's steps run)
+        alone = eager_round(runner.model, runner.kv_cache, [short], hidden, share)
+        assert runner.draft_graphs.run([short], hidden) == alone and len(alone["short"]) == 1
     eager = generate(engine(path, "off", speculative_config=SPEC), prompts, (9, 9))
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     assert graphed_drafts == drafts and any(graphed_drafts)  # the drafter read the replays' hidden states

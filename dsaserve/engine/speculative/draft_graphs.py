@@ -9,9 +9,11 @@ each step's argmax feeding the next inside the graph. Padding requests draft fro
 `index_share_for_mtp_iteration`, steps after the first attend to the first step's selection plus the positions drafted
 since, as eager rounds do (mtp_drafter.py).
 
-Rounds replay where every drafting request drafts num_speculative_tokens tokens (not near its max_tokens or the end of
-its blocks) and there are at most the largest size; the others, and the catch-up that fills the MTP layer's caches
-with the rows verification kept (their number per request varies), run eagerly.
+Every round of at most the largest size replays, also where a request drafts fewer tokens (near its max_tokens or the
+end of its blocks): it drafts num_speculative_tokens all the same, the positions past its own blocks writing into the
+padding block, and only its first drafts are kept (a draft depends only on the steps before it). Rounds that would
+reach past max_model_len, and the catch-up that fills the MTP layer's caches with the rows verification kept (their
+number per request varies), run eagerly.
 """
 
 from __future__ import annotations
@@ -57,19 +59,25 @@ class DraftGraphs(CapturedSteps):
                 "rest, and the catch-up of the MTP layer's caches, run eagerly")
 
     def takes(self, drafting: list[DraftInput]) -> bool:
-        return (0 < len(drafting) <= self.sizes[-1] and all(item.num_drafts == self.num_drafts for item in drafting)
+        return (0 < len(drafting) <= self.sizes[-1] and all(item.num_drafts <= self.num_drafts for item in drafting)
                 and max(item.last_position for item in drafting) + self.num_drafts <= self.contexts[-1])
 
-    def run(self, drafting: list[DraftInput], hidden: torch.Tensor) -> torch.Tensor:
-        """Each request's drafts [n, num_drafts] (on the device), from the target's hidden states `hidden` (after the
-        final norm) at the rows DraftInput.hidden_rows name."""
+    def run(self, drafting: list[DraftInput], hidden: torch.Tensor) -> dict[str, list[int]]:
+        """Each request's drafts (read back once), from the target's hidden states `hidden` (after the final norm) at
+        the rows DraftInput.hidden_rows name."""
         n, k = len(drafting), self.num_drafts
         last = torch.tensor([item.hidden_rows[-1] for item in drafting], dtype=torch.long, device=hidden.device)
         self.hidden[:n].copy_(hidden[last])
         self._replay(n, k, max(item.last_position for item in drafting) + k,
-                     [([item.next_tokens[-1]] + [0] * (k - 1), item.last_position, item.block_table, -1)
+                     [([item.next_tokens[-1]] + [0] * (k - 1), item.last_position, self._table(item), -1)
                       for item in drafting])
-        return self.outputs[0][:n]
+        rows = self.outputs[0][:n].tolist()
+        return {item.request_id: row[:item.num_drafts] for item, row in zip(drafting, rows)}
+
+    def _table(self, item: DraftInput) -> list[int]:
+        """The request's block table, extended with the padding block over the positions its round drafts past it."""
+        blocks = -(-(item.last_position + self.num_drafts) // self.block_size)
+        return item.block_table + [self.pad_block] * max(0, blocks - len(item.block_table))
 
     def _body(self, shape: Shape) -> Callable[[], tuple[torch.Tensor, ...]]:
         return lambda: (self._round(shape),)

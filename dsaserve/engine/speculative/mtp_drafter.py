@@ -63,7 +63,7 @@ def propose(model, kv_cache, inputs: list[DraftInput], hidden: torch.Tensor, sha
     if not drafting:
         return {}
     if graphs is not None and graphs.takes(drafting):
-        return dict(zip((item.request_id for item in drafting), graphs.run(drafting, hidden).tolist()))
+        return graphs.run(drafting, hidden)
     # The first draft: each drafting request's last kept row through the whole layer.
     positions = [item.last_position for item in drafting]
     meta = batch(drafting, [[item.next_tokens[-1]] for item in drafting], positions, list(range(len(drafting))))
