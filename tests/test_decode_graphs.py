@@ -135,7 +135,13 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
     llm = engine(path, cuda_graph_sizes="1,2", speculative_config=SPEC)
     steps = StepReads()
     steps.install(llm.engine, monkeypatch.setattr)
+    eager_steps, run = [], llm.engine.runner._forward
+    monkeypatch.setattr(llm.engine.runner, "_forward", lambda out, rows: eager_steps.append(out) or run(out, rows))
     graphed = generate(llm, prompts, (9, 9))
+    # Only steps with prompt rows ran eagerly: a step where a request has fewer drafts (none after its prompt, fewer
+    # near its max_tokens) replayed the verify graph with padding rows after its tokens.
+    assert eager_steps and all(any(len(s.token_ids) > 1 + len(s.spec_token_ids) for s in out.scheduled)
+                               for out in eager_steps)
     assert replays(llm, rows=3)[2, 128] >= 3 and replayed.host_reads == []
     draft_rounds = {(shape.size, shape.context): step.graph.replays
                     for shape, step in llm.engine.runner.draft_graphs.captured.items()}

@@ -10,10 +10,10 @@ each step's argmax feeding the next inside the graph. Padding requests draft fro
 since, as eager rounds do (mtp_drafter.py).
 
 Every round of at most the largest size replays, also where a request drafts fewer tokens (near its max_tokens or the
-end of its blocks): it drafts num_speculative_tokens all the same, the positions past its own blocks writing into the
-padding block, and only its first drafts are kept (a draft depends only on the steps before it). Rounds that would
-reach past max_model_len, and the catch-up that fills the MTP layer's caches with the rows verification kept (their
-number per request varies), run eagerly.
+end of its blocks): it drafts num_speculative_tokens all the same, the positions past its block table writing into
+the padding block (decode_graphs.slot_of), and only its first drafts are kept (a draft depends only on the steps
+before it). Rounds that would reach past max_model_len, and the catch-up that fills the MTP layer's caches with the
+rows verification kept (their number per request varies), run eagerly.
 """
 
 from __future__ import annotations
@@ -69,16 +69,10 @@ class DraftGraphs(CapturedSteps):
         last = torch.tensor([item.hidden_rows[-1] for item in drafting], dtype=torch.long, device=hidden.device)
         self.hidden[:n].copy_(hidden[last])
         self._replay(n, k, max(item.last_position for item in drafting) + k,
-                     [([item.next_tokens[-1]] + [0] * (k - 1), item.last_position, self._table(item), -1)
+                     [([item.next_tokens[-1]] + [0] * (k - 1), item.last_position, item.block_table, -1)
                       for item in drafting])
         rows = self.outputs[0][:n].tolist()
         return {item.request_id: row[:item.num_drafts] for item, row in zip(drafting, rows)}
-
-    def _table(self, item: DraftInput) -> list[int]:
-        """The request's block table, extended with the padding block over the positions its round drafts past it."""
-        blocks = -(-(item.last_position + self.num_drafts) // self.block_size)
-        return item.block_table + [self.pad_block] * max(0, blocks - len(item.block_table))
-
     def _body(self, shape: Shape) -> Callable[[], tuple[torch.Tensor, ...]]:
         return lambda: (self._round(shape),)
 

@@ -12,9 +12,10 @@ context. Positions past each query score -inf and are never selected, so a repla
 selects, and the buckets keep the scoring and top-k of a short batch from spanning max_model_len. With speculative
 decoding, verify steps (each request's last known token and its drafts: 1 + num_speculative_tokens rows) are
 captured too, and the replay gives the hidden states the MTP drafter reads; the drafter's rounds replay graphs of
-their own (engine/speculative/draft_graphs.py, a CapturedSteps as these are, in their memory pool). Other
-steps (prompt rows, requests with different numbers of drafts, prompt logprobs, more requests than the largest
-size) run eagerly. Sampling, verification and the logits processors run after the replay on its logits, as after an
+their own (engine/speculative/draft_graphs.py, a CapturedSteps as these are, in their memory pool). A request with
+fewer drafts (none after its prompt, fewer near its max_tokens) runs padding rows after its tokens, so a step that
+mixes them still replays. Other steps (prompt rows, prompt logprobs, more requests than the largest size) run
+eagerly. Sampling, verification and the logits processors run after the replay on its logits, as after an
 eager step. A hybrid model's (GLM-5.3-Flash) requests bring their KDA state slots in the static buffers (the padding
 requests one slot of their own, started afresh every step), and each row writes the pooled key its token would
 complete, into a pool of the padding block where it completes none; its verify steps and the steps that keep or
@@ -158,11 +159,13 @@ class StaticInputs:
 
     def fill(self, shape: Shape, requests: list[tuple[list[int], int, list[int], int]], pad_block: int,
              block_size: int, shard: ContextShard | None = None, pad_slot: int = -1) -> None:
-        """Requests (their `rows` tokens, the first one's position, block table, KDA state slot), then padding
+        """Requests (their tokens, up to `rows`; the first one's position, block table, KDA state slot), then padding
         requests up to the shape's size (positions 0 … rows - 1 of the padding block, the padding state slot), sent to
-        the device. Under decode context parallelism (`shard`; block_size the scheduler's) a row whose token another
-        member holds writes into the padding block, so every member writes every row (a captured forward takes no
-        data-sized subset)."""
+        the device. A request with fewer tokens gets padding rows after them (token 0 at the next positions, which no
+        row of this step attends to and a later step rewrites before any row does; past its block table they write into
+        the padding block). Under decode context parallelism (`shard`; block_size the scheduler's) a row whose token
+        another member holds writes into the padding block, so every member writes every row (a captured forward takes
+        no data-sized subset)."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the pinned buffer
         tokens, tables, slots = (part.numpy() for part in self.parts(self.host, shape))
@@ -170,7 +173,8 @@ class StaticInputs:
         for i, (ids, start, table, state_slot) in enumerate(requests):
             rows = tokens[i * shape.rows:(i + 1) * shape.rows]
             positions = range(start, start + shape.rows)
-            rows[:, 0] = ids
+            rows[:len(ids), 0] = ids
+            rows[len(ids):, 0] = 0
             rows[:, 1] = positions
             rows[:, 2] = [slot_of(table, p, pad_block, block_size, shard) for p in positions]
             table = table[: shape.blocks]  # (blocks past the bucket hold no position the step reads)
@@ -200,13 +204,16 @@ class StaticInputs:
 
 def slot_of(table: list[int], position: int, pad_block: int, block_size: int, shard: ContextShard | None) -> int:
     """The cache slot a captured step writes `position` of the request with block table `table` to: its own slot (a
-    member's local one under DCP), or under DCP one of the padding block's where another member holds the token."""
+    member's local one under DCP), or one of the padding block's past the table, or under DCP where another member
+    holds the token."""
     if shard is None:
-        return table[position // block_size] * block_size + position % block_size
+        block = position // block_size
+        return (table[block] if block < len(table) else pad_block) * block_size + position % block_size
     local = position // shard.size
-    if position % shard.size != shard.rank:
+    block = local // shard.block_size
+    if position % shard.size != shard.rank or block >= len(table):
         return pad_block * shard.block_size + local % shard.block_size
-    return table[local // shard.block_size] * shard.block_size + local % shard.block_size
+    return table[block] * shard.block_size + local % shard.block_size
 
 
 class CapturedSteps:
@@ -333,23 +340,34 @@ class DecodeGraphs(CapturedSteps):
                 "rest run eagerly")
 
     def takes(self, scheduled: list[ScheduledRequest], logits_rows: list[int]) -> bool:
-        """Whether this step is one the graphs replay: every request sampled with the same number of new tokens, a
-        captured one (its last known token and drafts to verify), every row's logits wanted (no prompt logprobs), and
-        no KDA state restored from or copied to a prefix-cache snapshot (those steps run eagerly)."""
+        """Whether this step is one the graphs replay: every request sampled from its last known token and its drafts
+        (none to as many as a captured shape has rows for), every row's logits wanted (no prompt logprobs), and no KDA
+        state restored from or copied to a prefix-cache snapshot (those steps run eagerly)."""
         if not 0 < len(scheduled) <= self.sizes[-1]:
             return False
-        rows = len(scheduled[0].token_ids)
-        return (rows in self.rows and logits_rows == list(range(rows * len(scheduled)))
-                and all(len(s.token_ids) == rows and len(s.spec_token_ids) == rows - 1 and s.sample
+        rows = self._rows(scheduled)
+        return (rows is not None and logits_rows == list(range(sum(len(s.token_ids) for s in scheduled)))
+                and max(s.num_computed_tokens for s in scheduled) + rows <= self.contexts[-1]
+                and all(len(s.spec_token_ids) == len(s.token_ids) - 1 and s.sample
                         and s.state_restore < 0 and not s.state_snapshots for s in scheduled))
 
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's (logits, hidden states) of its n × rows tokens."""
-        n, rows = len(scheduled), len(scheduled[0].token_ids)
-        self._replay(n, rows, max(s.num_computed_tokens + rows for s in scheduled),
+        """The step's (logits, hidden states) of its tokens, in the step's order (a request with fewer tokens than the
+        shape's rows per request ran padding rows after them: theirs are dropped)."""
+        n, rows = len(scheduled), self._rows(scheduled)
+        self._replay(n, rows, max(s.num_computed_tokens for s in scheduled) + rows,
                      [(s.token_ids, s.num_computed_tokens, s.block_table, s.state_slot) for s in scheduled])
         logits, hidden = self.outputs
-        return logits[: n * rows], hidden[: n * rows]
+        if all(len(s.token_ids) == rows for s in scheduled):
+            return logits[: n * rows], hidden[: n * rows]
+        kept = torch.tensor([i * rows + j for i, s in enumerate(scheduled) for j in range(len(s.token_ids))],
+                            device=logits.device)
+        return logits[kept], hidden[kept]
+
+    def _rows(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The fewest captured rows per request that hold every request's tokens (None: more than any)."""
+        widest = max(len(s.token_ids) for s in scheduled)
+        return next((rows for rows in sorted(self.rows) if rows >= widest), None)
 
     def _body(self, shape: Shape) -> Callable[[], tuple[torch.Tensor, ...]]:
         inputs, n = self.inputs, shape.tokens
