@@ -55,8 +55,8 @@ class DraftGraphs(CapturedSteps):
         self.capture_all(make_graph, pool)
 
     def replayed(self) -> str:
-        return (f"rounds of up to {self.sizes[-1]} requests that all draft {self.num_drafts} tokens replay them; the "
-                "rest, and the catch-up of the MTP layer's caches, run eagerly")
+        return (f"rounds of up to {self.sizes[-1]} requests replay them, a request that drafts fewer tokens drafting "
+                f"{self.num_drafts} and keeping its first; the catch-up of the MTP layer's caches runs eagerly")
 
     def takes(self, drafting: list[DraftInput]) -> bool:
         return (0 < len(drafting) <= self.sizes[-1] and all(item.num_drafts <= self.num_drafts for item in drafting)
@@ -73,6 +73,7 @@ class DraftGraphs(CapturedSteps):
                       for item in drafting])
         rows = self.outputs[0][:n].tolist()
         return {item.request_id: row[:item.num_drafts] for item, row in zip(drafting, rows)}
+
     def _body(self, shape: Shape) -> Callable[[], tuple[torch.Tensor, ...]]:
         return lambda: (self._round(shape),)
 

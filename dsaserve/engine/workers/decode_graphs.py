@@ -24,7 +24,8 @@ members write every row, each row whose token another member holds into the padd
 step's subset of rows would be a data-sized tensor.
 
 The model's forward under capture must not read a device value on the host or make a tensor from host data: what
-eager steps make from host lengths is made before the capture (`_forward`), and the Triton path's kernels take
+eager steps make from host lengths is made from the capture's shapes instead (`_metadata`, `_fresh_batch`,
+`_state_rows`), and the Triton path's kernels take
 their shapes from the tensors they get (tests/test_decode_graphs.py watches a replayed forward for both).
 """
 
@@ -271,7 +272,7 @@ class CapturedSteps:
                 for size in self.sizes for rows in self.rows for context in self.contexts]
 
     def _body(self, shape: Shape) -> Callable[[], tuple[torch.Tensor, ...]]:
-        """The captured work of `shape`: its outputs, the first `shape.tokens` rows of each shared output."""
+        """The captured work of `shape`, returning its outputs (copied into the first rows of the shared ones)."""
         raise NotImplementedError
 
     def _into_outputs(self, outputs: tuple[torch.Tensor, ...], shape: Shape) -> tuple[torch.Tensor, ...]:
@@ -336,8 +337,8 @@ class DecodeGraphs(CapturedSteps):
         self.capture_all(make_graph)
 
     def replayed(self) -> str:
-        return (f"steps of up to {self.sizes[-1]} requests that all decode, or all verify drafts, replay them; the "
-                "rest run eagerly")
+        return (f"steps of up to {self.sizes[-1]} requests that all decode or verify drafts replay them, a request "
+                "with fewer drafts on padding rows; the rest run eagerly")
 
     def takes(self, scheduled: list[ScheduledRequest], logits_rows: list[int]) -> bool:
         """Whether this step is one the graphs replay: every request sampled from its last known token and its drafts
