@@ -213,7 +213,8 @@ def _graphs_line(cfg: ModelConfig, max_model_len: int) -> str:
     contexts = cuda_graph_sizes.context_buckets(max_model_len)
     verify = ("; verify steps run eagerly (they keep the KDA state after each draft), as do steps that keep a "
               "prefix-cache snapshot of it" if cfg.hybrid is not None
-              else " (with speculative decoding as many again for verify steps, and again for the drafter's rounds)")
+              else " (with speculative decoding as many again for verify steps, and again for each of the drafter's "
+                   "catch-ups and rounds)")
     return (f"on CUDA with the Triton kernels, decode batch sizes {','.join(map(str, sizes))} (--cuda-graph-sizes; "
             f"the default for --max-num-seqs {EngineArgs.max_num_seqs}) × contexts up to "
             f"{','.join(map(str, contexts))} tokens (max_model_len {max_model_len}): {len(sizes) * len(contexts)} "

@@ -146,8 +146,10 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
     draft_rounds = {(shape.size, shape.context): step.graph.replays
                     for shape, step in llm.engine.runner.draft_graphs.captured.items()}
     assert draft_rounds[2, 128] >= 3 and set(draft_rounds) == {(size, ctx) for size in (1, 2) for ctx in (32, 128)}
-    # Every round replayed, also those where a request near its max_tokens drafts fewer tokens.
+    # Every round replayed, also those where a request near its max_tokens drafts fewer tokens; so did catch-ups of
+    # the MTP layer's caches (a step that accepted drafts has one; one after prompt rows runs eagerly).
     assert sum(draft_rounds.values()) == sum(1 for d in drafts if d)
+    assert sum(step.graph.replays for step in llm.engine.runner.draft_graphs.catch_up.captured.values()) >= 1
     assert any(len(tokens) < SPEC["num_speculative_tokens"] for d in drafts for tokens in d.values())
     # A verify step reads back twice: the verdicts with their logprobs, then the next drafts (a step that also samples
     # a request that had no drafts, once more).
@@ -166,6 +168,19 @@ def test_verify_steps_replayed_with_their_drafts_generate_what_eager_steps_do(in
     with torch.inference_mode():  # (as the runner's steps run)
         alone = eager_round(runner.model, runner.kv_cache, [short], hidden, share)
         assert runner.draft_graphs.run([short], hidden) == alone and len(alone["short"]) == 1
+    # A catch-up replayed writes the MTP layer's cache entries an eager one writes: latent rows and indexer keys of two
+    # kept rows (positions 40 and 41: the third block of the table, 7).
+    layer = llm.engine.config.num_hidden_layers
+    mtp_rows = lambda: [t.flatten(0, 1)[[7 * 16 + 8, 7 * 16 + 9]].clone()  # noqa: E731
+                        for t in [runner.kv_cache.latent[layer], *runner.kv_cache.indexer[layer].tensors()]]
+    kept = DraftInput("kept", 40, [11, 12], [0, 1], [5, 6, 7], num_drafts=0)
+    with torch.inference_mode():
+        eager_round(runner.model, runner.kv_cache, [kept], hidden, share)
+        written = mtp_rows()
+        for t in [runner.kv_cache.latent[layer], *runner.kv_cache.indexer[layer].tensors()]:
+            t.zero_()
+        runner.draft_graphs.catch_up.run([(kept, 2)], hidden)
+    assert all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(written, mtp_rows()))
     eager = generate(engine(path, "off", speculative_config=SPEC), prompts, (9, 9))
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     assert graphed_drafts == drafts and any(graphed_drafts)  # the drafter read the replays' hidden states

@@ -12,8 +12,12 @@ since, as eager rounds do (mtp_drafter.py).
 Every round of at most the largest size replays, also where a request drafts fewer tokens (near its max_tokens or the
 end of its blocks): it drafts num_speculative_tokens all the same, the positions past its block table writing into
 the padding block (decode_graphs.slot_of), and only its first drafts are kept (a draft depends only on the steps
-before it). Rounds that would reach past max_model_len, and the catch-up that fills the MTP layer's caches with the
-rows verification kept (their number per request varies), run eagerly.
+before it). Rounds that would reach past max_model_len run eagerly.
+
+The catch-up before a round (the MTP layer's cache entries of the rows verification kept, but each drafting request's
+last) replays graphs of its own (CatchUpGraphs): num_speculative_tokens rows per request, a request with fewer kept
+rows padded after them. Those padding rows write at the positions the round writes next (a drafting request's last
+kept row and after), or at positions no row attends to before a later catch-up rewrites them.
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ class DraftGraphs(CapturedSteps):
         self.hidden = torch.zeros(sizes[-1], model.config.hidden_size, dtype=model.model.norm.weight.dtype,
                                   device=kv_cache.device)
         self.capture_all(make_graph, pool)
+        self.catch_up = CatchUpGraphs(model, kv_cache, sizes, max_model_len, pad_block, num_drafts, make_graph,
+                                      self.pool)
 
     def replayed(self) -> str:
         return (f"rounds of up to {self.sizes[-1]} requests replay them, a request that drafts fewer tokens drafting "
-                f"{self.num_drafts} and keeping its first; the catch-up of the MTP layer's caches runs eagerly")
+                f"{self.num_drafts} and keeping its first")
 
     def takes(self, drafting: list[DraftInput]) -> bool:
         return (0 < len(drafting) <= self.sizes[-1] and all(item.num_drafts <= self.num_drafts for item in drafting)
@@ -97,3 +103,43 @@ class DraftGraphs(CapturedSteps):
             tokens = self.model.draft_logits(prev).argmax(-1)
             drafted.append(tokens)
         return torch.stack(drafted, dim=1)
+
+
+class CatchUpGraphs(CapturedSteps):
+    what = "MTP cache catch-ups"
+
+    def __init__(self, model, kv_cache, sizes: tuple[int, ...], max_model_len: int, pad_block: int, num_drafts: int,
+                 make_graph: Callable[[object], object] = CudaGraph, pool=None):
+        super().__init__(model, kv_cache, sizes, max_model_len, pad_block, rows=(num_drafts,))
+        # The target's hidden states at the rows each request fills (then padding rows'), copied in before a replay.
+        self.hidden = torch.zeros(sizes[-1] * num_drafts, model.config.hidden_size,
+                                  dtype=model.model.norm.weight.dtype, device=kv_cache.device)
+        self.capture_all(make_graph, pool)
+
+    def replayed(self) -> str:
+        return (f"catch-ups of up to {self.sizes[-1]} requests of at most {self.rows[0]} kept rows each replay them; "
+                "the rest (prompt rows) run eagerly")
+
+    def takes(self, fill: list[tuple[DraftInput, int]]) -> bool:
+        """fill: (request, how many of its kept rows to fill), as mtp_drafter.propose makes them."""
+        k = self.rows[0]
+        return (0 < len(fill) <= self.sizes[-1] and all(n <= k for _, n in fill)
+                and max(item.start for item, _ in fill) + k <= self.contexts[-1])
+
+    def run(self, fill: list[tuple[DraftInput, int]], hidden: torch.Tensor) -> None:
+        n, k = len(fill), self.rows[0]
+        rows = [row for item, m in fill for row in item.hidden_rows[:m] + [item.hidden_rows[0]] * (k - m)]
+        self.hidden[:n * k].copy_(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
+        self._replay(n, k, max(item.start for item, _ in fill) + k,
+                     [(item.next_tokens[:m], item.start, item.block_table, -1) for item, m in fill])
+
+    def _body(self, shape: Shape) -> Callable[[], tuple[torch.Tensor, ...]]:
+        n = shape.tokens
+        meta = self._metadata(shape, shape.rows, self.inputs.ids[:n], self.inputs.positions[:n], self.inputs.slots[:n])
+
+        def catch_up() -> tuple[torch.Tensor, ...]:
+            self.inputs.unstage(shape)
+            self._fresh_batch(meta, shape.rows)
+            self.model.fill_draft_caches(meta, self.hidden[:n], self.kv_cache.latent, self.kv_cache.indexer)
+            return ()  # (it only writes the caches)
+        return catch_up

@@ -39,8 +39,8 @@ class DraftInput:
 
 def propose(model, kv_cache, inputs: list[DraftInput], hidden: torch.Tensor, share_index: bool,
             graphs=None) -> dict[str, list[int]]:
-    """Draft tokens per request (those with num_drafts > 0); the draft steps replayed from `graphs` (DraftGraphs)
-    where they take the round."""
+    """Draft tokens per request (those with num_drafts > 0); the catch-up and the draft steps replayed from `graphs`
+    (DraftGraphs) where they take them."""
     inputs = [item for item in inputs if item.hidden_rows]
     if not inputs:
         return {}
@@ -54,7 +54,9 @@ def propose(model, kv_cache, inputs: list[DraftInput], hidden: torch.Tensor, sha
     # entries, without the layer's attention and MoE.
     fill = [(item, len(item.next_tokens) - (item.num_drafts > 0)) for item in inputs]
     fill = [(item, n) for item, n in fill if n > 0]
-    if fill:
+    if fill and graphs is not None and graphs.catch_up.takes(fill):
+        graphs.catch_up.run(fill, hidden)
+    elif fill:
         rows = torch.tensor([r for item, n in fill for r in item.hidden_rows[:n]], dtype=torch.long, device=device)
         meta = batch([item for item, _ in fill], [item.next_tokens[:n] for item, n in fill],
                      [item.start for item, _ in fill], [])

@@ -11,11 +11,11 @@ bucket: 4,096 tokens × 4^i up to max_model_len (cuda_graph_sizes.py), the small
 context. Positions past each query score -inf and are never selected, so a replay selects what an eager step
 selects, and the buckets keep the scoring and top-k of a short batch from spanning max_model_len. With speculative
 decoding, verify steps (each request's last known token and its drafts: 1 + num_speculative_tokens rows) are
-captured too, and the replay gives the hidden states the MTP drafter reads; the drafter's rounds replay graphs of
-their own (engine/speculative/draft_graphs.py, a CapturedSteps as these are, in their memory pool). A request with
-fewer drafts (none after its prompt, fewer near its max_tokens) runs padding rows after its tokens, so a step that
-mixes them still replays. Other steps (prompt rows, prompt logprobs, more requests than the largest size) run
-eagerly. Sampling, verification and the logits processors run after the replay on its logits, as after an
+captured too, and the replay gives the hidden states the MTP drafter reads; the drafter's catch-ups and rounds
+replay graphs of their own (engine/speculative/draft_graphs.py, CapturedSteps as these are, in their memory pool).
+A request with fewer drafts (none after its prompt, fewer near its max_tokens) runs padding rows after its tokens, so
+a step that mixes them still replays. Other steps (prompt rows, prompt logprobs, more requests than the largest size)
+run eagerly. Sampling, verification and the logits processors run after the replay on its logits, as after an
 eager step. A hybrid model's (GLM-5.3-Flash) requests bring their KDA state slots in the static buffers (the padding
 requests one slot of their own, started afresh every step), and each row writes the pooled key its token would
 complete, into a pool of the padding block where it completes none; its verify steps and the steps that keep or
